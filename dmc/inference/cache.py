@@ -1,0 +1,326 @@
+"""Paged, per-head, variable-length KV cache for DMC inference (Algorithm 1 of the paper).
+
+Under DMC every (sequence, layer, KV head) keeps its own number of slots, so each of them gets its
+own row of page ids (block table) and its own length, all drawing pages from ONE pool per model:
+
+* ``k_pages``, ``v_pages``: ``[num_pages, page_size, head_dim]`` in the cache dtype;
+* ``block_tables``: ``[max_seqs, num_layers, num_kv_heads, max_pages_per_head]`` int32 page ids,
+  ``-1`` where a head has no page;
+* ``lengths``: ``[max_seqs, num_layers, num_kv_heads]`` int32 slots per head.
+
+A head of length ``n`` owns exactly ``ceil(n / page_size)`` pages; a page is taken from the free
+list only when an append crosses a page boundary and all of a sequence's pages return to it when
+the sequence is freed. Allocation runs on the host (Python) against host copies of the block
+tables and lengths, before the device write; it is all-or-nothing: :class:`CacheFullError` is
+raised before anything changes.
+
+The open (last) slot of each head carries the DMC merge state in float32 (Eq. 9), so that merging
+at inference equals the training-time accumulation:
+
+* ``open_k``, ``open_v``: ``[max_seqs, num_layers, num_kv_heads, rows, head_dim]`` pre-RoPE;
+* ``open_omega``: ``[max_seqs, num_layers, num_kv_heads, rows]``;
+* ``open_count``: ``[max_seqs, num_layers, num_kv_heads]`` int32 tokens merged into the open slot.
+
+With ``window=w`` the rows (``rows = w``) are a ring of the open slot's last ``w`` tokens (token
+``j`` of the slot in row ``j % w``) with their omegas. With ``window=None`` (exact Eq. 9) there is
+one row: the running pre-RoPE mean and its running weight ``z``.
+"""
+from __future__ import annotations
+
+import math
+import torch
+
+from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
+
+
+class CacheFullError(RuntimeError):
+    """The cache cannot hold a request (pages, per-head table width or sequence slots)."""
+
+
+def _cdiv(x: torch.Tensor, y: int) -> torch.Tensor:
+    return torch.div(x + y - 1, y, rounding_mode="floor")
+
+
+class PagedKVCache:
+    """Block pool, free list and per-(sequence, layer, KV head) block tables, lengths and DMC state.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape (``head_dim`` even, for RoPE).
+        num_pages: pages in the pool, each ``page_size`` slots of one head.
+        page_size: slots per page.
+        max_seqs: sequence slots (concurrent sequences).
+        window: DMC merge window ``w`` (12 in the paper), ``None`` for the exact running mean.
+        dtype, device: of the page pools.
+        max_seq_len: most slots one head may hold; sets ``max_pages_per_head``.
+        rope_base: RoPE base (``rope_theta``).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int = 16,
+        max_seqs: int = 64,
+        window: int | None = 12,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        *,
+        max_seq_len: int = 4096,
+        rope_base: float = 10000.0,
+    ):
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be None or >= 1, got {window}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_pages, self.page_size, self.max_seqs = num_pages, page_size, max_seqs
+        self.window, self.dtype, self.device = window, dtype, torch.device(device)
+        self.max_pages_per_head = math.ceil(max_seq_len / page_size)
+
+        pool = (num_pages, page_size, head_dim)
+        self.k_pages = torch.zeros(pool, dtype=dtype, device=self.device)
+        self.v_pages = torch.zeros(pool, dtype=dtype, device=self.device)
+        heads = (max_seqs, num_layers, num_kv_heads)
+        self._tables = torch.full(heads + (self.max_pages_per_head,), -1, dtype=torch.int32)
+        self._lengths = torch.zeros(heads, dtype=torch.int32)
+        self.block_tables = self._tables.to(self.device)  # same tensor on CPU
+        self.lengths = self._lengths.to(self.device)
+
+        rows = window or 1
+        self.open_k = torch.zeros(heads + (rows, head_dim), dtype=torch.float32, device=self.device)
+        self.open_v = torch.zeros_like(self.open_k)
+        self.open_omega = torch.zeros(heads + (rows,), dtype=torch.float32, device=self.device)
+        self.open_count = torch.zeros(heads, dtype=torch.int32, device=self.device)
+        self.inv_freq = rope_inv_freq(head_dim, rope_base, self.device)
+
+        self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is taken first
+        self._free_seqs = list(range(max_seqs - 1, -1, -1))
+        self._active = [False] * max_seqs
+
+    # ----------------------------------------------------------------- stats
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free_pages)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of keys plus its page of values."""
+        return 2 * self.page_size * self.head_dim * self.k_pages.element_size()
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.pages_in_use * self.page_bytes
+
+    def head_lengths(self, seq_slot: int) -> torch.Tensor:
+        """Slots per head of one sequence, ``[num_layers, num_kv_heads]`` (host copy)."""
+        return self._lengths[seq_slot].clone()
+
+    # ------------------------------------------------------------- sequences
+    def add_sequence(self) -> int:
+        """Claim a free sequence slot (all heads empty) and return its id."""
+        if not self._free_seqs:
+            raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
+        slot = self._free_seqs.pop()
+        self._active[slot] = True
+        return slot
+
+    def free_sequence(self, seq_slot: int) -> None:
+        """Return every page of ``seq_slot`` to the free list and release the slot."""
+        self._seq_index([seq_slot])
+        owned = self._tables[seq_slot]
+        self._free_pages.extend(owned[owned >= 0].tolist())
+        owned.fill_(-1)
+        self._lengths[seq_slot] = 0
+        self.open_count[seq_slot] = 0
+        self._publish(torch.tensor([seq_slot]), slice(None))
+        self._active[seq_slot] = False
+        self._free_seqs.append(seq_slot)
+
+    # ---------------------------------------------------------------- writes
+    def write(
+        self,
+        layer: int,
+        seq_slots,
+        positions,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        omega,
+        alpha,
+        *,
+        use_triton: bool | None = None,
+    ) -> None:
+        """DMC step of one layer: each (sequence, KV head) appends or merges a token (Algorithm 1).
+
+        ``alpha <= 0.5`` (or an empty head) appends a slot holding ``RoPE(k_t, p_t)``, ``v_t``;
+        otherwise the token merges into the head's last slot (Eq. 9, windowed or exact, see
+        :func:`~dmc.inference.kernels.dmc_write_reference`). Pages are allocated first, only
+        for appends that cross a page boundary; on :class:`CacheFullError` nothing changed.
+
+        Args:
+            layer: layer index.
+            seq_slots: ``[batch]`` distinct sequence slots (host list or tensor).
+            positions: ``[batch]`` absolute position of the token.
+            k, v: ``[batch, kv_heads, head_dim]`` pre-RoPE key and value.
+            omega: ``[batch, kv_heads]`` importance > 0.
+            alpha: ``[batch, kv_heads]`` hard decisions, 1 = merge (read on the host).
+            use_triton: kernel choice, see :func:`~dmc.inference.kernels.resolve_use_triton`.
+        """
+        seqs = self._seq_index(seq_slots)
+        lengths = self._lengths[seqs, layer].long()
+        append = (torch.as_tensor(alpha).detach().cpu() <= 0.5) | (lengths == 0)
+        new_lengths = lengths + append.long()
+        self._resize(seqs, layer, new_lengths)
+        device = self.device
+        run_dmc_write(
+            self, layer, seqs.to(device), (new_lengths - 1).to(device), append.to(device),
+            k, v, torch.as_tensor(omega, device=device), torch.as_tensor(positions, device=device),
+            use_triton=use_triton,
+        )
+
+    def append(self, layer: int, seq_slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Vanilla append of already-rotated keys: one new slot per head, no merge state kept.
+
+        Args:
+            seq_slots: ``[batch]`` distinct sequence slots.
+            k, v: ``[batch, kv_heads, head_dim]`` post-RoPE key, value.
+        """
+        seqs = self._seq_index(seq_slots)
+        slots = self._lengths[seqs, layer].long()
+        self._resize(seqs, layer, slots + 1)
+        heads = torch.arange(self.num_kv_heads).expand_as(slots)
+        self._scatter(seqs.unsqueeze(1).expand_as(slots), layer, heads, slots, k, v)
+
+    def pack_prefill(
+        self,
+        layer: int,
+        seq_slot: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        counts,
+        open_k: torch.Tensor,
+        open_v: torch.Tensor,
+        open_omega: torch.Tensor,
+        open_count,
+        *,
+        overwrite_last=None,
+    ) -> None:
+        """Write a prefilled (already compressed) chunk of one sequence and layer into pages.
+
+        Args:
+            keys, values: ``[kv_heads, n, head_dim]`` post-RoPE slots; head ``h`` uses its first
+                ``counts[h]`` rows, in order.
+            counts: ``[kv_heads]`` slots per head.
+            open_k, open_v: ``[kv_heads, rows, head_dim]`` pre-RoPE state of each head's last
+                (open) slot: with a window, its last ``min(open_count, window)`` tokens, oldest
+                first (later rows ignored); with ``window=None``, one row, the running mean.
+            open_omega: ``[kv_heads, rows]`` their omegas (``window=None``: the weight ``z``).
+            open_count: ``[kv_heads]`` tokens merged into the open slot.
+            overwrite_last: ``[kv_heads]`` bool (chunked prefill): the first given slot replaces
+                the head's current last slot, which the chunk's first token merged into.
+        """
+        seqs = self._seq_index([seq_slot])
+        length = self._lengths[seq_slot, layer].long()
+        counts = torch.as_tensor(counts).long().cpu()
+        replaced = 0 if overwrite_last is None else torch.as_tensor(overwrite_last).long().cpu()
+        start = length - replaced
+        if (start < 0).any() or (start + counts < length).any():
+            raise ValueError("pack_prefill: overwrite_last needs a last slot and counts >= 1")
+        self._resize(seqs, layer, (start + counts).unsqueeze(0))
+        heads, rows = (torch.arange(keys.shape[1]) < counts.unsqueeze(1)).nonzero(as_tuple=True)
+        picked = (heads.to(self.device), rows.to(self.device))
+        slots = start[heads] + rows
+        self._scatter(seqs.expand_as(heads), layer, heads, slots, keys[picked], values[picked])
+        self._set_open_state(seq_slot, layer, open_k, open_v, open_omega, open_count)
+
+    def attention(self, layer: int, seq_slots, q: torch.Tensor, scale: float | None = None, *,
+                  use_triton: bool | None = None, num_splits: int | None = None) -> torch.Tensor:
+        """Decode attention of ``q [batch, q_heads, head_dim]`` over the cached slots of ``layer``.
+
+        Returns ``[batch, q_heads, head_dim]``; ``scale`` defaults to ``head_dim ** -0.5``.
+        """
+        seqs = self._seq_index(seq_slots)
+        rows = seqs.to(self.device)
+        return run_paged_decode(
+            q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
+            self.lengths[rows, layer],
+            self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
+            num_splits=num_splits, max_length=int(self._lengths[seqs, layer].max()),
+        )
+
+    # --------------------------------------------------------------- helpers
+    def _seq_index(self, seq_slots) -> torch.Tensor:
+        """Validated host ``[batch]`` long tensor of distinct, active sequence slots."""
+        seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
+        slots = seqs.tolist()
+        known = all(0 <= s < self.max_seqs and self._active[s] for s in slots)
+        if len(set(slots)) != len(slots) or not known:
+            raise ValueError(f"sequence slots must be distinct and added: {slots}")
+        return seqs
+
+    def _resize(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
+        """Set the lengths of heads ``[seqs, layer, :]`` (``new_lengths [batch, kv_heads]``, never
+        shorter), taking the pages they newly need; raises before any change when it cannot."""
+        old_pages = _cdiv(self._lengths[seqs, layer].long(), self.page_size)
+        new_pages = _cdiv(new_lengths, self.page_size)
+        if (new_pages > self.max_pages_per_head).any():
+            raise CacheFullError(
+                f"a head would hold {int(new_lengths.max())} slots, more than "
+                f"{self.max_pages_per_head} pages of {self.page_size} (max_seq_len)"
+            )
+        count = new_pages - old_pages
+        needed = int(count.sum())
+        if needed > len(self._free_pages):
+            raise CacheFullError(
+                f"need {needed} pages, only {len(self._free_pages)} free of {self.num_pages}"
+            )
+        if needed:
+            b, h = count.nonzero(as_tuple=True)
+            per_head = count[b, h]
+            first_new = old_pages[b, h] - (torch.cumsum(per_head, 0) - per_head)
+            columns = first_new.repeat_interleave(per_head) + torch.arange(needed)
+            taken = self._free_pages[-needed:][::-1]
+            del self._free_pages[-needed:]
+            seq, head = seqs[b].repeat_interleave(per_head), h.repeat_interleave(per_head)
+            self._tables[seq, layer, head, columns] = torch.tensor(taken, dtype=torch.int32)
+        self._lengths[seqs, layer] = new_lengths.to(torch.int32)
+        self._publish(seqs, layer)
+
+    def _publish(self, seqs: torch.Tensor, layer) -> None:
+        """Copy the host block tables and lengths of ``[seqs, layer]`` to the device."""
+        if self.block_tables is self._tables:
+            return
+        rows = seqs.to(self.device)
+        self.block_tables[rows, layer] = self._tables[seqs, layer].to(self.device)
+        self.lengths[rows, layer] = self._lengths[seqs, layer].to(self.device)
+
+    def _scatter(self, seqs, layer, heads, slots, k, v) -> None:
+        """Store ``k``, ``v`` ``[..., head_dim]`` at ``slots`` of heads ``(seqs, layer, heads)``."""
+        pages = self._tables[seqs, layer, heads, slots // self.page_size].long().to(self.device)
+        offsets = (slots % self.page_size).to(self.device)
+        self.k_pages[pages, offsets] = k.to(self.dtype)
+        self.v_pages[pages, offsets] = v.to(self.dtype)
+
+    def _set_open_state(self, seq_slot, layer, open_k, open_v, open_omega, open_count) -> None:
+        """Place the open slot's last tokens (oldest first) at their ring rows ``j % rows``."""
+        rows = self.open_omega.shape[-1]
+        count = torch.as_tensor(open_count, device=self.device).long()
+        given = torch.clamp(count, max=rows)
+        if given.numel() and int(given.max()) > open_k.shape[1]:
+            raise ValueError(f"open state has {open_k.shape[1]} rows, needs {int(given.max())}")
+        ring = torch.arange(rows, device=self.device)
+        source = (ring - (count - given).unsqueeze(1)) % rows  # [kv_heads, rows]: given row to use
+        keep = source < given.unsqueeze(1)
+        source = source.clamp(max=open_k.shape[1] - 1)
+        index = source.unsqueeze(-1).expand(-1, -1, self.head_dim)
+        for state, given_rows in ((self.open_k, open_k), (self.open_v, open_v)):
+            gathered = given_rows.to(self.device, torch.float32).gather(1, index)
+            state[seq_slot, layer] = torch.where(keep.unsqueeze(-1), gathered, 0.0)
+        omega = open_omega.to(self.device, torch.float32).gather(1, source)
+        self.open_omega[seq_slot, layer] = torch.where(keep, omega, 0.0)
+        self.open_count[seq_slot, layer] = count.to(torch.int32)

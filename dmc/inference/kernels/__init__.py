@@ -1,0 +1,79 @@
+"""Kernels of the paged per-head KV cache and the switch between Triton and PyTorch.
+
+``run_paged_decode`` and ``run_dmc_write`` take ``use_triton``: ``None`` picks Triton for CUDA
+tensors and the PyTorch reference otherwise; ``True`` on CPU tensors needs ``TRITON_INTERPRET=1``
+(the tests). The Triton modules are imported on first use, so the interpreter setting is read
+then, not when ``dmc.inference`` is imported.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .reference import apply_rope, dmc_write_reference, paged_decode_reference, rope_inv_freq
+
+__all__ = [
+    "apply_rope",
+    "dmc_write_reference",
+    "paged_decode_reference",
+    "resolve_use_triton",
+    "rope_inv_freq",
+    "run_dmc_write",
+    "run_paged_decode",
+]
+
+
+def resolve_use_triton(device: torch.device, use_triton: bool | None = None) -> bool:
+    """Triton on CUDA, PyTorch on CPU; Triton on CPU only under ``TRITON_INTERPRET=1``."""
+    if use_triton is None:
+        return device.type == "cuda"
+    if use_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before the kernel modules "
+            "are imported; pass use_triton=False (or None) to use the PyTorch reference"
+        )
+    return use_triton
+
+
+def run_paged_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+    num_splits: int | None = None,
+    max_length: int | None = None,
+) -> torch.Tensor:
+    """Paged decode attention ``q [batch, q_heads, head_dim] -> [batch, q_heads, head_dim]``.
+
+    See :func:`paged_decode_reference` for the arguments; ``num_splits`` and ``max_length`` only
+    tune the Triton kernel.
+    """
+    if q.shape[1] % block_tables.shape[1]:
+        raise ValueError(
+            f"{q.shape[1]} query heads do not split into {block_tables.shape[1]} KV heads"
+        )
+    if resolve_use_triton(q.device, use_triton):
+        from .paged_decode import paged_decode
+
+        return paged_decode(
+            q, k_pages, v_pages, block_tables, lengths, scale,
+            num_splits=num_splits, max_length=max_length,
+        )
+    return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths, scale)
+
+
+def run_dmc_write(
+    cache, layer, seq_slots, slots, append, k, v, omega, positions, *, use_triton=None
+) -> None:
+    """DMC append/merge write (Algorithm 1, Eq. 9); arguments as :func:`dmc_write_reference`."""
+    if resolve_use_triton(cache.k_pages.device, use_triton):
+        from .dmc_write import dmc_write
+
+        dmc_write(cache, layer, seq_slots, slots, append, k, v, omega, positions)
+    else:
+        dmc_write_reference(cache, layer, seq_slots, slots, append, k, v, omega, positions)

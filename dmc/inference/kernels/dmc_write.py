@@ -1,0 +1,125 @@
+"""Triton DMC append/merge write (Algorithm 1, Eq. 9); semantics in
+:func:`dmc.inference.kernels.reference.dmc_write_reference`.
+
+One program per (sequence, KV head). Head dimensions are handled as two halves so rotate-half
+RoPE needs no register shuffle: ``out_lo = m_lo cos - m_hi sin``, ``out_hi = m_hi cos + m_lo sin``.
+Import this module only after ``TRITON_INTERPRET`` is settled (the dispatcher imports it lazily).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _window_half(buf_ptr, x_ptr, rows, cols, col_mask, ring, weights, total, append,
+                 WINDOW: tl.constexpr, DIM: tl.constexpr):
+    """Push ``x[cols]`` into row ``ring`` of ``buf [WINDOW, DIM]``; weighted mean of the rows."""
+    x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    buf = tl.load(buf_ptr + rows[:, None] * DIM + cols[None, :],
+                  mask=(rows[:, None] < WINDOW) & col_mask[None, :], other=0.0)
+    buf = tl.where(rows[:, None] == ring, x[None, :], buf)
+    tl.store(buf_ptr + ring * DIM + cols, x, mask=col_mask)
+    mean = tl.sum(weights[:, None] * buf, axis=0) / total
+    return tl.where(append, x, mean)
+
+
+@triton.jit
+def _exact_half(buf_ptr, x_ptr, cols, col_mask, z, omega, z_new, append):
+    """Running mean ``(z m + omega x) / z_new`` over ``cols``; stored back as the new ``m``."""
+    x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    old = tl.load(buf_ptr + cols, mask=col_mask, other=0.0)
+    mean = tl.where(append, x, (z * old + omega * x) / z_new)
+    tl.store(buf_ptr + cols, mean, mask=col_mask)
+    return mean
+
+
+@triton.jit
+def _dmc_write_kernel(
+    k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
+    seq_ptr, slot_ptr, append_ptr, k_ptr, v_ptr, omega_ptr, pos_ptr, inv_freq_ptr,
+    layer, num_layers, max_pages,
+    stride_kb, stride_kh, stride_vb, stride_vh,
+    HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    head = (seq * num_layers + layer) * HEADS + h  # flat (seq, layer, head) of the state tensors
+    bh = b * HEADS + h
+    append = tl.load(append_ptr + bh) != 0
+    slot = tl.load(slot_ptr + bh)
+    omega = tl.load(omega_ptr + bh).to(tl.float32)
+    count = tl.where(append, 0, tl.load(open_count + head))
+    tl.store(open_count + head, count + 1)
+
+    cols = tl.arange(0, HALF_BLOCK)
+    col_mask = cols < HALF
+    k_row = k_ptr + b * stride_kb + h * stride_kh
+    v_row = v_ptr + b * stride_vb + h * stride_vh
+    if WINDOW == 0:
+        z = tl.where(append, 0.0, tl.load(open_omega + head))
+        z_new = z + omega
+        tl.store(open_omega + head, z_new)
+        mean_k = open_k + head * DIM
+        mean_v = open_v + head * DIM
+        k_lo = _exact_half(mean_k, k_row, cols, col_mask, z, omega, z_new, append)
+        k_hi = _exact_half(mean_k, k_row, cols + HALF, col_mask, z, omega, z_new, append)
+        v_lo = _exact_half(mean_v, v_row, cols, col_mask, z, omega, z_new, append)
+        v_hi = _exact_half(mean_v, v_row, cols + HALF, col_mask, z, omega, z_new, append)
+    else:
+        rows = tl.arange(0, ROWS)
+        ring = count % WINDOW
+        old = tl.load(open_omega + head * WINDOW + rows, mask=rows < WINDOW, other=0.0)
+        weights = tl.where(rows == ring, omega, old)
+        weights = tl.where(rows < tl.minimum(count + 1, WINDOW), weights, 0.0)
+        total = tl.sum(weights, axis=0)
+        tl.store(open_omega + head * WINDOW + ring, omega)
+        buf_k = open_k + head * WINDOW * DIM
+        buf_v = open_v + head * WINDOW * DIM
+        k_lo = _window_half(buf_k, k_row, rows, cols, col_mask, ring, weights, total, append,
+                            WINDOW, DIM)
+        k_hi = _window_half(buf_k, k_row, rows, cols + HALF, col_mask, ring, weights, total, append,
+                            WINDOW, DIM)
+        v_lo = _window_half(buf_v, v_row, rows, cols, col_mask, ring, weights, total, append,
+                            WINDOW, DIM)
+        v_hi = _window_half(buf_v, v_row, rows, cols + HALF, col_mask, ring, weights, total, append,
+                            WINDOW, DIM)
+
+    position = tl.load(pos_ptr + b).to(tl.float32)
+    angle = position * tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    page = tl.load(tables + head * max_pages + slot // PAGE_SIZE).to(tl.int64)
+    dst = (page * PAGE_SIZE + slot % PAGE_SIZE) * DIM
+    out_ty = k_pages.dtype.element_ty
+    tl.store(k_pages + dst + cols, (k_lo * cos - k_hi * sin).to(out_ty), mask=col_mask)
+    tl.store(k_pages + dst + HALF + cols, (k_hi * cos + k_lo * sin).to(out_ty), mask=col_mask)
+    tl.store(v_pages + dst + cols, v_lo.to(out_ty), mask=col_mask)
+    tl.store(v_pages + dst + HALF + cols, v_hi.to(out_ty), mask=col_mask)
+
+
+def dmc_write(cache, layer, seq_slots, slots, append, k, v, omega, positions) -> None:
+    """Triton :func:`~dmc.inference.kernels.reference.dmc_write_reference` (same arguments).
+
+    Pages, block tables and open-slot state of ``cache`` must be contiguous (as the cache builds
+    them); ``k``, ``v`` ``[batch, kv_heads, head_dim]`` need a unit stride on the last dimension.
+    """
+    batch, heads = append.shape
+    head_dim = cache.head_dim
+    half = head_dim // 2
+    window = cache.window or 0
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _dmc_write_kernel[(batch, heads)](
+        cache.k_pages, cache.v_pages, cache.block_tables,
+        cache.open_k, cache.open_v, cache.open_omega, cache.open_count,
+        seq_slots, slots.to(torch.int32).contiguous(), append.to(torch.int32).contiguous(),
+        k, v, omega.contiguous(), positions, cache.inv_freq,
+        layer, cache.num_layers, cache.max_pages_per_head,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
+        PAGE_SIZE=cache.page_size, WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
+    )

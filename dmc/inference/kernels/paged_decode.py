@@ -1,0 +1,179 @@
+"""Triton paged decode attention with GQA and split-K; semantics in
+:func:`dmc.inference.kernels.reference.paged_decode_reference`.
+
+One program per (sequence, KV head, split) serves the ``G = q_heads / kv_heads`` query heads of
+the group, so each cached K/V page is read once per group. Each split runs an online softmax
+(base 2) over its chunk of slots; with several splits a second kernel combines the partial
+maxima, sums and outputs. Everything is accumulated in float32. Import this module only after
+``TRITON_INTERPRET`` is settled (the dispatcher imports it lazily).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_EMPTY = tl.constexpr(-1.0e30)  # running max before any slot: exp2(_EMPTY - m) == 0 for finite m
+_TARGET_PROGRAMS = 256  # about two waves on an H100 (132 SMs)
+_MIN_BLOCKS_PER_SPLIT = 4
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_pages, v_pages, tables, lengths, out_ptr, part_max, part_sum,
+    scale_log2, blocks_per_split, num_splits,
+    stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt,
+    stride_tb, stride_th, stride_lb, stride_lh, stride_ob, stride_oh,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+    DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // KV_HEADS
+    kh = pid % KV_HEADS
+    length = tl.load(lengths + b * stride_lb + kh * stride_lh)
+    lo = split * blocks_per_split * BLOCK_N
+    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, length)
+
+    g = tl.arange(0, GROUP_BLOCK)
+    d = tl.arange(0, DIM_BLOCK)
+    g_mask = g < GROUP
+    d_mask = d < DIM
+    q_heads = kh * GROUP + g
+    q = tl.load(q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale_log2
+    row_max = tl.full([GROUP_BLOCK], _EMPTY, tl.float32)
+    row_sum = tl.zeros([GROUP_BLOCK], tl.float32)
+    acc = tl.zeros([GROUP_BLOCK, DIM_BLOCK], tl.float32)
+    table = tables + b * stride_tb + kh * stride_th
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        page = tl.load(table + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_rows = k_pages + page[:, None] * stride_kp + offset[:, None] * stride_kt
+        v_rows = v_pages + page[:, None] * stride_vp + offset[:, None] * stride_vt
+        keys = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        values = tl.load(v_rows + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)  # [GROUP_BLOCK, BLOCK_N]
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * values[None, :, :], axis=1)
+        row_max = new_max
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if PARTIAL:
+        # max, sum: [batch, q_heads, splits]; unnormalised out: [batch, q_heads, splits, DIM]
+        row = (b * KV_HEADS * GROUP + q_heads) * num_splits + split
+        tl.store(part_max + row, row_max, mask=g_mask)
+        tl.store(part_sum + row, row_sum, mask=g_mask)
+        tl.store(out_ptr + row[:, None] * DIM + d[None, :], acc, mask=out_mask)
+    else:
+        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + q_heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out, part_max, part_sum, out_ptr, num_splits, stride_ob, stride_oh,
+    Q_HEADS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)  # flat (batch, q_head)
+    s = tl.arange(0, SPLIT_BLOCK)
+    d = tl.arange(0, DIM_BLOCK)
+    s_mask = s < num_splits
+    d_mask = d < DIM
+    maxima = tl.load(part_max + pid * num_splits + s, mask=s_mask, other=_EMPTY)
+    sums = tl.load(part_sum + pid * num_splits + s, mask=s_mask, other=0.0)
+    outs = tl.load(part_out + (pid * num_splits + s)[:, None] * DIM + d[None, :],
+                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    weights = tl.exp2(maxima - tl.max(maxima, axis=0))
+    total = tl.sum(weights * sums, axis=0)
+    out = tl.sum(weights[:, None] * outs, axis=0) / tl.where(total > 0, total, 1.0)
+    b = pid // Q_HEADS
+    h = pid % Q_HEADS
+    out_row = out_ptr + b * stride_ob + h * stride_oh
+    tl.store(out_row + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def default_num_splits(batch_kv_heads: int, max_length: int, block_n: int) -> int:
+    """Split a head's slots only when the (sequence, KV head) programs alone leave the GPU idle."""
+    blocks = math.ceil(max_length / block_n)
+    wanted = math.ceil(_TARGET_PROGRAMS / max(batch_kv_heads, 1))
+    return max(1, min(blocks // _MIN_BLOCKS_PER_SPLIT, wanted, _MAX_SPLITS))
+
+
+def _block_n(group_block: int) -> int:
+    """Slots per loop step. With 8 warps and head_dim 128, ptxas (sm_90) reports no register
+    spills for groups of up to 8 query heads; larger blocks spill."""
+    return max(16, 64 // group_block)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    max_length: int | None = None,
+) -> torch.Tensor:
+    """Triton paged decode; arguments and result as
+    :func:`~dmc.inference.kernels.reference.paged_decode_reference`. The page pools need a
+    unit stride on ``head_dim`` and the block tables on their page column.
+
+    Args:
+        num_splits: programs per (sequence, KV head) over chunks of its slots (split-K);
+            ``None`` picks :func:`default_num_splits`.
+        max_length: an upper bound on ``lengths`` known to the caller (saves a device sync);
+            sets the chunk of slots per split. ``None`` reads ``lengths.max()``.
+    """
+    batch, q_heads, head_dim = q.shape
+    kv_heads = block_tables.shape[1]
+    group = q_heads // kv_heads
+    group_block = triton.next_power_of_2(group)
+    block_n = _block_n(group_block)
+    if max_length is None:
+        max_length = int(lengths.max()) if lengths.numel() else 0
+    if num_splits is None:
+        num_splits = default_num_splits(batch * kv_heads, max_length, block_n)
+    blocks_per_split = max(1, math.ceil(math.ceil(max_length / block_n) / num_splits))
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    partial = num_splits > 1
+    if partial:
+        part_max = q.new_empty(batch, q_heads, num_splits, dtype=torch.float32)
+        part_out = q.new_empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out, part_max, part_sum = out, None, None
+    dim_block = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch * kv_heads, num_splits)](
+        q, k_pages, v_pages, block_tables, lengths, part_out, part_max, part_sum,
+        scale * _LOG2E, blocks_per_split, num_splits,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
+        v_pages.stride(0), v_pages.stride(1), block_tables.stride(0), block_tables.stride(1),
+        lengths.stride(0), lengths.stride(1), out.stride(0), out.stride(1),
+        KV_HEADS=kv_heads, GROUP=group, GROUP_BLOCK=group_block, DIM=head_dim, DIM_BLOCK=dim_block,
+        PAGE_SIZE=k_pages.shape[1], BLOCK_N=block_n, PARTIAL=partial, num_warps=8,
+    )
+    if partial:
+        _decode_reduce_kernel[(batch * q_heads,)](
+            part_out, part_max, part_sum, out, num_splits, out.stride(0), out.stride(1),
+            Q_HEADS=q_heads, DIM=head_dim, DIM_BLOCK=dim_block,
+            SPLIT_BLOCK=triton.next_power_of_2(num_splits),
+        )
+    return out

@@ -1,0 +1,154 @@
+"""PyTorch kernels for the paged per-head KV cache: the CPU path and the oracle for the Triton ones.
+
+Layout shared with :mod:`dmc.inference.kernels.paged_decode` and
+:mod:`dmc.inference.kernels.dmc_write`:
+
+* ``k_pages``, ``v_pages``: ``[num_pages, page_size, head_dim]``, one pool for the whole model;
+* ``block_tables``: ``[batch, kv_heads, max_pages]`` int32 page ids (``-1`` = no page);
+* ``lengths``: ``[batch, kv_heads]`` int32 number of cached slots per head (DMC heads differ).
+
+Slot ``n`` of a head lives at ``k_pages[block_tables[b, h, n // page_size], n % page_size]``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
+    """``base ** (-arange(0, d, 2) / d)`` as float32 ``[head_dim // 2]`` (HF / megatron-core)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (base**exponent)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin`` with angles ``position * inv_freq``.
+
+    Args:
+        x: ``[..., head_dim]`` float32.
+        positions: ``[...]`` integer positions, broadcastable against ``x[..., 0]``.
+        inv_freq: ``[head_dim // 2]`` float32.
+    """
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One-query attention over each head's paged slots, with GQA.
+
+    Args:
+        q: ``[batch, q_heads, head_dim]``; query head ``i`` reads KV head ``i // G`` with
+            ``G = q_heads // kv_heads`` (GQA).
+        k_pages, v_pages: ``[num_pages, page_size, head_dim]``.
+        block_tables: ``[batch, kv_heads, max_pages]`` int page ids.
+        lengths: ``[batch, kv_heads]`` slots per head; a head with no slot yields zeros.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[batch, q_heads, head_dim]`` in the dtype of ``q``; computed in float32.
+    """
+    batch, q_heads, head_dim = q.shape
+    kv_heads = block_tables.shape[1]
+    page_size = k_pages.shape[1]
+    lengths = lengths.long()
+    max_len = int(lengths.max()) if lengths.numel() else 0
+    slot = torch.arange(max_len, device=q.device)
+    valid = slot < lengths.unsqueeze(-1)  # [batch, kv_heads, max_len]
+    pages = block_tables.long().gather(-1, (slot // page_size).expand(batch, kv_heads, -1))
+    pages = torch.where(valid, pages, 0)
+    offsets = (slot % page_size).expand_as(pages)
+    hidden = ~valid.unsqueeze(-1)  # slots past a head's length may hold anything
+    # [batch, kv_heads, max_len, head_dim]
+    keys = k_pages[pages, offsets].float().masked_fill(hidden, 0.0)
+    values = v_pages[pages, offsets].float().masked_fill(hidden, 0.0)
+    qg = q.float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    scores = torch.einsum("bhgd,bhnd->bhgn", qg, keys) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty heads: all -inf -> 0
+    out = torch.einsum("bhgn,bhnd->bhgd", probs, values)
+    return out.reshape(batch, q_heads, head_dim).to(q.dtype)
+
+
+def dmc_write_reference(cache, layer, seq_slots, slots, append, k, v, omega, positions) -> None:
+    """DMC append/merge of one token per (sequence, KV head) into ``cache`` (Algorithm 1, Eq. 9).
+
+    Pages must already be allocated: the cache decides ``append`` and ``slots`` on the host.
+    For each (b, h) with pre-RoPE key ``k_t``, value ``v_t``, importance ``omega_t``:
+
+    * append: the open slot restarts with this token alone, stored key ``RoPE(k_t, p_t)``;
+    * merge (window ``w``): push the token into the open slot's ring of its last ``w`` tokens,
+      mean ``sum(omega_m k_m) / sum(omega_m)`` over the ring (same for v);
+    * merge (exact, ``window=None``): ``z' = z + omega_t``, mean ``(z k + omega_t k_t) / z'``;
+
+    then the slot is overwritten with ``RoPE(mean_k, p_t)`` and ``mean_v``, rotated at the newest
+    token's position.
+
+    Args:
+        cache: a :class:`~dmc.inference.cache.PagedKVCache` (pages, block tables, open-slot state).
+        layer: layer index.
+        seq_slots: ``[batch]`` cache sequence slots, distinct.
+        slots: ``[batch, kv_heads]`` slot index written per head (the last one when merging).
+        append: ``[batch, kv_heads]`` bool, True to open a new slot.
+        k, v: ``[batch, kv_heads, head_dim]`` pre-RoPE key and value of the new token.
+        omega: ``[batch, kv_heads]`` importance > 0.
+        positions: ``[batch]`` absolute position of the new token.
+    """
+    batch, heads = append.shape
+    seq = seq_slots.long().unsqueeze(1).expand(batch, heads)
+    head = torch.arange(heads, device=seq.device).expand(batch, heads)
+    state = (seq, layer, head)
+    append = append.bool()
+    k, v, omega = k.float(), v.float(), omega.float()
+    count = torch.where(append, 0, cache.open_count[state])
+    if cache.window is None:
+        mean_k, mean_v = _merge_exact(cache, state, append, k, v, omega)
+    else:
+        mean_k, mean_v = _merge_window(cache, state, count, k, v, omega)
+    cache.open_count[state] = count + 1
+    mean_k = torch.where(append.unsqueeze(-1), k, mean_k)
+    mean_v = torch.where(append.unsqueeze(-1), v, mean_v)
+    rotated = apply_rope(mean_k, positions.unsqueeze(1), cache.inv_freq)
+    slots = slots.long()
+    pages = cache.block_tables[seq, layer, head, slots // cache.page_size].long()
+    offsets = slots % cache.page_size
+    cache.k_pages[pages, offsets] = rotated.to(cache.dtype)
+    cache.v_pages[pages, offsets] = mean_v.to(cache.dtype)
+
+
+def _merge_exact(cache, state, append, k, v, omega):
+    """Eq. 9 running mean; entry 0 of the open-slot state holds ``(mean_k, mean_v, z)``."""
+    z = torch.where(append, 0.0, cache.open_omega[state][..., 0])
+    z_new = z + omega
+    means = []
+    for buffer, x in ((cache.open_k, k), (cache.open_v, v)):
+        old = buffer[state][..., 0, :]
+        mean = (z.unsqueeze(-1) * old + omega.unsqueeze(-1) * x) / z_new.unsqueeze(-1)
+        buffer[state + (0,)] = mean
+        means.append(mean)
+    cache.open_omega[state + (0,)] = z_new
+    return means
+
+
+def _merge_window(cache, state, count, k, v, omega):
+    """Window-grouped Eq. 9: a ring of the open slot's last ``w`` tokens, token j in row j % w."""
+    window = cache.window
+    ring = count % window
+    rows = torch.arange(window, device=count.device)
+    cache.open_omega[state + (ring,)] = omega
+    cache.open_k[state + (ring,)] = k
+    cache.open_v[state + (ring,)] = v
+    valid = rows < torch.clamp(count + 1, max=window).unsqueeze(-1)
+    weights = torch.where(valid, cache.open_omega[state], 0.0)  # [batch, heads, window]
+    total = weights.sum(-1, keepdim=True)
+    mean_k = torch.einsum("bhw,bhwd->bhd", weights, cache.open_k[state]) / total
+    mean_v = torch.einsum("bhw,bhwd->bhd", weights, cache.open_v[state]) / total
+    return mean_k, mean_v

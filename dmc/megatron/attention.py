@@ -1,0 +1,239 @@
+"""``DMCSelfAttention``: megatron-core self-attention with Dynamic Memory Compression.
+
+Modes (set on the shared :class:`~dmc.megatron.runtime.DMCRuntime`):
+- ``vanilla``: megatron's attention, untouched;
+- ``zero_out``: as vanilla, with q[..., -1] and k[..., -1] scaled by ``zero_out_scale``
+  (= 1 - t / n_t); :func:`zero_decision_rows_` then zeroes those rows of ``linear_qkv``;
+- ``train``: alpha = GumbelSigmoid(k[..., -1] - c, tau) (Eq. 8), omega = sigmoid(q[..., -1] + c),
+  decision channels zeroed before and after RoPE, window-grouped partial accumulation of pre-RoPE
+  keys and values (Eq. 9), RoPE, attention with the additive log(1 - alpha) mask (App. H) and the
+  CR loss (Eq. 10) attached through megatron's aux-loss path;
+- ``eval``: hard decisions alpha = [k[..., -1] - c > 0] and a -inf/0 mask: exactly what
+  inference with a compressed cache computes (Algorithm 1).
+
+Megatron tensors are ``[seq, batch, heads, dim]``; the ops take ``[batch, heads, seq, dim]``.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from dmc.megatron.runtime import DMCRuntime
+from dmc.ops import (
+    compression_loss_from_sums,
+    dmc_attention,
+    logistic_noise,
+    partial_accumulate,
+    split_decision_channels,
+    zero_decision_channel,
+)
+from dmc.ops.decisions import DECISION_CHANNEL
+from dmc.ops.mask import log_keep_next, log_keep_next_from_logits
+
+
+class DMCSelfAttention(SelfAttention):
+    """Self-attention whose KV heads learn to append or merge (a ``SelfAttention`` subclass,
+    built through :func:`dmc.megatron.layer_spec.dmc_layer_spec`)."""
+
+    def __init__(self, config, submodules, layer_number, dmc: DMCRuntime,
+                 attn_mask_type=AttnMaskType.causal, cp_comm_type=None, pg_collection=None):
+        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if config.num_query_groups < self.world_size:
+            raise ValueError(
+                f"DMC needs whole query groups on each tensor-parallel rank: num_query_groups="
+                f"{config.num_query_groups} < tensor_model_parallel_size={self.world_size}"
+            )
+        if config.attention_dropout:
+            raise ValueError(
+                f"DMC attention supports attention_dropout=0 only, got {config.attention_dropout}"
+            )
+        self.dmc = dmc
+        dmc.layers.append(self)
+        dmc.layers.sort(key=lambda layer: layer.layer_number)
+        self.softmax_scale = config.softmax_scale or self.hidden_size_per_attention_head ** -0.5
+        heads = self.num_query_groups_per_partition
+        self.register_buffer("cr_kept", torch.zeros(heads, dtype=torch.float64), persistent=False)
+        self.register_buffer("cr_count", torch.zeros((), dtype=torch.float64), persistent=False)
+
+    # ------------------------------------------------------------------ q, k, v
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    output_gate=False, split_qkv=True):
+        """Megatron's split; in ``zero_out`` mode the decision channels are scaled by
+        ``zero_out_scale``."""
+        qkv = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv
+        )
+        if self.dmc.mode != "zero_out":
+            return qkv
+        if not split_qkv or output_gate:
+            raise ValueError("DMC zero_out mode needs split q/k/v without an output gate")
+        query, key, value = qkv
+        scale = torch.ones(query.shape[-1], dtype=query.dtype, device=query.device)
+        scale[DECISION_CHANNEL] = self.dmc.zero_out_scale
+        return query * scale, key * scale, value
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states, attention_mask, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """``hidden_states [seq, batch, hidden] -> (output [seq, batch, hidden], bias)``."""
+        if self.dmc.mode in ("vanilla", "zero_out"):
+            return super().forward(
+                hidden_states, attention_mask, key_value_states=key_value_states,
+                inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                inference_params=inference_params,
+            )
+        if inference_context is not None or inference_params is not None:
+            raise ValueError(
+                "DMCSelfAttention does not use megatron's inference context in train/eval mode; "
+                "serve DMC models with dmc.inference.Engine"
+            )
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("DMC attention supports neither packed sequences nor attention_bias")
+
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        to_bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731  [s, b, h, d] -> [b, h, s, d]
+        to_sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
+        channels = split_decision_channels(to_bhsd(query), to_bhsd(key), self.dmc.config.c)
+        alpha, log_keep = self._decisions(channels.alpha_logit)
+        key_acc, value_acc = partial_accumulate(
+            channels.key, to_bhsd(value), alpha, channels.omega, self.dmc.config.window
+        )
+        query, key_acc = self._rotate(to_sbhd(channels.query), to_sbhd(key_acc), rotary_pos_emb)
+        context = dmc_attention(
+            to_bhsd(zero_decision_channel(query)),
+            to_bhsd(zero_decision_channel(key_acc)),
+            value_acc,
+            log_keep,
+            scale=self.softmax_scale,
+            backend=self.dmc.config.attention_backend,
+        )
+        seq, batch = hidden_states.shape[:2]
+        context = context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        output, bias = self.linear_proj(context)
+        kept = self._record_kept(alpha)
+        if self.dmc.mode == "train" and torch.is_grad_enabled():
+            output = self._attach_cr_loss(output, kept, alpha)
+        return output, bias
+
+    def _decisions(self, alpha_logit):
+        """``alpha_logit [batch, kv_heads, seq] -> (alpha, log(1 - alpha_{j+1}))``."""
+        cfg = self.dmc.config
+        if self.dmc.mode == "eval":
+            alpha = (alpha_logit > 0).to(alpha_logit.dtype)
+            alpha[..., 0] = 0
+            return alpha, log_keep_next(alpha)
+        noise = self._noise(alpha_logit)
+        scaled = (alpha_logit.float() + noise) / cfg.tau
+        soft = torch.sigmoid(scaled)
+        log_keep = log_keep_next_from_logits(scaled)
+        if cfg.hard:
+            hard = (soft > 0.5).float()
+            soft = hard - soft.detach() + soft
+            log_keep = log_keep_next(hard) + (log_keep - log_keep.detach())
+        alpha = soft.to(alpha_logit.dtype)
+        first = torch.ones_like(alpha)
+        first[..., 0] = 0
+        return alpha * first, log_keep
+
+    def _noise(self, alpha_logit):
+        """Logistic noise for this rank's KV heads, drawn for all heads of the layer from a
+        generator keyed by (seed, layer, step, micro-batch) so TP layouts see the same noise."""
+        batch, local_heads, seq = alpha_logit.shape
+        total_heads = local_heads * self.world_size
+        gen = self.dmc.noise_generator(self.layer_number, alpha_logit.device)
+        noise = logistic_noise((batch, total_heads, seq), generator=gen, device=alpha_logit.device)
+        first = parallel_state.get_tensor_model_parallel_rank() * local_heads
+        return noise[:, first:first + local_heads]
+
+    def _rotate(self, query, key, rotary_pos_emb):
+        """RoPE at each token's own position on ``[seq, batch, heads, dim]`` tensors."""
+        if rotary_pos_emb is None:
+            return query, key
+        if not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        q_freqs, k_freqs = rotary_pos_emb
+        cp_group = self.pg_collection.cp
+        query = apply_rotary_pos_emb(query, q_freqs, config=self.config, cp_group=cp_group)
+        key = apply_rotary_pos_emb(key, k_freqs, config=self.config, cp_group=cp_group)
+        return query, key
+
+    # ------------------------------------------------------------------ CR bookkeeping
+    def _record_kept(self, alpha):
+        """Adds this forward's kept slots ``sum(1 - alpha)`` per local KV head to the CR stats
+        and returns the differentiable total."""
+        kept_per_head = (1 - alpha.float()).sum(dim=(0, 2))
+        self.cr_kept += kept_per_head.detach().double()
+        self.cr_count += alpha.shape[0] * alpha.shape[2]
+        return kept_per_head.sum()
+
+    def _attach_cr_loss(self, output, kept, alpha):
+        """Eq. 10 over every layer of this pipeline stage and every TP rank: the first DMC
+        layer of the stage starts the sum, the last one applies the hinge and attaches the loss
+        to its output with ``MoEAuxLossAutoScaler`` (so it backpropagates under pipelining)."""
+        layers = self.dmc.layers
+        if self is layers[0]:
+            self.dmc.stage_kept.clear()
+        self.dmc.stage_kept.append(kept)
+        if self is not layers[-1]:
+            return output
+        stage_kept = torch.stack(self.dmc.stage_kept).sum()
+        self.dmc.stage_kept.clear()
+        if self.world_size > 1:
+            stage_kept = reduce_from_tensor_model_parallel_region(stage_kept, group=self.tp_group)
+        decisions_per_layer = alpha.shape[0] * alpha.shape[2] * self.config.num_query_groups
+        stage_count = decisions_per_layer * len(layers)
+        model_count = decisions_per_layer * self.config.num_layers
+        loss = compression_loss_from_sums(stage_kept, stage_count, self.dmc.target_cr)
+        loss = loss * (stage_count / model_count)
+        self.dmc.cr_losses.append(loss.detach())
+        return MoEAuxLossAutoScaler.apply(output, loss)
+
+    def reset_cr_stats(self) -> None:
+        self.cr_kept.zero_()
+        self.cr_count.zero_()
+
+    def measured_cr(self) -> torch.Tensor:
+        """``[local_kv_heads]`` measured compression ratio n / (kept slots) since the last reset."""
+        return self.cr_count / self.cr_kept.clamp_min(1e-12)
+
+
+def zero_decision_rows_(model: torch.nn.Module) -> int:
+    """Zeroes the rows of ``linear_qkv`` that produce q[..., -1] (every query head) and
+    k[..., -1] (every KV head) in all DMC layers: the end of the zero-out phase.
+
+    The fused weight is grouped per query group as ``[q_1 .. q_G, k, v]`` (``dim`` rows each).
+    Returns the number of layers changed.
+    """
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, DMCSelfAttention):
+            continue
+        dim = module.hidden_size_per_attention_head
+        groups = module.num_query_groups_per_partition
+        per_group = module.num_attention_heads_per_partition // groups
+        rows = []
+        for g in range(groups):
+            base = g * (per_group + 2) * dim
+            rows += [base + i * dim + dim - 1 for i in range(per_group + 1)]
+        with torch.no_grad():
+            module.linear_qkv.weight[rows] = 0
+            bias = getattr(module.linear_qkv, "bias", None)
+            if isinstance(bias, torch.Tensor) and bias.numel():
+                bias[rows] = 0
+        changed += 1
+    return changed
+
+
+def dmc_layers(model: torch.nn.Module) -> list[DMCSelfAttention]:
+    return [m for m in model.modules() if isinstance(m, DMCSelfAttention)]

@@ -1,0 +1,125 @@
+"""What megatron-core 0.16 needs to run on a machine without CUDA (gloo, fp32).
+
+Applied only when CUDA is absent (:func:`apply_cpu_compat` is a no-op otherwise):
+- ``torch.cuda.current_device()`` yields the CPU device (RoPE moves ``inv_freq`` there);
+- ``torch.cuda.synchronize()`` is a no-op (the checkpoint writer calls it);
+- a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` literals found in
+  megatron's default causal mask, pipeline schedules and optimizers to the CPU;
+- :class:`CPURNGStatesTracker` replaces megatron's CUDA RNG tracker
+  (``model_parallel_cuda_manual_seed`` calls ``torch.cuda.get_rng_state``).
+The transformer config must also turn the CUDA-only fusions off: :data:`CPU_CONFIG_OVERRIDES`.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+CPU_CONFIG_OVERRIDES = {
+    "use_cpu_initialization": True,
+    "masked_softmax_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "persist_layer_norm": False,
+}
+
+_STATE = {"applied": False, "mode": None}
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites every ``device=cuda...`` keyword argument of a torch call to ``cpu``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+class CPURNGStatesTracker:
+    """Named CPU generator states with megatron's tracker interface (add, fork, get/set)."""
+
+    def __init__(self, **_):
+        self.reset()
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise ValueError(f"CPURNGStatesTracker: seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"CPURNGStatesTracker: rng state {name!r} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"CPURNGStatesTracker: rng state {name!r} was never added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def apply_cpu_compat() -> None:
+    """Patches torch/megatron for CPU use; idempotent; does nothing when CUDA is available."""
+    if cuda_available() or _STATE["applied"]:
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    mode = CudaToCpuMode()
+    mode.__enter__()
+    _STATE.update(applied=True, mode=mode)
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """``model_parallel_cuda_manual_seed`` on GPU; on CPU the same three named states
+    (data-parallel, tensor-model-parallel = seed + 2718 + tp_rank, expert) in a CPU tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(seed)
+    if cuda_available():
+        mrandom.model_parallel_cuda_manual_seed(seed)
+        return
+    tracker = CPURNGStatesTracker()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -1,0 +1,46 @@
+"""Layer specs: vanilla (MHA or GQA, the GQA baseline included) and DMC.
+
+``backend="local"`` uses megatron-core's own modules (CPU and GPU); ``backend="te"`` uses
+Transformer Engine's (GPU, optional extra). The DMC spec only swaps the self-attention module
+for :class:`~dmc.megatron.attention.DMCSelfAttention` and hands it the shared runtime.
+"""
+from __future__ import annotations
+
+import copy
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from dmc.megatron.attention import DMCSelfAttention
+from dmc.megatron.runtime import DMCRuntime
+
+BACKENDS = ("local", "te")
+
+
+def vanilla_layer_spec(backend: str = "local") -> ModuleSpec:
+    """Llama-style layer (RMSNorm, SwiGLU MLP, RoPE attention); MHA or GQA follows
+    ``num_query_groups`` of the transformer config."""
+    if backend == "local":
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+    if backend == "te":
+        return get_gpt_layer_with_transformer_engine_spec()
+    raise ValueError(f"layer spec backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def gqa_layer_spec(backend: str = "local") -> ModuleSpec:
+    """The up-trained GQA baseline is a vanilla model with fewer query groups."""
+    return vanilla_layer_spec(backend)
+
+
+def dmc_layer_spec(runtime: DMCRuntime, backend: str = "local") -> ModuleSpec:
+    """The vanilla spec with :class:`DMCSelfAttention`; every layer built from it shares
+    ``runtime`` (one runtime per model)."""
+    spec = copy.deepcopy(vanilla_layer_spec(backend))
+    attention = spec.submodules.self_attention
+    attention.module = DMCSelfAttention
+    attention.params = {"attn_mask_type": AttnMaskType.causal, "dmc": runtime}
+    return spec

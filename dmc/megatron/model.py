@@ -1,0 +1,82 @@
+"""Building Llama-family GPT models on megatron-core (vanilla, GQA or DMC)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from dmc.megatron.compat import CPU_CONFIG_OVERRIDES, cuda_available
+from dmc.megatron.layer_spec import dmc_layer_spec, vanilla_layer_spec
+from dmc.megatron.runtime import DMCRuntime
+
+
+def llama_transformer_config(
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    ffn_hidden_size: int,
+    num_query_groups: int | None = None,
+    norm_epsilon: float = 1e-5,
+    params_dtype: torch.dtype = torch.float32,
+    init_method_std: float = 0.02,
+    **overrides,
+) -> TransformerConfig:
+    """A Llama-style :class:`TransformerConfig` (RMSNorm, SwiGLU, no biases, no dropout).
+
+    Tensor/pipeline sizes come from megatron's initialised parallel state. Without CUDA the
+    CUDA-only fusions are turned off and weights are initialised on the CPU.
+    """
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups or num_attention_heads,
+        ffn_hidden_size=ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=init_method_std,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=params_dtype,
+    )
+    if not cuda_available():
+        kwargs.update(CPU_CONFIG_OVERRIDES)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    vocab_size: int,
+    max_seq_length: int,
+    dmc: DMCRuntime | None = None,
+    rotary_base: float = 10000.0,
+    share_embeddings: bool = False,
+    backend: str = "local",
+) -> GPTModel:
+    """A GPTModel for this pipeline stage; DMC attention when ``dmc`` is given."""
+    spec = dmc_layer_spec(dmc, backend) if dmc is not None else vanilla_layer_spec(backend)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=share_embeddings,
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+    )
+    if cuda_available():
+        model = model.cuda()
+    return model

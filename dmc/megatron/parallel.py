@@ -1,0 +1,68 @@
+"""torch.distributed + megatron model-parallel set-up that works with and without CUDA."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from dmc.megatron.compat import apply_cpu_compat, cuda_available, model_parallel_manual_seed
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group() -> None:
+    """Initialises torch.distributed from the torchrun/SLURM-style environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or, when absent, as a single local process.
+    nccl on CUDA, gloo otherwise."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if cuda_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if cuda_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+        return
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+    )
+
+
+def initialize_parallel(
+    tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234
+) -> None:
+    """CPU compat (when CUDA is absent), process group, megatron's model-parallel groups and
+    its tracked RNG states. Data parallelism is what remains of the world size."""
+    apply_cpu_compat()
+    init_process_group()
+    world = dist.get_world_size()
+    if world % (tensor_parallel * pipeline_parallel):
+        raise ValueError(
+            f"parallel: world size {world} is not divisible by tensor_parallel * "
+            f"pipeline_parallel = {tensor_parallel} * {pipeline_parallel}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+    )
+    model_parallel_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tears down megatron's groups and the process group (tests run several set-ups)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

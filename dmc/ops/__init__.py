@@ -1,0 +1,31 @@
+"""Device-agnostic DMC math (no megatron import). Shapes are ``[batch, heads, seq, dim]``."""
+from dmc.ops.accumulate import partial_accumulate
+from dmc.ops.attention import dmc_attention
+from dmc.ops.decisions import (
+    DecisionChannels,
+    gumbel_sigmoid,
+    log_one_minus_gumbel_sigmoid,
+    logistic_noise,
+    split_decision_channels,
+    zero_decision_channel,
+)
+from dmc.ops.loss import CRSchedule, compression_loss, compression_loss_from_sums
+from dmc.ops.mask import bias_from_log_keep, dmc_attention_bias, log_keep_next, log_keep_next_from_logits
+
+__all__ = [
+    "CRSchedule",
+    "DecisionChannels",
+    "bias_from_log_keep",
+    "compression_loss",
+    "dmc_attention",
+    "compression_loss_from_sums",
+    "dmc_attention_bias",
+    "gumbel_sigmoid",
+    "log_keep_next",
+    "log_keep_next_from_logits",
+    "log_one_minus_gumbel_sigmoid",
+    "logistic_noise",
+    "partial_accumulate",
+    "split_decision_channels",
+    "zero_decision_channel",
+]

@@ -1,0 +1,113 @@
+"""Partial accumulation of keys and values (Eq. 9 of the DMC paper).
+
+For one head, token i with key k_i, value v_i, merge decision alpha_i and importance w_i:
+
+    z_0 = w_0,  z_i = alpha_i z_{i-1} + w_i
+    k~_i = (alpha_i z_{i-1} k~_{i-1} + w_i k_i) / z_i        (same for v)
+
+Unrolled, k~_i = sum_m c_{i,m} k_m / sum_m c_{i,m} with c_{i,m} = w_m prod_{l=m+1..i} alpha_l.
+The exact form sums over every m <= i (a sequential scan); the window-grouped form keeps the last
+``window`` terms m in (i - window, i], which is parallel over i (Sec. 3.3, window 12).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _check_shapes(k, v, alpha, omega):
+    if k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"partial_accumulate: k and v must both be [batch, heads, seq, dim], got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if alpha.shape != k.shape[:3] or omega.shape != k.shape[:3]:
+        raise ValueError(
+            f"partial_accumulate: alpha and omega must be [batch, heads, seq] = "
+            f"{tuple(k.shape[:3])}, got {tuple(alpha.shape)} and {tuple(omega.shape)}"
+        )
+
+
+def partial_accumulate(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    omega: torch.Tensor,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted running means of keys and values inside merge segments (Eq. 9).
+
+    Args:
+        k, v: ``[batch, heads, seq, dim]`` (pre-RoPE keys).
+        alpha: ``[batch, heads, seq]`` merge probabilities in [0, 1]; ``alpha[..., 0]`` is
+            ignored (the first token always opens a slot).
+        omega: ``[batch, heads, seq]`` importance weights > 0.
+        window: ``None`` for the exact scan; ``w >= 1`` keeps the last ``w`` terms (the current
+            token included).
+
+    Returns:
+        ``(k_acc, v_acc)``, each ``[batch, heads, seq, dim]`` in the dtype of ``k``; the sums are
+        carried in float32 (float64 stays float64).
+    """
+    _check_shapes(k, v, alpha, omega)
+    if window is not None and window < 1:
+        raise ValueError(f"partial_accumulate: window must be None or >= 1, got {window}")
+    work = torch.float64 if k.dtype == torch.float64 else torch.float32
+    alpha = alpha.to(work).clone()
+    alpha[..., 0] = 0
+    omega = omega.to(work)
+    seq = k.shape[2]
+    if window is None:
+        k_acc, v_acc = _exact_scan(k.to(work), v.to(work), alpha, omega)
+    else:
+        k_acc, v_acc = _windowed(k.to(work), v.to(work), alpha, omega, min(window, seq))
+    return k_acc.to(k.dtype), v_acc.to(v.dtype)
+
+
+def _exact_scan(k, v, alpha, omega):
+    """Sequential form of Eq. 9, O(seq) steps, vectorised over batch, heads and dim."""
+    seq = k.shape[2]
+    k_steps, v_steps = [], []
+    z = torch.zeros_like(omega[..., 0])
+    k_prev = torch.zeros_like(k[:, :, 0])
+    v_prev = torch.zeros_like(v[:, :, 0])
+    for i in range(seq):
+        carry = alpha[..., i] * z
+        z = carry + omega[..., i]
+        w_prev = (carry / z).unsqueeze(-1)
+        w_new = (omega[..., i] / z).unsqueeze(-1)
+        k_prev = w_prev * k_prev + w_new * k[:, :, i]
+        v_prev = w_prev * v_prev + w_new * v[:, :, i]
+        k_steps.append(k_prev)
+        v_steps.append(v_prev)
+    return torch.stack(k_steps, dim=2), torch.stack(v_steps, dim=2)
+
+
+def _shift(x: torch.Tensor, by: int, dim: int = 2) -> torch.Tensor:
+    """``out[..., i, ...] = x[..., i - by, ...]`` along ``dim``, zero-filled at the start."""
+    if by == 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = by
+    pad = x.new_zeros(pad_shape)
+    return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - by)], dim=dim)
+
+
+def _windowed(k, v, alpha, omega, window):
+    """Window-grouped form: ``window`` shifted terms, each parallel over the sequence.
+
+    Term ``o`` (offset from the current token) has coefficient
+    ``omega_{i-o} * prod_{l=i-o+1..i} alpha_l``; terms before the sequence start are zero.
+    """
+    decay = torch.ones_like(alpha)
+    z = torch.zeros_like(alpha)
+    k_num = torch.zeros_like(k)
+    v_num = torch.zeros_like(v)
+    for offset in range(window):
+        if offset > 0:
+            decay = decay * _shift(alpha, offset - 1)
+        coeff = decay * _shift(omega, offset)
+        z = z + coeff
+        k_num = k_num + coeff.unsqueeze(-1) * _shift(k, offset)
+        v_num = v_num + coeff.unsqueeze(-1) * _shift(v, offset)
+    inv_z = (1.0 / z).unsqueeze(-1)
+    return k_num * inv_z, v_num * inv_z

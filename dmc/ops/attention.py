@@ -1,0 +1,102 @@
+"""Causal attention with the DMC additive mask (App. H), dense and fused.
+
+``softmax(q k^T * scale + bias) v`` where ``bias[i, j] = log_keep[j]`` for j < i, 0 for j == i and
+-inf for j > i (see :mod:`dmc.ops.mask`). The dense path builds the ``[batch, q_heads, seq, seq]``
+bias and is the CPU reference; the fused path uses FlexAttention with a ``score_mod`` that reads
+``log_keep[batch, kv_head, j]`` and a causal block mask, so no seq x seq tensor is materialised.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dmc.ops.mask import bias_from_log_keep
+
+BACKENDS = ("auto", "dense", "flex")
+
+
+def dmc_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    log_keep: torch.Tensor,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention with the DMC mask, GQA-aware.
+
+    Args:
+        query: ``[batch, q_heads, seq, dim]``.
+        key, value: ``[batch, kv_heads, seq, dim]`` (partially accumulated, key post-RoPE).
+        log_keep: ``[batch, kv_heads, seq]``, ``log(1 - alpha_{j+1})`` per key position.
+        scale: softmax scale, default ``dim ** -0.5``.
+        backend: ``"dense"`` (reference, any device), ``"flex"`` (FlexAttention; compiled on
+            CUDA, eager forward elsewhere), or ``"auto"`` (flex on CUDA, dense otherwise).
+
+    Returns:
+        ``[batch, q_heads, seq, dim]`` in the dtype of ``query``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"dmc_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"dmc_attention: q_heads={query.shape[1]} is not a multiple of kv_heads={key.shape[1]}"
+        )
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if backend == "auto":
+        backend = "flex" if query.is_cuda else "dense"
+    if backend == "flex":
+        return _flex_attention(query, key, value, log_keep, scale)
+    return _dense_attention(query, key, value, log_keep, scale)
+
+
+def _dense_attention(query, key, value, log_keep, scale):
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    bias = bias_from_log_keep(log_keep.repeat_interleave(group, dim=1)).to(work)
+    scores = torch.matmul(query.to(work), key.to(work).transpose(-1, -2)) * scale + bias
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, value.to(work)).to(query.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(seq: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    return create_block_mask(causal, None, None, seq, seq, device=device)
+
+
+def _flex_attention(query, key, value, log_keep, scale):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    group = query.shape[1] // key.shape[1]
+    seq = query.shape[2]
+    log_keep = log_keep.float()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx < q_idx, score + log_keep[b, h // group, kv_idx], score)
+
+    block_mask = _causal_block_mask(seq, str(query.device))
+    attend = _compiled_flex() if query.is_cuda else flex_attention
+    return attend(
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=group > 1,
+    )

@@ -1,0 +1,126 @@
+"""Append/merge decisions and importance weights (Sec. 3.1 and 3.2 of the DMC paper).
+
+Each KV head gives up one key channel for the decision logit and one query channel for the
+importance logit; no parameter is added. Convention (NVIDIA's released DMC code): the **last**
+channel of the head, ``alpha_logit = k[..., -1] - c`` and ``omega = sigmoid(q[..., -1] + c)``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+DECISION_CHANNEL = -1
+OMEGA_MIN = 1e-6
+
+
+class DecisionChannels(NamedTuple):
+    """What :func:`split_decision_channels` returns.
+
+    query: ``[batch, q_heads, seq, dim]`` with the decision channel zeroed.
+    key: ``[batch, kv_heads, seq, dim]`` with the decision channel zeroed.
+    alpha_logit: ``[batch, kv_heads, seq]``, ``k[..., -1] - c``.
+    omega: ``[batch, kv_heads, seq]``, ``sigmoid(mean over the group of q[..., -1] + c)``.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    alpha_logit: torch.Tensor
+    omega: torch.Tensor
+
+
+def logistic_noise(shape, *, generator=None, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Samples ``g1 - g2`` for two independent Gumbel(0, 1) variables, i.e. Logistic(0, 1).
+
+    Drawn as ``log(u) - log(1 - u)`` with ``u ~ U(0, 1)`` kept away from 0 and 1.
+    """
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+    u = u.clamp(tiny, 1.0 - torch.finfo(torch.float32).eps)
+    return (torch.log(u) - torch.log1p(-u)).to(dtype)
+
+
+def gumbel_sigmoid(
+    logits: torch.Tensor,
+    tau: float,
+    generator: torch.Generator | None = None,
+    hard: bool = False,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stochastic relaxation of a Bernoulli(sigmoid(logits)) decision (Eq. 8 of the paper).
+
+    ``alpha = sigmoid((logits + g1 - g2) / tau)`` with ``g1, g2 ~ Gumbel(0, 1)``, so that
+    ``P(alpha > 0.5) = sigmoid(logits)``. With ``hard=True`` the forward value is
+    ``round(alpha)`` and the gradient is that of the soft sample (straight-through).
+
+    Args:
+        logits: any shape.
+        tau: temperature > 0 (0.1 in the paper).
+        generator: source of the noise (ignored when ``noise`` is given).
+        hard: straight-through hard decisions.
+        noise: optional pre-drawn Logistic(0, 1) noise, same shape as ``logits``.
+    """
+    if tau <= 0:
+        raise ValueError(f"gumbel_sigmoid: tau must be > 0, got {tau}")
+    if noise is None:
+        noise = logistic_noise(logits.shape, generator=generator, device=logits.device)
+    alpha = torch.sigmoid((logits.float() + noise.float()) / tau)
+    if hard:
+        alpha = (alpha > 0.5).to(alpha.dtype) - alpha.detach() + alpha
+    return alpha.to(logits.dtype)
+
+
+def log_one_minus_gumbel_sigmoid(
+    logits: torch.Tensor, tau: float, noise: torch.Tensor
+) -> torch.Tensor:
+    """``log(1 - alpha)`` for the same sample as :func:`gumbel_sigmoid`, computed stably as
+    ``logsigmoid(-(logits + noise) / tau)`` (App. H)."""
+    return F.logsigmoid(-(logits.float() + noise.float()) / tau)
+
+
+def split_decision_channels(
+    query: torch.Tensor, key: torch.Tensor, c: float = 5.0
+) -> DecisionChannels:
+    """Reads the decision logit and importance from the last channel and zeroes both channels.
+
+    Args:
+        query: ``[batch, q_heads, seq, dim]``; ``q_heads`` is a multiple of ``kv_heads`` and
+            query head ``h`` belongs to KV group ``h // (q_heads // kv_heads)``.
+        key: ``[batch, kv_heads, seq, dim]``.
+        c: offset so that at initialisation (channel ~ 0) ``alpha ~ sigmoid(-c)`` and
+            ``omega ~ sigmoid(c)`` (both ~ 0.0067 away from append-only with full weight).
+
+    Returns:
+        :class:`DecisionChannels`. Under GQA the importance logit is the mean of the group's
+        query channels; the decision is per KV head. omega is floored at ``OMEGA_MIN`` so the
+        running weight z of Eq. 9 stays > 0 in float32/bf16.
+    """
+    batch, q_heads, seq, dim = query.shape
+    kv_heads = key.shape[1]
+    if key.shape[0] != batch or key.shape[2] != seq or key.shape[3] != dim:
+        raise ValueError(
+            f"split_decision_channels: key shape {tuple(key.shape)} does not match query shape "
+            f"{tuple(query.shape)} (expected [batch, kv_heads, seq, dim])"
+        )
+    if q_heads % kv_heads:
+        raise ValueError(
+            f"split_decision_channels: q_heads={q_heads} is not a multiple of kv_heads={kv_heads}"
+        )
+    group = q_heads // kv_heads
+    alpha_logit = key[..., DECISION_CHANNEL] - c
+    omega_logit = query[..., DECISION_CHANNEL].reshape(batch, kv_heads, group, seq).mean(dim=2)
+    omega = torch.sigmoid(omega_logit + c).clamp_min(OMEGA_MIN)
+    return DecisionChannels(
+        query=zero_decision_channel(query),
+        key=zero_decision_channel(key),
+        alpha_logit=alpha_logit,
+        omega=omega,
+    )
+
+
+def zero_decision_channel(x: torch.Tensor) -> torch.Tensor:
+    """Returns ``x`` with its last channel set to 0 (out of place, differentiable)."""
+    keep = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    keep[DECISION_CHANNEL] = 0
+    return x * keep

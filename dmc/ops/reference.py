@@ -1,0 +1,93 @@
+"""Slow, obviously-correct float64 references for tests only.
+
+Each function loops over tokens and heads in plain Python so that its correctness can be read
+off the paper: Eq. 9 (partial accumulation), App. H (mask), Algorithm 1 (inference with a
+compressed cache).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def partial_accumulate_reference(k, v, alpha, omega, window=None):
+    """Eq. 9 term by term (differentiable): ``k~_i = sum_m c_{i,m} k_m / sum_m c_{i,m}`` with
+    ``c_{i,m} = omega_m prod_{l=m+1..i} alpha_l`` over m in (i - window, i] (all m <= i when
+    ``window`` is None). Shapes as :func:`dmc.ops.partial_accumulate`; returns float64."""
+    k, v, alpha, omega = (t.double() for t in (k, v, alpha, omega))
+    batch, heads, seq, _ = k.shape
+    k_rows, v_rows = [], []
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(seq):
+                first = 0 if window is None else max(0, i - window + 1)
+                z, k_sum, v_sum = 0.0, 0.0, 0.0
+                for m in range(first, i + 1):
+                    coeff = omega[b, h, m]
+                    for l in range(m + 1, i + 1):
+                        coeff = coeff * alpha[b, h, l]
+                    z += coeff
+                    k_sum = k_sum + coeff * k[b, h, m]
+                    v_sum = v_sum + coeff * v[b, h, m]
+                k_rows.append(k_sum / z)
+                v_rows.append(v_sum / z)
+    shape = k.shape
+    return torch.stack(k_rows).reshape(shape), torch.stack(v_rows).reshape(shape)
+
+
+def attention_bias_reference(alpha):
+    """App. H entry by entry: ``[batch, heads, seq, seq]`` float64."""
+    alpha = alpha.double()
+    batch, heads, seq = alpha.shape
+    bias = torch.empty(batch, heads, seq, seq, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(seq):
+                for j in range(seq):
+                    if j > i:
+                        bias[b, h, i, j] = -math.inf
+                    elif j == i:
+                        bias[b, h, i, j] = 0.0
+                    else:
+                        keep = 1.0 - alpha[b, h, j + 1].item()
+                        bias[b, h, i, j] = math.log(keep) if keep > 0 else -math.inf
+    return bias
+
+
+def compressed_cache_reference(k, v, alpha, omega):
+    """Algorithm 1 with hard decisions, exact (unwindowed) merging.
+
+    Args:
+        k, v: ``[seq, dim]`` for one head; alpha: ``[seq]`` in {0, 1}; omega: ``[seq]``.
+
+    Returns:
+        ``(keys, values, slot_of_token)``: the cache after every token as lists of float64
+        ``[slots, dim]`` tensors (entry t is the cache after token t) and, per token, the index
+        of the slot it was written to.
+    """
+    keys, values, weights = [], [], []
+    history_k, history_v, slot_of_token = [], [], []
+    for t in range(k.shape[0]):
+        kt, vt, wt = k[t].double(), v[t].double(), float(omega[t])
+        if t == 0 or alpha[t] < 0.5:
+            keys.append(kt)
+            values.append(vt)
+            weights.append(wt)
+        else:
+            z = weights[-1] + wt
+            keys[-1] = (weights[-1] * keys[-1] + wt * kt) / z
+            values[-1] = (weights[-1] * values[-1] + wt * vt) / z
+            weights[-1] = z
+        slot_of_token.append(len(keys) - 1)
+        history_k.append(torch.stack(keys))
+        history_v.append(torch.stack(values))
+    return history_k, history_v, slot_of_token
+
+
+def compression_loss_reference(alpha, target_cr):
+    """Eq. 10 with a Python sum: ``max(0, sum(1 - alpha) - n / CR) / n``."""
+    values = alpha.double().flatten().tolist()
+    n = len(values)
+    kept = sum(1.0 - a for a in values)
+    return max(0.0, kept - n / target_cr) / n

@@ -1,0 +1,324 @@
+"""PagedKVCache: DMC append/merge against a float64 simulation, prefill packing, the allocator."""
+import random
+
+import pytest
+import torch
+
+from dmc.inference import CacheFullError, PagedKVCache
+from dmc.ops import partial_accumulate
+
+F32_TOL = dict(atol=1e-4, rtol=1e-4)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def rope64(x, position, base=10000.0):
+    """Rotate-half RoPE in float64."""
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-torch.arange(0, x.shape[-1], 2, dtype=torch.float64) / x.shape[-1])
+    cos, sin = torch.cos(position * inv_freq), torch.sin(position * inv_freq)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class HeadSim:
+    """Algorithm 1 for one head in float64: a slot's key is the omega-weighted mean of its last
+    ``window`` tokens (all of them when ``window`` is None), rotated at its newest token."""
+
+    def __init__(self, window):
+        self.window, self.keys, self.values = window, [], []
+        self.open, self.open_count = [], 0  # pre-RoPE (k, v, omega) of the open slot's tokens
+
+    def step(self, k, v, omega, alpha, position):
+        if alpha < 0.5 or not self.keys:
+            self.keys.append(None)
+            self.values.append(None)
+            self.open, self.open_count = [], 0
+        self.open.append((k.double(), v.double(), float(omega)))
+        if self.window is not None:
+            self.open = self.open[-self.window :]
+        self.open_count += 1
+        mean_k, mean_v, _ = self.open_mean()
+        self.keys[-1], self.values[-1] = rope64(mean_k, position), mean_v
+
+    def open_mean(self):
+        weights = torch.tensor([w for _, _, w in self.open], dtype=torch.float64)
+        keys = torch.stack([k for k, _, _ in self.open])
+        values = torch.stack([v for _, v, _ in self.open])
+        total = weights.sum()
+        return weights @ keys / total, weights @ values / total, total
+
+
+def cached_slots(cache, seq, layer, head):
+    """A head's slots read through its block table: float64 keys, values ``[length, head_dim]``."""
+    slots = torch.arange(int(cache.lengths[seq, layer, head]))
+    pages = cache.block_tables[seq, layer, head, slots // cache.page_size].long()
+    offsets = slots % cache.page_size
+    return cache.k_pages[pages, offsets].double(), cache.v_pages[pages, offsets].double()
+
+
+def assert_matches_sims(cache, sims, tol):
+    for (seq, layer, head), sim in sims.items():
+        keys, values = cached_slots(cache, seq, layer, head)
+        assert keys.shape[0] == len(sim.keys)
+        torch.testing.assert_close(keys, torch.stack(sim.keys), **tol)
+        torch.testing.assert_close(values, torch.stack(sim.values), **tol)
+
+
+def random_token(gen, heads, dim, batch=1, p_merge=0.6):
+    """``k, v [batch, heads, dim]``, ``omega, alpha [batch, heads]`` (hard alpha)."""
+    k, v = torch.randn(2, batch, heads, dim, generator=gen)
+    omega = torch.rand(batch, heads, generator=gen) * 2 + 0.1
+    alpha = (torch.rand(batch, heads, generator=gen) < p_merge).float()
+    return k, v, omega, alpha
+
+
+@pytest.mark.parametrize(
+    "window,dtype",
+    [(3, torch.float32), (None, torch.float32), (3, torch.bfloat16), (None, torch.bfloat16)],
+)
+def test_write_matches_float64_simulation(window, dtype):
+    layers, heads, dim = 2, 2, 8
+    cache = PagedKVCache(layers, heads, dim, 64, page_size=4, max_seqs=4, window=window,
+                         dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [cache.add_sequence() for _ in range(3)]
+    position = dict(zip(seqs, (0, 17, 90)))
+    sims = {(s, l, h): HeadSim(window) for s in seqs for l in range(layers) for h in range(heads)}
+    for step in range(24):
+        batch = random.Random(step).sample(seqs, k=1 + step % 3)
+        positions = torch.tensor([position[s] for s in batch])
+        for layer in range(layers):
+            k, v, omega, alpha = random_token(gen, heads, dim, len(batch))
+            k, v = k.to(dtype), v.to(dtype)
+            cache.write(layer, batch, positions, k, v, omega, alpha)
+            for b, s in enumerate(batch):
+                for h in range(heads):
+                    sims[s, layer, h].step(k[b, h], v[b, h], omega[b, h], alpha[b, h], position[s])
+        for s in batch:
+            position[s] += 1
+    tol = F32_TOL if dtype == torch.float32 else BF16_TOL
+    assert_matches_sims(cache, sims, tol)
+
+    q = torch.randn(3, 2 * heads, dim, generator=gen)  # GQA: 2 query heads per KV head
+    out = cache.attention(1, seqs, q.to(dtype))
+    for b, s in enumerate(seqs):
+        for h in range(2 * heads):
+            sim = sims[s, 1, h // 2]
+            probs = torch.softmax(torch.stack(sim.keys) @ q[b, h].double() * dim**-0.5, dim=0)
+            torch.testing.assert_close(out[b, h].double(), probs @ torch.stack(sim.values), **tol)
+
+
+@pytest.mark.parametrize("window", [3, None])
+def test_merged_slots_equal_training_accumulation(window):
+    """Each finished slot holds Eq. 9 (``dmc.ops.partial_accumulate``) at its last token, rotated
+    at that token's position."""
+    gen = torch.Generator().manual_seed(2)
+    seq_len, heads, dim = 20, 2, 8
+    k, v, omega, alpha = random_token(gen, heads, dim, seq_len, p_merge=0.7)  # batch = time
+    cache = PagedKVCache(1, heads, dim, 16, page_size=4, max_seqs=1, window=window,
+                         dtype=torch.float32)
+    seq = cache.add_sequence()
+    for t in range(seq_len):
+        step = slice(t, t + 1)
+        cache.write(0, [seq], torch.tensor([t]), k[step], v[step], omega[step], alpha[step])
+
+    def as_bhs(x):  # [seq, heads, ...] -> [1, heads, seq, ...]
+        return x.transpose(0, 1).unsqueeze(0).double()
+
+    k_acc, v_acc = partial_accumulate(as_bhs(k), as_bhs(v), as_bhs(alpha), as_bhs(omega), window)
+    for h in range(heads):
+        last = [t for t in range(seq_len) if t == seq_len - 1 or alpha[t + 1, h] < 0.5]
+        keys, values = cached_slots(cache, seq, 0, h)
+        expected_k = torch.stack([rope64(k_acc[0, h, t], t) for t in last])
+        torch.testing.assert_close(keys, expected_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values, v_acc[0, h, last], atol=1e-5, rtol=1e-5)
+
+
+def pack_from_sims(cache, layer, seq, sims, first_slot, overwrite_last=None):
+    """Pack each head's simulated slots from ``first_slot[h]`` on, plus its open-slot state."""
+    heads, rows = len(sims), cache.window or 1
+    counts = [len(sim.keys) - first for sim, first in zip(sims, first_slot)]
+    keys = torch.zeros(heads, max(counts), cache.head_dim)
+    values = torch.zeros_like(keys)
+    open_k, open_v = torch.zeros(2, heads, rows, cache.head_dim)
+    open_omega = torch.zeros(heads, rows)
+    for h, (sim, first) in enumerate(zip(sims, first_slot)):
+        keys[h, : counts[h]] = torch.stack(sim.keys[first:]).float()
+        values[h, : counts[h]] = torch.stack(sim.values[first:]).float()
+        if cache.window is None:
+            open_k[h, 0], open_v[h, 0], open_omega[h, 0] = sim.open_mean()
+        else:
+            for r, (k, v, w) in enumerate(sim.open):
+                open_k[h, r], open_v[h, r], open_omega[h, r] = k, v, w
+    open_count = [sim.open_count for sim in sims]
+    cache.pack_prefill(layer, seq, keys, values, counts, open_k, open_v, open_omega, open_count,
+                       overwrite_last=overwrite_last)
+
+
+@pytest.mark.parametrize("window", [3, None])
+def test_pack_prefill_chunks_then_decode(window):
+    """Two packed prefill chunks (the second's first token may merge into the first's last slot),
+    then decode writes, equal the token-by-token simulation."""
+    heads, dim, layer = 3, 8, 1
+    cache = PagedKVCache(2, heads, dim, 64, page_size=4, max_seqs=2, window=window,
+                         dtype=torch.float32)
+    seq = cache.add_sequence()
+    gen = torch.Generator().manual_seed(3)
+    sims = [HeadSim(window) for _ in range(heads)]
+    tokens = [random_token(gen, heads, dim) for _ in range(30)]
+    tokens[11][3][0, 1] = 1.0  # head 1 merges the second chunk's first token into its last slot
+    tokens[11][3][0, 2] = 0.0  # head 2 opens a new slot there
+
+    def simulate(span):
+        for t in span:
+            k, v, omega, alpha = tokens[t]
+            for h, sim in enumerate(sims):
+                sim.step(k[0, h], v[0, h], omega[0, h], alpha[0, h], t)
+
+    simulate(range(11))
+    pack_from_sims(cache, layer, seq, sims, [0] * heads)
+    before = [len(sim.keys) for sim in sims]
+    simulate(range(11, 20))
+    merged = [bool(tokens[11][3][0, h] > 0.5) for h in range(heads)]
+    first = [n - m for n, m in zip(before, merged)]
+    pack_from_sims(cache, layer, seq, sims, first, overwrite_last=merged)
+    for t in range(20, 30):
+        cache.write(layer, [seq], torch.tensor([t]), *tokens[t])
+    simulate(range(20, 30))
+    assert_matches_sims(cache, {(seq, layer, h): sim for h, sim in enumerate(sims)}, F32_TOL)
+
+
+def test_vanilla_append_and_alpha_zero_write():
+    """Plain appends store the given keys; DMC writes with alpha = 0 store RoPE(k) the same way."""
+    gen = torch.Generator().manual_seed(4)
+    vanilla, dmc = (PagedKVCache(1, 2, 8, 16, page_size=4, max_seqs=2, window=3,
+                                 dtype=torch.float32) for _ in range(2))
+    seqs = [vanilla.add_sequence(), vanilla.add_sequence()]
+    assert [dmc.add_sequence() for _ in seqs] == seqs
+    for t in range(9):
+        k, v, omega, _ = random_token(gen, 2, 8, batch=2)
+        positions = torch.tensor([t, t + 3])
+        vanilla.append(0, seqs, rope64(k.double(), positions.double()[:, None, None]), v)
+        dmc.write(0, seqs, positions, k, v, omega, torch.zeros(2, 2))
+    for s in seqs:
+        for h in range(2):
+            for got, want in zip(cached_slots(dmc, s, 0, h), cached_slots(vanilla, s, 0, h)):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert vanilla.head_lengths(seqs[1]).tolist() == [[9, 9]]
+
+
+def check_allocator_invariants(cache):
+    owned = cache.block_tables[cache.block_tables >= 0].tolist()
+    free = cache._free_pages
+    assert len(owned) == len(set(owned)), "a page is owned twice"
+    assert set(owned).isdisjoint(free) and len(set(free)) == len(free) == cache.free_pages
+    assert len(owned) + cache.free_pages == cache.num_pages
+    pages_needed = (cache.lengths.long() + cache.page_size - 1) // cache.page_size
+    assert cache.pages_in_use == int(pages_needed.sum()) == len(owned)
+    columns = torch.arange(cache.max_pages_per_head)
+    assert torch.equal(cache.block_tables >= 0, columns < pages_needed.unsqueeze(-1))
+    page_bytes = 2 * cache.page_size * cache.head_dim * cache.k_pages.element_size()
+    assert cache.bytes_in_use == cache.pages_in_use * page_bytes
+
+
+STATE = ("k_pages", "v_pages", "block_tables", "lengths", "open_k", "open_v", "open_omega",
+         "open_count")
+
+
+def snapshot(cache):
+    tensors = {name: getattr(cache, name).clone() for name in STATE}
+    return tensors | {"free": list(cache._free_pages)}
+
+
+def assert_unchanged(cache, before):
+    after = snapshot(cache)
+    assert after.pop("free") == before["free"]
+    for name, value in after.items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_allocator_invariants_under_random_operations():
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    layers, heads, dim = 2, 2, 4
+    cache = PagedKVCache(layers, heads, dim, 40, page_size=4, max_seqs=4, window=2,
+                         dtype=torch.bfloat16, max_seq_len=32)
+    active, full_errors = {}, 0  # sequence slot -> next position
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.1 and len(active) < 4:
+            active[cache.add_sequence()] = 0
+        elif op < 0.17 and active:
+            seq = rng.choice(sorted(active))
+            del active[seq]
+            cache.free_sequence(seq)
+        elif active:
+            batch = rng.sample(sorted(active), k=rng.randint(1, len(active)))
+            k, v, omega, alpha = random_token(gen, heads, dim, len(batch), p_merge=0.4)
+            layer = rng.randrange(layers)
+            before = snapshot(cache)
+            try:
+                if op < 0.25:
+                    cache.append(layer, batch, k, v)
+                else:
+                    positions = torch.tensor([active[s] for s in batch])
+                    cache.write(layer, batch, positions, k, v, omega, alpha)
+            except CacheFullError:
+                full_errors += 1
+                assert_unchanged(cache, before)
+            for s in batch:
+                active[s] += 1
+        check_allocator_invariants(cache)
+    assert full_errors > 0  # the pool (or a head's 32-slot limit) ran out at least once
+    for s in list(active):
+        cache.free_sequence(s)
+    check_allocator_invariants(cache)
+    assert cache.pages_in_use == 0 and cache.bytes_in_use == 0
+    assert sorted(cache._free_pages) == list(range(40))
+
+
+def test_cache_full_error_names_pages_and_changes_nothing():
+    cache = PagedKVCache(1, 2, 4, 5, page_size=2, max_seqs=1, window=None, dtype=torch.float32,
+                         max_seq_len=8)
+    seq = cache.add_sequence()
+    ones = torch.ones(1, 2, 4)
+
+    def write(alpha):
+        omega, alpha = torch.ones(1, 2), torch.tensor([alpha])
+        cache.write(0, [seq], torch.tensor([0]), ones, ones, omega, alpha)
+
+    write([0.0, 0.0])  # lengths (1, 1): two pages
+    write([0.0, 0.0])  # (2, 2): none
+    before = snapshot(cache)
+    with pytest.raises(CacheFullError, match="need 4 pages, only 3 free"):  # (6, 6): 3 pages each
+        cache.pack_prefill(0, seq, torch.ones(2, 4, 4), torch.ones(2, 4, 4), [4, 4],
+                           torch.ones(2, 1, 4), torch.ones(2, 1, 4), torch.ones(2, 1), [1, 1])
+    assert_unchanged(cache, before)
+    write([0.0, 0.0])  # (3, 3): two pages
+    write([0.0, 0.0])  # (4, 4): none
+    before = snapshot(cache)
+    with pytest.raises(CacheFullError, match="need 2 pages, only 1 free"):
+        write([0.0, 0.0])
+    assert_unchanged(cache, before)
+    write([1.0, 0.0])  # head 0 merges, only head 1 crosses a page boundary: (4, 5)
+    assert cache.free_pages == 0 and cache.head_lengths(seq).tolist() == [[4, 5]]
+    check_allocator_invariants(cache)
+    cache.free_sequence(seq)
+    assert cache.pages_in_use == 0
+
+
+def test_sequence_slots_and_head_limit():
+    cache = PagedKVCache(1, 1, 4, 8, page_size=2, max_seqs=1, window=3, dtype=torch.float32,
+                         max_seq_len=4)
+    seq = cache.add_sequence()
+    with pytest.raises(CacheFullError, match="sequence slots"):
+        cache.add_sequence()
+    ones = torch.ones(1, 1, 4)
+    for _ in range(4):
+        cache.append(0, [seq], ones, ones)
+    with pytest.raises(CacheFullError, match="max_seq_len"):
+        cache.append(0, [seq], ones, ones)
+    cache.free_sequence(seq)
+    assert cache.pages_in_use == 0 and cache.add_sequence() == seq
+    with pytest.raises(ValueError, match="distinct and added"):
+        cache.append(0, [seq, seq], torch.ones(2, 1, 4), torch.ones(2, 1, 4))

@@ -1,0 +1,154 @@
+"""Paged decode and DMC write kernels: the PyTorch reference against float64, Triton (the
+interpreter on CPU) against the reference."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from dmc.inference import PagedKVCache
+from dmc.inference.kernels import paged_decode_reference, resolve_use_triton, run_paged_decode
+
+TOLERANCE = {  # output rounding of the dtype, plus one ulp for the interpreter's truncating casts
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def random_paged_kv(lengths, head_dim, page_size, dtype, gen, spare_pages=3):
+    """K/V pools whose pages are handed out in shuffled order; unused slots hold NaN so that any
+    read past a head's length shows up. Returns ``k_pages, v_pages, block_tables, lengths``."""
+    pages_per_head = [[math.ceil(n / page_size) for n in row] for row in lengths.tolist()]
+    num_pages = sum(map(sum, pages_per_head)) + spare_pages
+    max_pages = max(max(row) for row in pages_per_head) + 1
+    k_pages = torch.full((num_pages, page_size, head_dim), float("nan"), dtype=dtype)
+    v_pages = torch.full_like(k_pages, float("nan"))
+    tables = torch.full(lengths.shape + (max_pages,), -1, dtype=torch.int32)
+    free = torch.randperm(num_pages, generator=gen).tolist()
+    for b, h in itertools.product(*map(range, lengths.shape)):
+        n = int(lengths[b, h])
+        for p in range(math.ceil(n / page_size)):
+            page = free.pop()
+            tables[b, h, p] = page
+            used = min(page_size, n - p * page_size)
+            k_pages[page, :used] = torch.randn(used, head_dim, generator=gen).to(dtype)
+            v_pages[page, :used] = torch.randn(used, head_dim, generator=gen).to(dtype)
+    return k_pages, v_pages, tables, lengths.to(torch.int32)
+
+
+def dense_attention_float64(q, k_pages, v_pages, tables, lengths, scale):
+    """Per (sequence, query head): gather the head's slots and run softmax attention in float64."""
+    batch, q_heads, head_dim = q.shape
+    group = q_heads // tables.shape[1]
+    page_size = k_pages.shape[1]
+    out = torch.zeros(batch, q_heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(q_heads):
+            kh, n = h // group, int(lengths[b, h // group])
+            if n == 0:
+                continue
+            slots = torch.arange(n)
+            pages = tables[b, kh, slots // page_size].long()
+            keys = k_pages[pages, slots % page_size].double()
+            values = v_pages[pages, slots % page_size].double()
+            probs = torch.softmax(keys @ q[b, h].double() * scale, dim=0)
+            out[b, h] = probs @ values
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,page_size", [(4, 4, 16), (8, 2, 5)])
+def test_reference_decode_matches_dense_float64(dtype, q_heads, kv_heads, page_size):
+    gen = torch.Generator().manual_seed(q_heads * 100 + page_size)
+    lengths = torch.randint(1, 301, (3, kv_heads), generator=gen)
+    lengths[0, 0], lengths[-1, -1] = 1, 300
+    k_pages, v_pages, tables, lengths = random_paged_kv(lengths, 32, page_size, dtype, gen)
+    q = torch.randn(3, q_heads, 32, generator=gen).to(dtype)
+    out = paged_decode_reference(q, k_pages, v_pages, tables, lengths, scale=32**-0.5)
+    expected = dense_attention_float64(q, k_pages, v_pages, tables, lengths, 32**-0.5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
+
+
+TRITON_DECODE_CASES = [  # q_heads, kv_heads, head_dim, page_size, dtype, num_splits, max_len
+    (2, 2, 16, 4, torch.float32, 1, 70),
+    (2, 2, 16, 4, torch.bfloat16, 3, 70),
+    (6, 2, 24, 8, torch.float16, 2, 50),  # group of 3 and head_dim 24: padded blocks
+    (8, 2, 16, 16, torch.float32, 4, 90),
+    (4, 1, 16, 4, torch.bfloat16, None, 40),
+]
+
+
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim,page_size,dtype,num_splits,max_len", TRITON_DECODE_CASES
+)
+def test_triton_decode_matches_reference(
+    q_heads, kv_heads, head_dim, page_size, dtype, num_splits, max_len
+):
+    gen = torch.Generator().manual_seed(head_dim + page_size + q_heads)
+    lengths = torch.randint(1, max_len + 1, (2, kv_heads), generator=gen)
+    lengths[0, -1] = max_len
+    k_pages, v_pages, tables, lengths = random_paged_kv(lengths, head_dim, page_size, dtype, gen)
+    q = torch.randn(2, q_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    expected = paged_decode_reference(q, k_pages, v_pages, tables, lengths, scale)
+    out = run_paged_decode(q, k_pages, v_pages, tables, lengths, scale,
+                           use_triton=True, num_splits=num_splits)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_empty_head_gives_zeros(num_splits):
+    gen = torch.Generator().manual_seed(0)
+    paged = random_paged_kv(torch.tensor([[0, 5]]), 8, 4, torch.float32, gen)
+    q = torch.randn(1, 4, 8, generator=gen)
+    expected = paged_decode_reference(q, *paged, scale=1.0)
+    out = run_paged_decode(q, *paged, 1.0, use_triton=True, num_splits=num_splits)
+    assert expected[0, :2].eq(0).all() and expected[0, 2:].isfinite().all()
+    torch.testing.assert_close(out, expected)
+
+
+def drive_identical_caches(window, dtype, steps=10):
+    """The same random DMC writes (varying batches of sequences) into a reference and a Triton
+    cache."""
+    gen = torch.Generator().manual_seed(7)
+    caches = [PagedKVCache(2, 2, 8, 40, page_size=4, max_seqs=3, window=window, dtype=dtype)
+              for _ in range(2)]
+    seqs = [[c.add_sequence() for _ in range(3)] for c in caches][0]
+    position = [0, 20, 55]
+    for step in range(steps):
+        batch = seqs if step % 3 else [seqs[2], seqs[0]]
+        n = len(batch)
+        k, v = torch.randn(2, n, 2, 8, generator=gen).to(dtype)
+        omega = torch.rand(n, 2, generator=gen) + 0.1
+        positions = torch.tensor([position[s] for s in batch])
+        for layer in range(2):
+            alpha = (torch.rand(n, 2, generator=gen) < 0.6).float()
+            for cache, use_triton in zip(caches, (False, True)):
+                cache.write(layer, batch, positions, k, v, omega, alpha, use_triton=use_triton)
+        for s in batch:
+            position[s] += 1
+    return caches
+
+
+@pytest.mark.parametrize(
+    "window,dtype", [(3, torch.float32), (None, torch.float32), (3, torch.bfloat16)]
+)
+def test_triton_write_matches_reference(window, dtype):
+    reference, triton_cache = drive_identical_caches(window, dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=1 / 64)
+    torch.testing.assert_close(triton_cache.k_pages.float(), reference.k_pages.float(), **tol)
+    torch.testing.assert_close(triton_cache.v_pages.float(), reference.v_pages.float(), **tol)
+    for name in ("open_k", "open_v", "open_omega", "open_count", "lengths", "block_tables"):
+        got, want = getattr(triton_cache, name), getattr(reference, name)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_dispatch(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_use_triton(cpu) is False
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        resolve_use_triton(cpu, True)

@@ -1,0 +1,96 @@
+import pytest
+import torch
+
+from dmc.ops import partial_accumulate
+from dmc.ops.reference import compressed_cache_reference, partial_accumulate_reference
+
+
+def _inputs(batch=2, heads=3, seq=17, dim=5, seed=0, hard=False):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, heads, seq, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, heads, seq, dim, generator=g, dtype=torch.float64)
+    alpha = torch.rand(batch, heads, seq, generator=g, dtype=torch.float64)
+    if hard:
+        alpha = (alpha > 0.5).double()
+    omega = torch.rand(batch, heads, seq, generator=g, dtype=torch.float64) + 0.05
+    return k, v, alpha, omega
+
+
+@pytest.mark.parametrize("window", [None, 1, 4, 12, 17, 40])
+def test_matches_float64_reference(window):
+    k, v, alpha, omega = _inputs()
+    k_ref, v_ref = partial_accumulate_reference(k, v, alpha, omega, window)
+    k_out, v_out = partial_accumulate(k, v, alpha, omega, window)
+    torch.testing.assert_close(k_out, k_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(v_out, v_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_window_at_least_seq_equals_exact_scan():
+    k, v, alpha, omega = _inputs(seq=9)
+    exact = partial_accumulate(k, v, alpha, omega, None)
+    for window in (9, 10, 100):
+        windowed = partial_accumulate(k, v, alpha, omega, window)
+        torch.testing.assert_close(windowed[0], exact[0], rtol=1e-12, atol=1e-12)
+
+
+def test_window_one_is_identity():
+    k, v, alpha, omega = _inputs()
+    k_out, v_out = partial_accumulate(k, v, alpha, omega, 1)
+    torch.testing.assert_close(k_out, k)
+    torch.testing.assert_close(v_out, v)
+
+
+def test_first_alpha_is_ignored():
+    k, v, alpha, omega = _inputs()
+    alpha_changed = alpha.clone()
+    alpha_changed[..., 0] = 1.0 - alpha[..., 0]
+    for window in (None, 4):
+        torch.testing.assert_close(
+            partial_accumulate(k, v, alpha, omega, window)[0],
+            partial_accumulate(k, v, alpha_changed, omega, window)[0],
+        )
+
+
+def test_hard_decisions_reproduce_algorithm1_segment_means():
+    k, v, alpha, omega = _inputs(batch=1, heads=2, seq=23, hard=True, seed=3)
+    k_out, v_out = partial_accumulate(k, v, alpha, omega, None)
+    for h in range(2):
+        keys, values, slot_of_token = compressed_cache_reference(
+            k[0, h], v[0, h], alpha[0, h], omega[0, h]
+        )
+        for t in range(23):
+            torch.testing.assert_close(k_out[0, h, t], keys[t][slot_of_token[t]])
+            torch.testing.assert_close(v_out[0, h, t], values[t][slot_of_token[t]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_close_to_float64(dtype):
+    k, v, alpha, omega = _inputs(seq=30)
+    k_ref, _ = partial_accumulate_reference(k, v, alpha, omega, 12)
+    k_out, _ = partial_accumulate(k.to(dtype), v.to(dtype), alpha.to(dtype), omega.to(dtype), 12)
+    assert k_out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(k_out.double(), k_ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_gradients_match_reference_and_flow_to_decisions(window):
+    k, v, alpha, omega = _inputs(batch=1, heads=2, seq=8, dim=3, seed=5)
+    leaves = [t.clone().requires_grad_() for t in (k, v, alpha, omega)]
+    k_out, v_out = partial_accumulate(*leaves, window)
+    ((k_out * 1.3).sum() + (v_out**2).sum()).backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (k, v, alpha, omega)]
+    k_ref, v_ref = partial_accumulate_reference(*ref_leaves, window)
+    ((k_ref * 1.3).sum() + (v_ref**2).sum()).backward()
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-10)
+    assert leaves[2].grad[..., 1:].abs().sum() > 0
+    assert leaves[3].grad.abs().sum() > 0
+
+
+def test_bad_shapes_name_the_expected_layout():
+    k, v, alpha, omega = _inputs()
+    with pytest.raises(ValueError, match=r"\[batch, heads, seq\]"):
+        partial_accumulate(k, v, alpha[..., :-1], omega)
+    with pytest.raises(ValueError, match="window"):
+        partial_accumulate(k, v, alpha, omega, 0)
