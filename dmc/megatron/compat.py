@@ -6,7 +6,9 @@ Applied only when CUDA is absent (:func:`apply_cpu_compat` is a no-op otherwise)
 - a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` literals found in
   megatron's default causal mask, pipeline schedules and optimizers to the CPU;
 - :class:`CPURNGStatesTracker` replaces megatron's CUDA RNG tracker
-  (``model_parallel_cuda_manual_seed`` calls ``torch.cuda.get_rng_state``).
+  (``model_parallel_cuda_manual_seed`` calls ``torch.cuda.get_rng_state``);
+- ``clip_grad_by_total_norm_fp32`` (it asserts CUDA tensors) is replaced by
+  :func:`clip_grads_by_total_norm`, so the optimizer's gradient clipping works on the CPU.
 The transformer config must also turn the CUDA-only fusions off: :data:`CPU_CONFIG_OVERRIDES`.
 """
 from __future__ import annotations
@@ -93,12 +95,28 @@ class CPURNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+def clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Scales every gradient by ``max_norm / total_norm`` when that is below 1 (in place)."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is not None:
+            grad.detach().mul_(clip_coeff)
+
+
 def apply_cpu_compat() -> None:
     """Patches torch/megatron for CPU use; idempotent; does nothing when CUDA is available."""
     if cuda_available() or _STATE["applied"]:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grads_by_total_norm
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grads_by_total_norm
     mode = CudaToCpuMode()
     mode.__enter__()
     _STATE.update(applied=True, mode=mode)

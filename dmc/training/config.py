@@ -1,0 +1,330 @@
+"""Typed run configuration: dataclasses loaded from YAML files plus dotted overrides.
+
+``load_config(["configs/models/tiny.yaml", "configs/retrofit/cr2.yaml"], ["optim.lr=1e-4"])``
+merges the files left to right, applies the overrides, and validates every field: an unknown
+key or a bad value raises :class:`ConfigError` naming the key and the accepted values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value."""
+
+
+@dataclass
+class ModelConfig:
+    """Llama-family architecture. ``vocab_size`` null = taken from the prepared data."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 8
+    num_query_groups: int | None = None
+    ffn_hidden_size: int = 688
+    vocab_size: int | None = None
+    max_seq_length: int = 4096
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    share_embeddings: bool = False
+
+
+@dataclass
+class DataConfig:
+    """A folder written by ``dmc data prepare`` and the batch shape."""
+
+    path: str = "data/shakespeare"
+    seq_length: int = 256
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+
+
+@dataclass
+class OptimConfig:
+    """AdamW as in the paper's Llama-2 recipe; ``min_lr_ratio`` is the solidify floor."""
+
+    lr: float = 3e-5
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-5
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class ScheduleConfig:
+    """Steps per phase. ``pretrain`` (tiny demo base only) has its own run; a retrofit runs
+    zero_out -> retrofit (target CR annealed 1 -> CR, constant LR) -> solidify (CR fixed,
+    cosine LR to ``min_lr_ratio``)."""
+
+    pretrain_steps: int = 0
+    zero_out_steps: int = 250
+    retrofit_steps: int = 6000
+    solidify_steps: int = 2000
+
+
+@dataclass
+class DMCSection:
+    """DMC hyper-parameters (Sec. 4 of the paper)."""
+
+    target_cr: float = 2.0
+    window: int | None = 12
+    tau: float = 0.1
+    c: float = 5.0
+    hard: bool = False
+    attention_backend: str = "auto"
+
+
+@dataclass
+class CheckpointConfig:
+    """``dir`` null = ``<run_dir>/checkpoints``; ``load_base`` = a base checkpoint folder
+    (e.g. a pretrain run or a converted HF model) that a fresh retrofit starts from."""
+
+    dir: str | None = None
+    save_interval: int = 500
+    save_at_cr_crossings: bool = True
+    load_base: str | None = None
+    keep_last: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    eval_interval: int = 0
+    eval_iters: int = 4
+    progress_bar: bool = True
+    wandb: bool = False
+    wandb_project: str = "dmc"
+    wandb_mode: str = "offline"
+    heatmap: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``dmc pretrain`` / ``dmc retrofit`` run needs."""
+
+    run_dir: str = "runs/default"
+    seed: int = 1234
+    precision: str = "auto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    dmc: DMCSection = field(default_factory=DMCSection)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+CHOICES = {
+    "precision": ("auto", "fp32", "bf16"),
+    "dmc.attention_backend": ("auto", "dense", "flex"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+}
+POSITIVE = {
+    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.ffn_hidden_size",
+    "model.max_seq_length", "data.seq_length", "data.micro_batch_size", "data.global_batch_size",
+    "parallel.tensor", "parallel.pipeline", "dmc.tau", "optim.lr", "logging.log_interval",
+    "checkpoint.keep_last", "model.rotary_base", "model.norm_epsilon",
+}
+NON_NEGATIVE = {
+    "schedule.pretrain_steps", "schedule.zero_out_steps", "schedule.retrofit_steps",
+    "schedule.solidify_steps", "checkpoint.save_interval", "logging.eval_interval",
+    "logging.eval_iters", "optim.weight_decay", "optim.clip_grad", "optim.warmup_steps",
+    "optim.min_lr_ratio",
+}
+
+
+def _check_type(key: str, value, hint):
+    """Coerces ``value`` to the annotated type or raises ConfigError."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if value is None:
+        raise ConfigError(f"{key}: null is not allowed (expected {hint.__name__})")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]}; accepted keys under "
+            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in values.items():
+        key = prefix + name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, key + ".")
+        else:
+            kwargs[name] = _check_type(key, value, hint)
+    return cls(**kwargs)
+
+
+def _validate(cfg: RunConfig) -> None:
+    flat = flatten(cfg)
+    for key, choices in CHOICES.items():
+        if flat[key] not in choices:
+            raise ConfigError(f"{key}: {flat[key]!r} is not one of {', '.join(choices)}")
+    for key in POSITIVE:
+        if flat[key] is not None and flat[key] <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {flat[key]!r}")
+    for key in NON_NEGATIVE:
+        if flat[key] < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {flat[key]!r}")
+    if cfg.dmc.target_cr < 1:
+        raise ConfigError(f"dmc.target_cr: must be >= 1, got {cfg.dmc.target_cr}")
+    if cfg.dmc.window is not None and cfg.dmc.window < 1:
+        raise ConfigError(f"dmc.window: must be null or >= 1, got {cfg.dmc.window}")
+    model = cfg.model
+    groups = model.num_query_groups or model.num_attention_heads
+    if model.hidden_size % model.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size ({model.hidden_size}) must be divisible by "
+            f"model.num_attention_heads ({model.num_attention_heads})"
+        )
+    if model.num_attention_heads % groups:
+        raise ConfigError(
+            f"model.num_query_groups ({groups}) must divide model.num_attention_heads "
+            f"({model.num_attention_heads})"
+        )
+    if groups % cfg.parallel.tensor:
+        raise ConfigError(
+            f"parallel.tensor ({cfg.parallel.tensor}) must divide model.num_query_groups ({groups})"
+        )
+    if model.num_layers % cfg.parallel.pipeline:
+        raise ConfigError(
+            f"parallel.pipeline ({cfg.parallel.pipeline}) must divide model.num_layers "
+            f"({model.num_layers})"
+        )
+    if cfg.data.global_batch_size % cfg.data.micro_batch_size:
+        raise ConfigError(
+            f"data.global_batch_size ({cfg.data.global_batch_size}) must be a multiple of "
+            f"data.micro_batch_size ({cfg.data.micro_batch_size})"
+        )
+    if cfg.data.seq_length > model.max_seq_length:
+        raise ConfigError(
+            f"data.seq_length ({cfg.data.seq_length}) exceeds model.max_seq_length "
+            f"({model.max_seq_length})"
+        )
+
+
+def flatten(cfg) -> dict:
+    """``{"model.num_layers": 4, ...}`` for a config dataclass."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update({f"{f.name}.{k}": v for k, v in flatten(value).items()})
+        else:
+            out[f.name] = value
+    return out
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict, key: str, value) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _merge(base: dict, update: dict) -> dict:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``"optim.lr=1e-5"`` -> ``("optim.lr", 1e-05)`` (values parsed as YAML scalars)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optim.lr=1e-5")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else None
+    if isinstance(value, str) and raw.strip().lower() in {"none", "null", "~"}:
+        value = None
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def load_config(paths=(), overrides=(), base: dict | None = None) -> RunConfig:
+    """Merges YAML files (left to right) and dotted overrides into a validated RunConfig."""
+    tree = dict(base or {})
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: expected a YAML mapping at the top level")
+        _merge(tree, loaded)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    cfg = _build(RunConfig, tree)
+    _validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

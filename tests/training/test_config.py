@@ -1,0 +1,49 @@
+import pytest
+
+from dmc.cli import main
+from dmc.training.config import ConfigError, load_config, parse_override
+
+
+def test_presets_load_and_merge():
+    cfg = load_config(["configs/models/llama2-7b.yaml", "configs/retrofit/cr4.yaml"])
+    assert cfg.model.num_layers == 32 and cfg.model.hidden_size == 4096
+    assert cfg.dmc.target_cr == 4.0 and cfg.dmc.window == 12 and cfg.dmc.tau == 0.1
+    assert cfg.optim.lr == 3e-5 and cfg.optim.adam_eps == 1e-5 and cfg.optim.clip_grad == 1.0
+    assert cfg.schedule.zero_out_steps == 250 and cfg.schedule.solidify_steps == 2000
+    for name in ("tiny", "llama2-13b", "llama2-70b", "llama3-8b"):
+        load_config([f"configs/models/{name}.yaml", "configs/retrofit/cr2.yaml"])
+
+
+def test_overrides_are_typed():
+    cfg = load_config([], ["optim.lr=1e-5", "dmc.window=null", "dmc.hard=true", "seed=3"])
+    assert cfg.optim.lr == 1e-5 and cfg.dmc.window is None and cfg.dmc.hard is True
+    assert parse_override("model.rotary_base=5e5") == ("model.rotary_base", 500000.0)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lrr=1", r"unknown key optim.lrr; accepted keys under optim: .*lr"),
+    ("modle.num_layers=2", r"unknown key modle; accepted keys under the top level: .*model"),
+    ("precision=fp8", r"precision: 'fp8' is not one of auto, fp32, bf16"),
+    ("data.seq_length=abc", r"data.seq_length: expected an integer"),
+    ("dmc.target_cr=0.5", r"dmc.target_cr: must be >= 1"),
+    ("model.num_query_groups=3", r"model.num_query_groups \(3\) must divide"),
+    ("schedule.zero_out_steps=-1", r"schedule.zero_out_steps: must be >= 0"),
+    ("dmc.attention_backend=sdpa", r"dmc.attention_backend: 'sdpa' is not one of auto, dense, flex"),
+    ("optim.lr", r"expected KEY=VALUE"),
+])
+def test_bad_values_name_the_key_and_accepted_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], [override])
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(["nope.yaml"])
+
+
+def test_cli_dry_run_and_errors(capsys):
+    assert main(["retrofit", "--config", "configs/models/tiny.yaml", "--dry-run",
+                 "dmc.target_cr=3"]) == 0
+    assert "target_cr: 3.0" in capsys.readouterr().out
+    assert main(["retrofit", "--dry-run", "dmc.tau=0"]) == 2
+    assert "dmc.tau: must be > 0" in capsys.readouterr().err

@@ -1,0 +1,81 @@
+"""Tiny retrofits on CPU: phases, CR, checkpoints at CR crossings, exact resume."""
+import json
+
+import pytest
+
+from dmc.training import checkpoint as ckpt
+from dmc.training.config import load_config
+from dmc.training.trainer import Trainer
+
+from conftest import tiny_overrides
+
+
+def _cfg(tiny_data, run_dir, **extra):
+    return load_config([], tiny_overrides(tiny_data, run_dir, **extra))
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full")
+    cfg = _cfg(tiny_data, run_dir, **{
+        "schedule.zero_out_steps": 3, "schedule.retrofit_steps": 12,
+        "schedule.solidify_steps": 5, "dmc.target_cr": 2.0, "checkpoint.save_interval": 0,
+        "optim.lr": 1e-2, "logging.eval_interval": 10})
+    trainer = Trainer(cfg, "retrofit")
+    results = trainer.run()
+    return trainer, results, run_dir
+
+
+def test_three_phases_run_and_cr_rises(full_run):
+    trainer, results, _ = full_run
+    assert [r.phase for r in results] == ["zero_out"] * 3 + ["retrofit"] * 12 + ["solidify"] * 5
+    assert results[2].target_cr == 1.0 and results[3].target_cr > 1.0
+    assert results[14].target_cr == pytest.approx(2.0) and results[-1].target_cr == 2.0
+    first, last = results[3], results[-1]
+    assert last.measured_cr > first.measured_cr + 0.1
+    assert all(r.cr_loss >= 0 for r in results)
+    assert results[-1].lr < results[14].lr  # cosine during solidify
+    evaluation = trainer.evaluate()
+    assert evaluation["valid_cr"] >= 1.0 and evaluation["valid_loss"] > 0
+
+
+def test_checkpoints_at_crossed_crs_and_phase_ends(full_run, tiny_data, tmp_path):
+    trainer, _, run_dir = full_run
+    root = run_dir / "checkpoints"
+    for name in ("cr_1.5", "cr_2.0", "zero_out", "retrofit", "solidify"):
+        assert (root / name / "state.json").is_file(), name
+    assert (root / "cr_2.0" / "cr_heatmap.png").stat().st_size > 1000
+    state = ckpt.read_state(root / "cr_1.5")
+    assert state["target_cr"] == pytest.approx(1.5, abs=0.1) and state["phase"] == "retrofit"
+    fresh = Trainer(_cfg(tiny_data, tmp_path, **{"checkpoint.load_base": str(root / "cr_1.5"),
+                                                 "schedule.zero_out_steps": 0}), "retrofit")
+    ckpt.load_checkpoint(root / "cr_1.5", fresh.module)
+    assert fresh.evaluate()["valid_loss"] > 0
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 20 and "valid_loss" in json.loads(lines[9])
+
+
+def test_kill_and_resume_reproduces_losses(tiny_data, tmp_path):
+    extra = {"schedule.zero_out_steps": 2, "schedule.retrofit_steps": 6,
+             "schedule.solidify_steps": 3, "checkpoint.save_interval": 3}
+    straight = Trainer(_cfg(tiny_data, tmp_path / "a", **extra), "retrofit").run()
+    killed = Trainer(_cfg(tiny_data, tmp_path / "b", **extra), "retrofit")
+    killed.run(stop_after=7)  # dies after step index 6; last checkpoint holds 6 steps
+    resumed = Trainer(_cfg(tiny_data, tmp_path / "b", **extra), "retrofit")
+    assert resumed.step == 6
+    tail = resumed.run()
+    assert [r.step for r in tail] == list(range(6, 11))
+    for got, want in zip(tail, straight[6:]):
+        assert got.lm_loss == pytest.approx(want.lm_loss, abs=1e-6)
+        assert got.cr_loss == pytest.approx(want.cr_loss, abs=1e-6)
+
+
+def test_one_phase_at_a_time(tiny_data, tmp_path):
+    extra = {"schedule.zero_out_steps": 2, "schedule.retrofit_steps": 2,
+             "schedule.solidify_steps": 1}
+    first = Trainer(_cfg(tiny_data, tmp_path, **extra), "retrofit")
+    with pytest.raises(ValueError, match="run the earlier phases first"):
+        first.run(phase="retrofit")
+    assert [r.phase for r in first.run(phase="zero_out")] == ["zero_out"] * 2
+    second = Trainer(_cfg(tiny_data, tmp_path, **extra), "retrofit")
+    assert [r.phase for r in second.run(phase="retrofit")] == ["retrofit"] * 2
