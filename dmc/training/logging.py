@@ -58,8 +58,9 @@ class RunLogger:
         self.bar.refresh()
 
     def write(self, text: str) -> None:
+        """A message line on stderr (stdout stays free for --json output)."""
         if self.enabled:
-            (self.bar.write if self.bar is not None else print)(text)
+            tqdm.write(text, file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:
