@@ -62,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    overrides = [e for e in extra if "=" in e and not e.startswith("-")]
+    unknown = [e for e in extra if e not in overrides]
+    if unknown or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = args.overrides + overrides
     try:
         if args.command == "data":
             from dmc.data.prepare import run_prepare

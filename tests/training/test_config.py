@@ -47,3 +47,13 @@ def test_cli_dry_run_and_errors(capsys):
     assert "target_cr: 3.0" in capsys.readouterr().out
     assert main(["retrofit", "--dry-run", "dmc.tau=0"]) == 2
     assert "dmc.tau: must be > 0" in capsys.readouterr().err
+
+
+def test_cli_overrides_may_follow_options(capsys):
+    argv = ["pretrain", "--config", "configs/models/tiny.yaml", "seed=5", "--json", "--dry-run",
+            "optim.lr=0.002"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert '"seed": 5' in out and '"lr": 0.002' in out
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--dry-run", "--bogus"])

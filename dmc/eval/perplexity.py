@@ -1,0 +1,217 @@
+"""Perplexity on held-out tokens with the REAL compressed cache (``dmc eval ppl``).
+
+Each held-out sequence is teacher-forced through :meth:`dmc.inference.Engine.score`: chunked
+prefill into the paged cache (DMC merges included), logits of every position, NLL of every next
+token. The measured compression ratio (tokens seen / slots kept) is reported overall, per layer and
+per KV head, summed over all sequences. :func:`model_perplexity` is the same number from the
+eval-mode megatron model's full forward (no cache), for cross-checks.
+
+Token sources (:func:`load_token_sequences`): a megatron indexed dataset prefix
+(``PREFIX.bin``/``PREFIX.idx``), a folder made by ``dmc data prepare`` (its ``valid`` split), or
+a ``.pt``/``.npy`` file holding a 1-D token stream or a 2-D ``[sequences, length]`` array.
+A stream (documents concatenated, EOD ids kept) is cut into non-overlapping ``seq_len`` windows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+DEFAULT_SEQ_LEN = 256
+
+
+def token_windows(stream: Sequence[int] | torch.Tensor, seq_len: int,
+                  num_sequences: int | None = None) -> list[list[int]]:
+    """Non-overlapping ``seq_len``-token windows of a 1-D stream (the incomplete tail dropped),
+    at most ``num_sequences`` of them."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2 (one prediction needs two tokens), got {seq_len}")
+    stream = torch.as_tensor(stream).reshape(-1).tolist()
+    count = len(stream) // seq_len
+    if num_sequences is not None:
+        count = min(count, num_sequences)
+    return [stream[i * seq_len:(i + 1) * seq_len] for i in range(count)]
+
+
+def load_token_sequences(path: str | os.PathLike, seq_len: int,
+                         num_sequences: int | None = None) -> list[list[int]]:
+    """Held-out sequences from ``path`` (see the module docstring for the accepted sources)."""
+    path = Path(path)
+    if path.suffix in (".pt", ".npy") and path.is_file():
+        if path.suffix == ".pt":
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            import numpy
+
+            data = torch.from_numpy(numpy.load(path).astype("int64"))
+        data = torch.as_tensor(data)
+        if data.dim() == 2:
+            rows = data[:num_sequences] if num_sequences is not None else data
+            return [row.tolist() for row in rows]
+        if data.dim() != 1:
+            raise ValueError(f"{path}: expected a 1-D token stream or a 2-D [N, L] array")
+        return token_windows(data, seq_len, num_sequences)
+    prefix = path
+    if path.is_dir():
+        from dmc.data.prepare import split_prefix
+
+        prefix = split_prefix(path, "valid")
+    if not Path(f"{prefix}.bin").is_file() or not Path(f"{prefix}.idx").is_file():
+        raise FileNotFoundError(
+            f"no tokens at {str(path)!r}: expected a .pt/.npy file, an indexed dataset prefix "
+            f"(PREFIX.bin + PREFIX.idx) or a folder made by `dmc data prepare`"
+        )
+    from dmc.data.indexed import read_indexed_dataset
+
+    stream = [t for doc in read_indexed_dataset(prefix) for t in doc]
+    return token_windows(stream, seq_len, num_sequences)
+
+
+def evaluate_perplexity(engine, sequences: Iterable[Sequence[int]], *,
+                        progress: bool = False) -> dict:
+    """Perplexity of ``sequences`` through ``engine`` (a :class:`dmc.inference.Engine`), with
+    its real compressed cache. Returns a JSON-able dict::
+
+        {"perplexity", "nll" (mean per predicted token), "tokens" (predicted), "sequences",
+         "chunk_size", "page_size", "dmc": bool, "per_sequence_nll": [...],
+         "compression": {"cr", "tokens", "slots", "per_layer", "per_head"}}
+    """
+    from dmc.inference.engine import CompressionStats
+
+    sequences = [list(s) for s in sequences]
+    if not sequences:
+        raise ValueError("evaluate_perplexity: no sequences")
+    iterator = sequences
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(sequences, unit="seq", desc="ppl")
+    nll, count, per_sequence, stats = 0.0, 0, [], []
+    for tokens in iterator:
+        if len(tokens) < 2:
+            raise ValueError("evaluate_perplexity: every sequence needs at least two tokens")
+        result = engine.score(tokens)
+        seq_nll = -float(result.token_logprobs.sum())
+        nll += seq_nll
+        count += len(tokens) - 1
+        per_sequence.append(seq_nll / (len(tokens) - 1))
+        stats.append(result.compression)
+    mean = nll / count
+    return {
+        "perplexity": math.exp(mean),
+        "nll": mean,
+        "tokens": count,
+        "sequences": len(sequences),
+        "chunk_size": engine.chunk_size,
+        "page_size": engine.page_size,
+        "dmc": engine.dmc is not None,
+        "per_sequence_nll": per_sequence,
+        "compression": CompressionStats.combine(stats).to_dict(),
+    }
+
+
+@torch.inference_mode()
+def model_perplexity(model, sequences: Iterable[Sequence[int]]) -> dict:
+    """Perplexity from the megatron model's full forward (one sequence at a time). DMC models run
+    in ``eval`` mode (hard decisions, the runtime's mode is restored afterwards): the number the
+    engine's real cache must reproduce. Returns ``{"perplexity", "nll", "tokens", "sequences"}``."""
+    from dmc.megatron.attention import dmc_layers
+
+    layers = dmc_layers(model)
+    runtime = layers[0].dmc if layers else None
+    mode = runtime.mode if runtime else None
+    if runtime:
+        runtime.set_mode("eval")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    nll, count, n = 0.0, 0, 0
+    try:
+        for tokens in sequences:
+            ids = torch.as_tensor(list(tokens), device=device)[None]
+            positions = torch.arange(ids.shape[1], device=device)[None]
+            logits = model(ids, positions, None)[0].double()
+            logp = torch.log_softmax(logits[:-1], dim=-1)
+            nll -= float(logp.gather(-1, ids[0, 1:, None]).sum())
+            count += ids.shape[1] - 1
+            n += 1
+    finally:
+        if runtime:
+            runtime.set_mode(mode)
+        model.train(was_training)
+    if not count:
+        raise ValueError("model_perplexity: no sequences")
+    return {"perplexity": math.exp(nll / count), "nll": nll / count, "tokens": count,
+            "sequences": n}
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the ``dmc eval ppl`` flags on ``parser``; returns it."""
+    parser.add_argument("--state-dict", required=True, metavar="FILE.pt",
+                        help="model file written by dmc.inference.save_inference_state: a dict "
+                        "{'model_config', 'dmc_config' (or None), 'state_dict'}")
+    parser.add_argument("--data", required=True, metavar="PATH",
+                        help="held-out tokens: an indexed dataset prefix (PREFIX.bin/.idx), a "
+                        "folder made by `dmc data prepare` (its valid split), or a .pt/.npy "
+                        "1-D token stream or 2-D [N, L] array")
+    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+                        help="tokens per evaluated sequence (default: %(default)s)")
+    parser.add_argument("--num-sequences", type=int, default=None,
+                        help="evaluate at most this many sequences (default: all)")
+    parser.add_argument("--chunk-size", type=int, default=512,
+                        help="prefill chunk in tokens (default: %(default)s)")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="slots per KV page (default: %(default)s)")
+    parser.add_argument("--cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        default="auto", help="KV cache dtype (default: the model's)")
+    parser.add_argument("--compare-full-forward", action="store_true",
+                        help="also report the perplexity of the model's full forward (no cache)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    return parser
+
+
+def run_ppl(args: argparse.Namespace) -> int:
+    """Run ``dmc eval ppl`` from parsed arguments; prints a summary (or JSON); returns 0."""
+    from dmc.inference.engine import Engine
+
+    sequences = load_token_sequences(args.data, args.seq_len, args.num_sequences)
+    if not sequences:
+        raise ValueError(f"--data {args.data}: fewer than --seq-len={args.seq_len} tokens")
+    longest = max(len(s) for s in sequences)
+    engine = Engine.from_file(
+        args.state_dict, max_batch=1, page_size=args.page_size, chunk_size=args.chunk_size,
+        max_seq_len=longest, cache_dtype=_dtype(args.cache_dtype),
+    )
+    result = evaluate_perplexity(engine, sequences, progress=not (args.quiet or args.json))
+    if args.compare_full_forward:
+        result["full_forward"] = model_perplexity(engine.model, sequences)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(summary(result))
+    return 0
+
+
+def summary(result: dict) -> str:
+    comp = result["compression"]
+    lines = [
+        f"perplexity {result['perplexity']:.4f} (nll {result['nll']:.5f}) over "
+        f"{result['tokens']} predicted tokens in {result['sequences']} sequences",
+        f"measured CR {comp['cr']:.3f} ({comp['tokens']} tokens per KV head, {comp['slots']} "
+        f"slots kept over {len(comp['per_layer'])} layers x {len(comp['per_head'][0])} KV heads)",
+        "CR per layer " + " ".join(f"{x:.2f}" for x in comp["per_layer"]),
+    ]
+    if "full_forward" in result:
+        lines.append(f"full forward perplexity {result['full_forward']['perplexity']:.4f}")
+    return "\n".join(lines)
+
+
+def _dtype(name: str):
+    return None if name == "auto" else getattr(torch, name)

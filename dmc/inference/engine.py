@@ -1,0 +1,871 @@
+"""``Engine``: serving a megatron-core GPT model (vanilla, GQA or DMC) with the paged per-head cache.
+
+The engine reuses the model's own modules (``embedding``, each layer's ``input_layernorm``,
+``linear_qkv`` split, ``linear_proj``, ``pre_mlp_layernorm``, ``mlp``, the final norm and the
+output layer) and replaces only attention, which reads and writes a
+:class:`~dmc.inference.cache.PagedKVCache`. TP = PP = 1.
+
+DMC semantics are those of ``DMCSelfAttention`` in ``eval`` mode (whatever mode the model's runtime
+is in): ``alpha_t = [k_t[-1] - c > 0]`` (``alpha_0 = 0``), ``omega_t = sigmoid(mean over the query
+group of q_t[-1] + c)`` floored at ``OMEGA_MIN``, both channels zeroed before and after RoPE,
+window-grouped (or exact) accumulation of pre-RoPE keys and values, RoPE at the newest token's
+position, attention over slots (a slot is visible to later queries once closed; the open slot is
+visible to the current query).
+
+Prefill is exact and chunked: a prompt is processed ``chunk_size`` tokens at a time, each chunk
+attending to the already-compressed cache plus itself under the hard-decision mask; the chunk is
+then packed into the cache (:meth:`PagedKVCache.pack_prefill`). The open slot's pre-RoPE state
+(the last ``window`` tokens, or the running mean and weight) is prepended to the next chunk so that
+merges across chunk boundaries equal the full-sequence accumulation.
+
+Decode is batched over sequences of any prompt length and any per-head cache length; sequences
+finish independently (stop tokens, ``max_new_tokens``) and free their pages at once.
+
+Out of pages, the engine **preempts**: when a decode step's layer needs more pages than are free,
+the youngest running sequence (latest arrival) is freed and re-queued at the front; it restarts
+later by re-prefilling its prompt plus the tokens it already generated (its sampler state is kept,
+so its output is the same as without preemption). :class:`CacheFullError` is raised only when a
+single sequence cannot fit in the whole pool on its own (the request is then dropped).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from dmc.inference.cache import CacheFullError, PagedKVCache
+from dmc.inference.kernels import apply_rope
+from dmc.inference.sampling import SamplingParams, make_generator, sample_token
+from dmc.megatron.runtime import DMCConfig, DMCRuntime
+from dmc.ops import partial_accumulate
+from dmc.ops.decisions import DECISION_CHANNEL, OMEGA_MIN
+from dmc.ops.mask import bias_from_log_keep, log_keep_next
+
+STATE_FORMAT = 1
+MODEL_CONFIG_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                         "vocab_size")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class CompressionStats:
+    """Measured compression of the cache of one sequence (or of several, summed).
+
+    tokens: tokens written into every (layer, KV head), summed over sequences.
+    slots: ``[layers, kv_heads]`` slots kept, summed over sequences.
+    CR = tokens / slots (per head), ``tokens * heads / sum(slots)`` per layer and overall.
+    """
+
+    tokens: int
+    slots: torch.Tensor
+
+    @property
+    def overall(self) -> float:
+        return _ratio(self.tokens * self.slots.numel(), int(self.slots.sum()))
+
+    @property
+    def per_layer(self) -> list[float]:
+        heads = self.slots.shape[1]
+        return [_ratio(self.tokens * heads, int(s)) for s in self.slots.sum(1)]
+
+    @property
+    def per_head(self) -> list[list[float]]:
+        return [[_ratio(self.tokens, int(s)) for s in row] for row in self.slots]
+
+    def __add__(self, other: CompressionStats) -> CompressionStats:
+        return CompressionStats(self.tokens + other.tokens, self.slots + other.slots)
+
+    @staticmethod
+    def combine(stats: Iterable[CompressionStats]) -> CompressionStats:
+        stats = list(stats)
+        if not stats:
+            raise ValueError("CompressionStats.combine needs at least one entry")
+        total = stats[0]
+        for s in stats[1:]:
+            total = total + s
+        return total
+
+    def to_dict(self) -> dict:
+        return {
+            "cr": self.overall,
+            "tokens": self.tokens,
+            "slots": int(self.slots.sum()),
+            "per_layer": self.per_layer,
+            "per_head": self.per_head,
+        }
+
+
+def _ratio(tokens: int, slots: int) -> float:
+    return tokens / slots if slots else 1.0
+
+
+@dataclass
+class GenerationResult:
+    """A finished request.
+
+    tokens: generated ids (the stop token included when one ended the request).
+    finish_reason: ``"stop"`` (a stop token) or ``"length"`` (``max_new_tokens``).
+    logprobs: log-probability of each generated token under the model (before temperature,
+        top-k, top-p).
+    compression: the cache at the end (prompt + generated tokens but the last, which was never
+        fed back).
+    kv_pages, kv_bytes: pages (and their K+V bytes) the sequence held at the end.
+    preemptions: how many times it was preempted and restarted.
+    """
+
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+    logprobs: list[float]
+    compression: CompressionStats
+    kv_pages: int
+    kv_bytes: int
+    preemptions: int = 0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["compression"] = self.compression.to_dict()
+        return out
+
+
+@dataclass
+class ScoreResult:
+    """Teacher-forced scoring of one token sequence (see :meth:`Engine.score`).
+
+    token_logprobs: ``[n - 1]`` float64, ``log p(tokens[i + 1] | tokens[: i + 1])``.
+    logits: ``[n, vocab]`` float32 when asked for, else None.
+    compression: the cache after all ``n`` tokens.
+    """
+
+    token_logprobs: torch.Tensor
+    logits: torch.Tensor | None
+    compression: CompressionStats
+
+
+@dataclass
+class _Sequence:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int | None = None
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+# ----------------------------------------------------------------------------- engine
+class Engine:
+    """Chunked-prefill, batched-decode generation with a paged (DMC-compressed) KV cache.
+
+    Args:
+        model: a megatron-core ``GPTModel`` from :func:`dmc.megatron.model.build_gpt_model`
+            (TP = PP = 1, RoPE). The engine puts it in ``eval()`` mode and runs it under
+            ``torch.inference_mode``.
+        dmc: ``"auto"`` (DMC semantics when the model has ``DMCSelfAttention`` layers, with their
+            runtime's config), a :class:`DMCRuntime` or :class:`DMCConfig` (DMC semantics with
+            these ``c`` and ``window``, whatever the attention modules are), or ``None``
+            (vanilla attention).
+        num_pages: pages in the pool; default: room for ``max_batch`` uncompressed sequences of
+            ``max_seq_len`` tokens.
+        page_size: slots per page.
+        max_batch: most sequences running at once (= cache sequence slots).
+        max_seq_len: most tokens (prompt + generated) per sequence; default: the model's
+            ``max_sequence_length``.
+        chunk_size: prefill chunk in tokens.
+        cache_dtype: dtype of the page pools; default: the model's parameter dtype.
+        use_triton: kernel choice (None: Triton on CUDA, PyTorch on CPU).
+        seed: base seed of requests that set none (request ``i`` uses ``seed + i``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dmc: DMCRuntime | DMCConfig | str | None = "auto",
+        *,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        max_batch: int = 64,
+        max_seq_len: int | None = None,
+        chunk_size: int = 512,
+        cache_dtype: torch.dtype | None = None,
+        use_triton: bool | None = None,
+        seed: int = 0,
+    ):
+        from megatron.core import parallel_state
+        from megatron.core.transformer.attention import SelfAttention
+
+        self._get_qkv = SelfAttention.get_query_key_value_tensors  # no zero_out scaling
+        if (parallel_state.get_tensor_model_parallel_world_size() != 1
+                or parallel_state.get_pipeline_model_parallel_world_size() != 1):
+            raise ValueError("Engine supports tensor_parallel = pipeline_parallel = 1 only")
+        if not (getattr(model, "pre_process", False) and getattr(model, "post_process", False)):
+            raise ValueError("Engine needs a whole model (pre_process and post_process)")
+        if chunk_size < 1 or max_batch < 1 or page_size < 1:
+            raise ValueError("chunk_size, max_batch and page_size must be >= 1")
+        self.model = model.eval()
+        self.config = model.config
+        self.layers = list(model.decoder.layers)
+        self.dmc = _resolve_dmc(self.layers, dmc)
+        attn = self.layers[0].self_attention
+        self.num_layers = len(self.layers)
+        self.num_heads = attn.num_attention_heads_per_partition
+        self.num_kv_heads = attn.num_query_groups_per_partition
+        self.head_dim = attn.hidden_size_per_attention_head
+        self.group = self.num_heads // self.num_kv_heads
+        self.scale = self.config.softmax_scale or self.head_dim ** -0.5
+        self.inv_freq = _rope_inv_freq(model, self.head_dim)
+        if self.config.apply_residual_connection_post_layernorm:
+            raise ValueError("Engine supports pre-norm residuals only")
+
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_seq_len = int(max_seq_len or model.max_sequence_length)
+        self.page_size, self.max_batch, self.chunk_size = page_size, max_batch, chunk_size
+        if num_pages is None:
+            num_pages = (max_batch * math.ceil(self.max_seq_len / page_size)
+                         * self.num_layers * self.num_kv_heads)
+        self.cache = PagedKVCache(
+            self.num_layers, self.num_kv_heads, self.head_dim, num_pages, page_size=page_size,
+            max_seqs=max_batch, window=self.dmc.window if self.dmc else None,
+            dtype=cache_dtype or self.dtype, device=self.device, max_seq_len=self.max_seq_len,
+        )
+        self.cache.inv_freq = self.inv_freq.clone()
+        self.use_triton = use_triton
+        self.seed = seed
+        self._next_id = 0
+        self._waiting: list[_Sequence] = []
+        self._running: list[_Sequence] = []
+        self._blocked_at: int | None = None  # free pages when a prefill last ran out
+        self._seen = [0, 0]  # token-head entries and slots of prefilled sequences (CR estimate)
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_state_dict(cls, state_dict: dict, model_config: dict,
+                        dmc_config: DMCConfig | dict | None = None, **engine_kwargs) -> Engine:
+        """Build the model from ``model_config`` (see :func:`build_model_from_config`), load
+        ``state_dict`` into it and wrap it; ``dmc_config`` None = a vanilla model."""
+        model = build_model_from_config(model_config, dmc_config)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(
+                f"state dict does not match the model config: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        return cls(model, **engine_kwargs)
+
+    @classmethod
+    def from_file(cls, path, **engine_kwargs) -> Engine:
+        """An engine from a file written by :func:`save_inference_state`."""
+        saved = load_inference_state(path)
+        return cls.from_state_dict(saved["state_dict"], saved["model_config"],
+                                   saved["dmc_config"], **engine_kwargs)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a prompt (token ids); returns its request id (arrival order)."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("add_request: the prompt must hold at least one token")
+        longest = len(prompt) + params.max_new_tokens - 1
+        if longest > self.max_seq_len:
+            raise ValueError(
+                f"add_request: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens})"
+                f" - 1 = {longest} tokens exceed max_seq_len = {self.max_seq_len}"
+            )
+        vocab = self.model.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"add_request: token ids must be in [0, {vocab})")
+        request_id = self._next_id
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else self.seed + request_id
+        generator = None if params.greedy else make_generator(seed)
+        self._waiting.append(_Sequence(request_id, prompt, params, generator))
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> list[GenerationResult]:
+        """Admit (prefill) waiting requests while they fit, then one decode step for every
+        running sequence. Returns the requests that finished during this step."""
+        finished: list[GenerationResult] = []
+        with torch.inference_mode():
+            self._admit(finished)
+            if self._running:
+                self._sync()
+                started = time.perf_counter()
+                self._decode(list(self._running), finished)
+                self._sync()
+                self.stats["decode_seconds"] += time.perf_counter() - started
+                self.stats["decode_steps"] += 1
+        return finished
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (continuous batching); results in prompt order.
+
+        ``params`` is one :class:`SamplingParams` for all prompts or one per prompt;
+        ``progress`` shows a tqdm bar over generated tokens.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        budget = {i: sp.max_new_tokens for i, sp in zip(ids, params)}
+        results: dict[int, GenerationResult] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(budget.values()), unit="tok", desc="generate")
+        wanted = set(ids)
+        while wanted - results.keys():
+            if not self.has_unfinished():
+                raise RuntimeError("generate: requests vanished from the engine")
+            before = self.stats["generated_tokens"]
+            for result in self.step():
+                results[result.request_id] = result
+                if bar is not None:  # a stop token ends a request early: count its rest as done
+                    bar.update(budget[result.request_id] - len(result.tokens))
+            if bar is not None:
+                bar.update(self.stats["generated_tokens"] - before)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
+
+    @torch.inference_mode()
+    def score(self, tokens: Sequence[int], *, return_logits: bool = False) -> ScoreResult:
+        """Teacher forcing through the real compressed cache: chunked prefill of ``tokens`` and
+        the log-probability of every next token. Uses one sequence slot and its pages for the
+        duration of the call (no preemption: :class:`CacheFullError` when they do not fit)."""
+        tokens = [int(t) for t in tokens]
+        if len(tokens) < 1 or len(tokens) > self.max_seq_len:
+            raise ValueError(f"score: need 1..{self.max_seq_len} tokens, got {len(tokens)}")
+        target = torch.tensor(tokens[1:] + [0], device=self.device)
+        logprobs, kept = [], []
+
+        def consume(start, logits):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            picked = logp.gather(-1, target[start:start + logits.shape[0], None])[:, 0]
+            logprobs.append(picked.double().cpu())
+            if return_logits:
+                kept.append(logits.float().cpu())
+
+        slot = self.cache.add_sequence()
+        try:
+            self._prefill(slot, tokens, consume, all_logits=True)
+            compression = self._compression(slot, len(tokens))
+        finally:
+            self.cache.free_sequence(slot)
+        return ScoreResult(torch.cat(logprobs)[:-1], torch.cat(kept) if return_logits else None,
+                           compression)
+
+    def reset_stats(self) -> None:
+        """Zero the counters in ``self.stats``."""
+        self.stats = {
+            "prefill_tokens": 0, "prefill_seconds": 0.0, "decode_steps": 0,
+            "decode_tokens": 0, "decode_seconds": 0.0, "generated_tokens": 0,
+            "preemptions": 0, "peak_running": 0, "peak_pages": 0,
+        }
+
+    # ------------------------------------------------------------------ scheduling
+    def _admit(self, finished: list[GenerationResult]) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            seq = self._waiting[0]
+            if self._running:
+                if self._blocked_at is not None and self.cache.free_pages <= self._blocked_at:
+                    return
+                reserve = self.num_layers * self.num_kv_heads
+                if self._estimate_pages(len(seq.tokens)) + reserve > self.cache.free_pages:
+                    return
+            self._waiting.pop(0)
+            seq.slot = self.cache.add_sequence()
+            last = []
+            self._sync()
+            started = time.perf_counter()
+            try:
+                self._prefill(seq.slot, seq.tokens, lambda start, logits: last.append(logits))
+            except CacheFullError as error:
+                self.cache.free_sequence(seq.slot)
+                seq.slot = None
+                if not self._running:
+                    raise CacheFullError(
+                        f"request {seq.request_id}: {len(seq.tokens)} tokens do not fit in the "
+                        f"whole pool ({self.cache.num_pages} pages of {self.page_size} slots); "
+                        f"the request was dropped"
+                    ) from error
+                self._waiting.insert(0, seq)
+                self._blocked_at = self.cache.free_pages
+                return
+            finally:
+                self._sync()
+                self.stats["prefill_seconds"] += time.perf_counter() - started
+            self.stats["prefill_tokens"] += len(seq.tokens)
+            self._blocked_at = None
+            self._running.append(seq)
+            self._note_usage()
+            lengths = self.cache.head_lengths(seq.slot)
+            self._seen[0] += len(seq.tokens) * lengths.numel()
+            self._seen[1] += int(lengths.sum())
+            self._accept([seq], last[-1][-1:], finished)
+
+    def _estimate_pages(self, tokens: int) -> int:
+        """Pages a prompt of ``tokens`` is expected to take, at the CR seen so far."""
+        cr = self._seen[0] / self._seen[1] if self._seen[1] else 1.0
+        per_head = math.ceil(tokens / cr / self.page_size)
+        return per_head * self.num_layers * self.num_kv_heads
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free ``seq``'s pages and put it back at the front of the queue (arrival order)."""
+        self.cache.free_sequence(seq.slot)
+        seq.slot = None
+        seq.preemptions += 1
+        self.stats["preemptions"] += 1
+        self._running.remove(seq)
+        self._waiting.append(seq)
+        self._waiting.sort(key=lambda s: s.request_id)
+
+    def _accept(self, seqs: list[_Sequence], logits: torch.Tensor,
+                finished: list[GenerationResult]) -> None:
+        """Sample the next token of each sequence from ``logits [batch, vocab]``."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            token = greedy[i] if seq.params.greedy else sample_token(logits[i], seq.params,
+                                                                     seq.generator)
+            seq.generated.append(token)
+            seq.logprobs.append(float(logp[i, token]))
+            self.stats["generated_tokens"] += 1
+            if token in seq.params.stop_tokens:
+                finished.append(self._finish(seq, "stop"))
+            elif len(seq.generated) >= seq.params.max_new_tokens:
+                finished.append(self._finish(seq, "length"))
+
+    def _finish(self, seq: _Sequence, reason: str) -> GenerationResult:
+        lengths = self.cache.head_lengths(seq.slot).long()
+        pages = int(((lengths + self.page_size - 1) // self.page_size).sum())
+        compression = self._compression(seq.slot, len(seq.tokens) - 1)
+        self.cache.free_sequence(seq.slot)
+        self._running.remove(seq)
+        return GenerationResult(
+            seq.request_id, seq.prompt, list(seq.generated), reason, list(seq.logprobs),
+            compression, pages, pages * self.cache.page_bytes, seq.preemptions,
+        )
+
+    def _compression(self, slot: int, tokens: int) -> CompressionStats:
+        return CompressionStats(tokens, self.cache.head_lengths(slot).long())
+
+    def _note_usage(self) -> None:
+        self.stats["peak_running"] = max(self.stats["peak_running"], len(self._running))
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.cache.pages_in_use)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ model pieces
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``tokens [batch, seq] -> [seq, batch, hidden]``."""
+        return self.model.embedding(input_ids=tokens, position_ids=positions)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[seq, batch, hidden] -> [seq, batch, vocab]`` (final norm and output layer)."""
+        hidden = self.model.decoder.final_layernorm(hidden)
+        weight = None
+        if self.model.share_embeddings_and_output_weights:
+            weight = self.model.shared_embedding_or_output_weight()
+        logits, _ = self.model.output_layer(hidden, weight=weight)
+        return logits
+
+    def _qkv(self, layer, hidden):
+        """``[seq, batch, hidden] ->`` q ``[seq, batch, heads, dim]``, k, v ``[.., kv_heads, dim]``."""
+        return self._get_qkv(layer.self_attention, hidden)
+
+    def _decisions(self, query, key):
+        """Eval-mode DMC decisions of ``query [..., heads, dim]``, ``key [..., kv_heads, dim]``:
+        returns zeroed q and k, ``alpha [..., kv_heads]`` in {0, 1} and ``omega`` (float32)."""
+        alpha = (key[..., DECISION_CHANNEL] - self.dmc.c > 0).float()
+        groups = query[..., DECISION_CHANNEL].unflatten(-1, (self.num_kv_heads, self.group))
+        omega = torch.sigmoid(groups.mean(dim=-1) + self.dmc.c).clamp_min(OMEGA_MIN).float()
+        return _zero_channel(query), _zero_channel(key), alpha, omega
+
+    def _finish_layer(self, layer, x, context):
+        """Output projection, residual, MLP block. ``context [seq, batch, heads * dim]``."""
+        out, bias = layer.self_attention.linear_proj(context.to(x.dtype))
+        x = x + out if bias is None else x + out + bias
+        out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+        return x + out if bias is None else x + out + bias
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, slot: int, tokens: list[int],
+                 consume: Callable[[int, torch.Tensor], None], all_logits: bool = False) -> None:
+        """Exact chunked prefill of ``tokens`` into sequence ``slot`` (empty). ``consume(start,
+        logits [n, vocab])`` receives the logits of every chunk (``all_logits``) or of the last
+        token only."""
+        total = len(tokens)
+        ids = torch.tensor(tokens, device=self.device)
+        for start in range(0, total, self.chunk_size):
+            end = min(start + self.chunk_size, total)
+            positions = torch.arange(start, end, device=self.device)
+            x = self._embed(ids[None, start:end], positions[None])
+            for index, layer in enumerate(self.layers):
+                x = self._prefill_layer(index, layer, x, slot, start)
+            if all_logits:
+                consume(start, self._logits(x)[:, 0])
+            elif end == total:
+                consume(end - 1, self._logits(x[-1:])[:, 0])
+
+    def _prefill_layer(self, index, layer, x, slot, start):
+        n = x.shape[0]
+        query, key, value = self._qkv(layer, layer.input_layernorm(x))
+        query, key, value = query[:, 0], key[:, 0], value[:, 0]  # [n, heads, dim]
+        positions = torch.arange(start, start + n, device=self.device)
+        lengths = self.cache.head_lengths(slot)[index].long()  # host [kv_heads]
+        heads = self.num_kv_heads
+        if self.dmc is None:
+            keys = apply_rope(key.float().transpose(0, 1), positions, self.inv_freq)  # [kv, n, d]
+            values = value.float().transpose(0, 1)
+            chunk_bias = bias_from_log_keep(keys.new_zeros(heads, n))  # causal
+            visible = self._slot_mask(lengths)
+            rows = torch.zeros(heads, 1, self.head_dim, device=self.device)
+            packed = (torch.full((heads,), n), keys, values)
+            open_state = (rows, rows, rows[..., 0], torch.zeros(heads, dtype=torch.long))
+            overwrite = None
+        else:
+            query, key, alpha, omega = self._decisions(query, key)
+            alpha, omega = alpha.T.contiguous(), omega.T.contiguous()  # [kv, n]
+            if start == 0:
+                alpha[:, 0] = 0
+            prefix = self._open_prefix(slot, index, start)
+            own = (key.float().transpose(0, 1), value.float().transpose(0, 1), alpha, omega)
+            ext = [torch.cat([p, c], dim=1) for p, c in zip(prefix[:4], own)]
+            k_acc, v_acc = partial_accumulate(*(t[None] for t in ext), window=self.dmc.window)
+            skip = prefix[0].shape[1]
+            k_acc, v_acc = k_acc[0, :, skip:], v_acc[0, :, skip:]
+            keys, values = apply_rope(k_acc, positions, self.inv_freq), v_acc
+            chunk_bias = bias_from_log_keep(log_keep_next(alpha))
+            overwrite = (alpha[:, 0] > 0.5) if start else None  # first token merges: open slot
+            visible = self._slot_mask(lengths, None if overwrite is None else overwrite.cpu())
+            packed = self._chunk_slots(alpha, keys, values)
+            open_state = self._open_state(ext, k_acc, v_acc, alpha, prefix[4], skip)
+        q_rot = apply_rope(query.float().transpose(0, 1), positions, self.inv_freq)  # [h, n, d]
+        if self.dmc is not None:
+            q_rot = _zero_channel(q_rot)
+        context = self._chunk_attention(slot, index, lengths, visible, q_rot, keys, values,
+                                        chunk_bias)
+        self.cache.pack_prefill(index, slot, packed[1], packed[2], packed[0], *open_state,
+                                overwrite_last=overwrite)
+        context = context.transpose(0, 1).reshape(n, 1, self.num_heads * self.head_dim)
+        return self._finish_layer(layer, x, context)
+
+    def _open_prefix(self, slot, index, start):
+        """Pre-RoPE pseudo-tokens standing for each head's open slot, to prepend to a chunk:
+        ``(k, v, alpha, omega) [kv_heads, rows(, dim)]`` and the open slot's token count.
+
+        Window ``w``: the slot's last ``min(count, w)`` tokens (right-aligned; the first real
+        row has alpha 0, padding rows before it are cut off by it). Exact: one row holding the
+        running mean with weight ``z``. Empty (0 rows) for the first chunk."""
+        heads, dim = self.num_kv_heads, self.head_dim
+        if start == 0:
+            empty = torch.zeros(heads, 0, device=self.device)
+            return (empty[..., None].expand(heads, 0, dim), empty[..., None].expand(heads, 0, dim),
+                    empty, empty, torch.zeros(heads, dtype=torch.long, device=self.device))
+        count = self.cache.open_count[slot, index].long()
+        open_k, open_v = self.cache.open_k[slot, index], self.cache.open_v[slot, index]
+        open_omega = self.cache.open_omega[slot, index]
+        window = self.dmc.window
+        if window is None:
+            alpha = torch.zeros(heads, 1, device=self.device)
+            return open_k[:, :1], open_v[:, :1], alpha, open_omega[:, :1], count
+        given = count.clamp(max=window)
+        rows = int(given.max())
+        r = torch.arange(rows, device=self.device)
+        pad = rows - given  # [heads]: leading padding rows
+        real = r[None] >= pad[:, None]
+        ring = (count[:, None] - given[:, None] + (r[None] - pad[:, None])) % window
+        ring = torch.where(real, ring, 0)
+        index_d = ring[..., None].expand(heads, rows, dim)
+        k = torch.where(real[..., None], open_k.gather(1, index_d), 0.0)
+        v = torch.where(real[..., None], open_v.gather(1, index_d), 0.0)
+        omega = torch.where(real, open_omega.gather(1, ring), 1.0)
+        alpha = (r[None] > pad[:, None]).float()  # 0 on padding and on the oldest real row
+        return k, v, alpha, omega, count
+
+    def _chunk_slots(self, alpha, keys, values):
+        """Slots a chunk produces per head: tokens that end a segment (the next token appends,
+        or the chunk ends), in order. Returns ``counts [kv]`` (host) and the slots' keys, values
+        ``[kv, max_count, dim]``."""
+        n = alpha.shape[1]
+        ends = torch.ones_like(alpha, dtype=torch.bool)
+        ends[:, :-1] = alpha[:, 1:] <= 0.5
+        counts = ends.sum(1)
+        position = torch.arange(n, device=alpha.device).expand_as(alpha)
+        order = torch.where(ends, position, n).sort(dim=1).values[:, :int(counts.max())]
+        order = order.clamp(max=n - 1)[..., None].expand(-1, -1, self.head_dim)
+        return counts.cpu(), keys.gather(1, order), values.gather(1, order)
+
+    def _open_state(self, ext, k_acc, v_acc, alpha, prev_count, skip):
+        """The open slot's state after a chunk, in :meth:`PagedKVCache.pack_prefill`'s format."""
+        ext_k, ext_v, _, ext_omega = ext
+        heads, n = alpha.shape
+        position = torch.arange(n, device=alpha.device).expand_as(alpha)
+        last_start = torch.where(alpha <= 0.5, position, -1).max(dim=1).values
+        count = torch.where(last_start >= 0, n - last_start, prev_count + n)
+        total = ext_k.shape[1]
+        window = self.dmc.window
+        if window is None:
+            first = torch.where(last_start >= 0, skip + last_start, 0)
+            in_segment = torch.arange(total, device=alpha.device)[None] >= first[:, None]
+            z = (ext_omega * in_segment).sum(dim=1, keepdim=True)
+            return k_acc[:, -1:], v_acc[:, -1:], z, count
+        given = count.clamp(max=window)
+        rows = (total - given)[:, None] + torch.arange(window, device=alpha.device)[None]
+        rows = rows.clamp(max=total - 1)
+        index_d = rows[..., None].expand(heads, window, self.head_dim)
+        return (ext_k.gather(1, index_d), ext_v.gather(1, index_d), ext_omega.gather(1, rows),
+                count)
+
+    def _slot_mask(self, lengths, hide_last=None):
+        """``[kv, max_len]`` visibility of the cached slots to a chunk's queries: all of a head's
+        slots, but its last (open) one when the chunk's first token merges into it."""
+        max_len = int(lengths.max()) if lengths.numel() else 0
+        slots = torch.arange(max_len)
+        visible = slots[None] < lengths[:, None]
+        if hide_last is not None:
+            visible &= ~((slots[None] == lengths[:, None] - 1) & hide_last[:, None])
+        return visible.to(self.device)
+
+    def _chunk_attention(self, slot, index, lengths, visible, query, keys, values, chunk_bias):
+        """Attention of chunk queries ``[heads, n, dim]`` over the cached slots (``visible``) and
+        the chunk's own slots (``keys, values [kv, n, dim]``, additive ``chunk_bias [kv, n, n]``).
+        Returns ``[heads, n, dim]`` float32."""
+        kv, n, dim = keys.shape
+        max_len = visible.shape[1]
+        if max_len:
+            slots = torch.arange(max_len, device=self.device)
+            valid = slots[None] < lengths.to(self.device)[:, None]
+            table = self.cache.block_tables[slot, index].long()
+            pages = torch.where(valid, table[:, slots // self.page_size], 0)
+            offsets = (slots % self.page_size).expand_as(pages)
+            cached_k = self.cache.k_pages[pages, offsets].float()
+            cached_v = self.cache.v_pages[pages, offsets].float()
+            keys = torch.cat([cached_k, keys], dim=1)
+            values = torch.cat([cached_v, values], dim=1)
+            cache_bias = torch.zeros(visible.shape, device=self.device).masked_fill(
+                ~visible, float("-inf"))
+            chunk_bias = torch.cat([cache_bias[:, None].expand(kv, n, max_len), chunk_bias], -1)
+        q = query.reshape(kv, self.group, n, dim)
+        scores = torch.einsum("hgnd,hsd->hgns", q, keys) * self.scale + chunk_bias[:, None]
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("hgns,hsd->hgnd", probs, values).reshape(kv * self.group, n, dim)
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, batch: list[_Sequence], finished: list[GenerationResult]) -> None:
+        """One token for every sequence of ``batch`` (each feeds its newest token)."""
+        tokens = torch.tensor([s.tokens[-1] for s in batch], device=self.device)[:, None]
+        positions = torch.tensor([len(s.tokens) - 1 for s in batch])
+        x = self._embed(tokens, positions[:, None].to(self.device))  # [1, batch, hidden]
+        lengths = torch.stack([self.cache.head_lengths(s.slot) for s in batch]).long()
+        for index, layer in enumerate(self.layers):
+            query, key, value = self._qkv(layer, layer.input_layernorm(x))
+            query, key, value = query[0], key[0], value[0]  # [batch, heads, dim]
+            if self.dmc is None:
+                alpha = omega = None
+                appends = torch.ones(len(batch), self.num_kv_heads, dtype=torch.bool)
+            else:
+                query, key, alpha, omega = self._decisions(query, key)
+                appends = alpha.cpu() <= 0.5
+            keep = self._make_room(batch, lengths[:, index], appends)
+            if keep is not None:
+                if not keep:
+                    return
+                batch = [batch[i] for i in keep]
+                rows = torch.tensor(keep)
+                positions, lengths = positions[rows], lengths[rows]
+                rows = rows.to(self.device)
+                x, query, key, value = x[:, rows], query[rows], key[rows], value[rows]
+                if alpha is not None:
+                    alpha, omega = alpha[rows], omega[rows]
+            slots = [s.slot for s in batch]
+            pos = positions.to(self.device)
+            if self.dmc is None:
+                rotated = apply_rope(key.float(), pos[:, None], self.inv_freq)
+                self.cache.append(index, slots, rotated, value)
+            else:
+                self.cache.write(index, slots, pos, key, value, omega, alpha,
+                                 use_triton=self.use_triton)
+            q_rot = apply_rope(query.float(), pos[:, None], self.inv_freq)
+            if self.dmc is not None:
+                q_rot = _zero_channel(q_rot)
+            context = self.cache.attention(index, slots, q_rot.to(self.cache.dtype), self.scale,
+                                           use_triton=self.use_triton)
+            x = self._finish_layer(layer, x, context.reshape(1, len(batch), -1))
+        self._note_usage()
+        self.stats["decode_tokens"] += len(batch)
+        self._accept(batch, self._logits(x)[0], finished)
+
+    def _make_room(self, batch, lengths, appends):
+        """Preempt the youngest sequences of ``batch`` until one layer's writes fit.
+
+        ``lengths [batch, kv]`` are the heads' slots before the write, ``appends [batch, kv]``
+        which heads open a slot. Returns None when all fit, else the kept batch indices (empty
+        never: a lone sequence that does not fit raises :class:`CacheFullError`)."""
+        new_page = (appends | (lengths == 0)) & (lengths % self.page_size == 0)
+        needed = new_page.sum(dim=1)
+        keep = list(range(len(batch)))
+        if int(needed.sum()) <= self.cache.free_pages:
+            return None
+        while int(needed[keep].sum()) > self.cache.free_pages:
+            if len(keep) == 1:
+                seq = batch[keep[0]]
+                self.cache.free_sequence(seq.slot)
+                self._running.remove(seq)
+                raise CacheFullError(
+                    f"request {seq.request_id} alone needs more than the whole pool "
+                    f"({self.cache.num_pages} pages of {self.page_size} slots); it was dropped"
+                )
+            youngest = max(keep, key=lambda i: batch[i].request_id)
+            keep.remove(youngest)
+            self._preempt(batch[youngest])
+        return keep
+
+
+# ----------------------------------------------------------------------------- helpers
+def _zero_channel(x: torch.Tensor) -> torch.Tensor:
+    keep = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    keep[DECISION_CHANNEL] = 0
+    return x * keep
+
+
+def _resolve_dmc(layers, dmc) -> DMCConfig | None:
+    if isinstance(dmc, str):
+        if dmc != "auto":
+            raise ValueError(f"Engine: dmc must be 'auto', a DMCRuntime, a DMCConfig or None, "
+                             f"got {dmc!r}")
+        runtimes = [getattr(layer.self_attention, "dmc", None) for layer in layers]
+        runtimes = [r for r in runtimes if isinstance(r, DMCRuntime)]
+        return runtimes[0].config if runtimes else None
+    if dmc is None or isinstance(dmc, DMCConfig):
+        return dmc
+    if isinstance(dmc, DMCRuntime):
+        return dmc.config
+    raise TypeError(f"Engine: dmc must be 'auto', a DMCRuntime, a DMCConfig or None, got {dmc!r}")
+
+
+def _rope_inv_freq(model, head_dim: int) -> torch.Tensor:
+    """The model's RoPE frequencies ``[head_dim // 2]`` (float32), checked to be plain
+    full-dimension rotate-half RoPE."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if getattr(model, "position_embedding_type", None) != "rope" or rope is None:
+        raise ValueError("Engine supports RoPE models only (position_embedding_type='rope')")
+    if rope.rotary_interleaved or rope.seq_len_interpolation_factor is not None:
+        raise ValueError("Engine supports rotate-half RoPE without position interpolation only")
+    inv_freq = rope.inv_freq.float()
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"Engine needs RoPE over the whole head (rotary_percent=1): "
+                         f"{inv_freq.numel()} frequencies for head_dim {head_dim}")
+    device = next(model.parameters()).device
+    return inv_freq.to(device)
+
+
+# ----------------------------------------------------------------------------- model files
+def build_model_from_config(model_config: dict, dmc_config: DMCConfig | dict | None = None):
+    """A megatron ``GPTModel`` (TP = PP = 1) from a plain dict of hyper-parameters.
+
+    ``model_config`` keys: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
+    ``ffn_hidden_size``, ``vocab_size`` (required); ``num_query_groups`` (default: heads),
+    ``max_seq_length`` (4096), ``norm_epsilon`` (1e-5), ``rotary_base`` (10000.0),
+    ``share_embeddings`` (False), ``params_dtype`` ("float32", "bfloat16" or "float16");
+    any other key is passed to :func:`dmc.megatron.model.llama_transformer_config` as a
+    ``TransformerConfig`` override (e.g. ``add_qkv_bias``). ``dmc_config`` (a
+    :class:`DMCConfig` or its fields as a dict) makes a DMC model; None a vanilla one.
+    Initialises megatron's parallel state (1 x 1) when it is not yet.
+    """
+    from megatron.core import parallel_state
+
+    from dmc.megatron.model import build_gpt_model, llama_transformer_config
+    from dmc.megatron.parallel import initialize_parallel
+
+    missing = [k for k in MODEL_CONFIG_REQUIRED if k not in model_config]
+    if missing:
+        raise ValueError(f"model_config lacks {missing}; required: {list(MODEL_CONFIG_REQUIRED)}")
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel(1, 1)
+    cfg = dict(model_config)
+    vocab_size = int(cfg.pop("vocab_size"))
+    max_seq_length = int(cfg.pop("max_seq_length", 4096))
+    rotary_base = float(cfg.pop("rotary_base", 10000.0))
+    share = bool(cfg.pop("share_embeddings", False))
+    dtype = cfg.pop("params_dtype", "float32")
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"model_config params_dtype must be one of {list(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    config = llama_transformer_config(params_dtype=dtype, **cfg)
+    runtime = None
+    if dmc_config is not None:
+        if isinstance(dmc_config, dict):
+            dmc_config = DMCConfig(**dmc_config)
+        runtime = DMCRuntime(dmc_config)
+        runtime.set_mode("eval")
+    return build_gpt_model(config, vocab_size, max_seq_length, dmc=runtime,
+                           rotary_base=rotary_base, share_embeddings=share)
+
+
+def save_inference_state(path, model: torch.nn.Module, model_config: dict,
+                         dmc_config: DMCConfig | dict | None = None) -> None:
+    """Write the single-file format that :meth:`Engine.from_file` and ``dmc generate
+    --state-dict`` read (``torch.save`` of a plain dict, loadable with ``weights_only=True``)::
+
+        {"format": 1,
+         "model_config": {...},          # see build_model_from_config
+         "dmc_config": {...} or None,    # DMCConfig fields; None = vanilla model
+         "state_dict": {name: tensor}}   # model.state_dict(), tensors only
+    """
+    if isinstance(dmc_config, DMCConfig):
+        dmc_config = asdict(dmc_config)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor)}
+    torch.save({"format": STATE_FORMAT, "model_config": dict(model_config),
+                "dmc_config": None if dmc_config is None else dict(dmc_config),
+                "state_dict": state}, path)
+
+
+def load_inference_state(path) -> dict:
+    """Read and check a file written by :func:`save_inference_state`."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or not {"model_config", "state_dict"} <= saved.keys():
+        raise ValueError(
+            f"{path}: not a dmc inference state (a dict with 'model_config', 'dmc_config' and "
+            f"'state_dict'; see dmc.inference.engine.save_inference_state)"
+        )
+    saved.setdefault("dmc_config", None)
+    return saved

@@ -1,0 +1,127 @@
+"""``dmc generate``: generation from a saved model file with the paged (DMC-compressed) cache.
+
+The model file is what :func:`dmc.inference.save_inference_state` writes (``torch.save`` of a
+plain dict, read with ``weights_only=True``)::
+
+    {"format": 1,
+     "model_config": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                      "ffn_hidden_size": 96, "vocab_size": 96,          # required
+                      "num_query_groups": 2, "max_seq_length": 4096, "norm_epsilon": 1e-5,
+                      "rotary_base": 10000.0, "share_embeddings": False,
+                      "params_dtype": "float32", ...},   # other keys: TransformerConfig overrides
+     "dmc_config": {"window": 12, "c": 5.0, ...} or None,  # DMCConfig fields; None = vanilla
+     "state_dict": {name: tensor}}                          # the GPTModel's state dict
+
+Prompts are token ids (``--prompt-ids "1 2 3"``) or text (``--prompt "..."`` with
+``--tokenizer``). megatron-core is imported only when the command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the ``dmc generate`` flags on ``parser``; returns it."""
+    parser.add_argument("--state-dict", required=True, metavar="FILE.pt",
+                        help="model file: {'model_config', 'dmc_config' (or None), "
+                        "'state_dict'} as written by dmc.inference.save_inference_state")
+    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                        help="a text prompt (needs --tokenizer); repeatable")
+    parser.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
+                        help="a prompt as token ids separated by spaces or commas; repeatable")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="SentencePiece .model, tokenizer.json or a folder with one")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens to generate per prompt (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0 = all)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed; prompt i uses seed + i (default: %(default)s)")
+    parser.add_argument("--stop-token", type=int, action="append", default=None, metavar="ID",
+                        help="stop after this id; repeatable (default: the tokenizer's EOD)")
+    parser.add_argument("--no-stop", action="store_true",
+                        help="ignore stop tokens: always generate --max-new-tokens")
+    parser.add_argument("--chunk-size", type=int, default=512,
+                        help="prefill chunk in tokens (default: %(default)s)")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="slots per KV page (default: %(default)s)")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV pages in the pool (default: every prompt uncompressed)")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="sequences decoded together (default: %(default)s)")
+    parser.add_argument("--cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        default="auto", help="KV cache dtype (default: the model's)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    return parser
+
+
+def _parse_ids(text: str) -> list[int]:
+    ids = [int(t) for t in text.replace(",", " ").split()]
+    if not ids:
+        raise ValueError(f"--prompt-ids {text!r}: no token ids")
+    return ids
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run ``dmc generate`` from parsed arguments; prints each completion (or JSON); returns 0.
+
+    Bad arguments raise ValueError / FileNotFoundError naming the flag."""
+    import torch
+
+    from dmc.inference.engine import Engine
+    from dmc.inference.sampling import SamplingParams
+
+    tokenizer = None
+    if args.tokenizer:
+        from dmc.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    if args.prompt and tokenizer is None:
+        raise ValueError("--prompt needs --tokenizer (or give --prompt-ids)")
+    prompts = [tokenizer.encode(p) for p in args.prompt] + [_parse_ids(p) for p in args.prompt_ids]
+    if not prompts:
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    if args.no_stop:
+        stop = ()
+    elif args.stop_token is not None:
+        stop = tuple(args.stop_token)
+    else:
+        stop = (tokenizer.eod,) if tokenizer is not None and tokenizer.eod >= 0 else ()
+    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k, stop_tokens=stop,
+                             seed=args.seed + i) for i in range(len(prompts))]
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    num_pages = args.num_pages
+    cache_dtype = None if args.cache_dtype == "auto" else getattr(torch, args.cache_dtype)
+    engine = Engine.from_file(
+        args.state_dict, num_pages=num_pages, page_size=args.page_size,
+        max_batch=min(args.max_batch, len(prompts)), max_seq_len=longest,
+        chunk_size=args.chunk_size, cache_dtype=cache_dtype, seed=args.seed,
+    )
+    results = engine.generate(prompts, params, progress=not (args.quiet or args.json))
+    records = []
+    for result in results:
+        record = result.to_dict()
+        if tokenizer is not None:
+            record["text"] = tokenizer.decode(result.tokens)
+        records.append(record)
+    if args.json:
+        print(json.dumps({"results": records, "stats": engine.stats}, indent=2))
+        return 0
+    for i, (record, result) in enumerate(zip(records, results)):
+        comp = result.compression
+        print(f"[{i}] {len(result.prompt)} prompt + {len(result.tokens)} new tokens, "
+              f"{result.finish_reason}; measured CR {comp.overall:.2f} "
+              f"(per layer {' '.join(f'{x:.2f}' for x in comp.per_layer)}), "
+              f"{result.kv_pages} KV pages")
+        print(record.get("text", " ".join(map(str, result.tokens))))
+    stats = engine.stats
+    if stats["decode_seconds"]:
+        print(f"decode {stats['decode_tokens'] / stats['decode_seconds']:.1f} tok/s, "
+              f"prefill {stats['prefill_tokens'] / max(stats['prefill_seconds'], 1e-9):.1f} tok/s,"
+              f" preemptions {stats['preemptions']}")
+    return 0
