@@ -1,4 +1,4 @@
-"""``Engine``: serving a megatron-core GPT model (vanilla, GQA or DMC) with the paged per-head cache.
+"""``Engine``: a megatron-core GPT model (vanilla, GQA or DMC) served with a paged per-head cache.
 
 The engine reuses the model's own modules (``embedding``, each layer's ``input_layernorm``,
 ``linear_qkv`` split, ``linear_proj``, ``pre_mlp_layernorm``, ``mlp``, the final norm and the
@@ -245,6 +245,7 @@ class Engine:
         self._next_id = 0
         self._waiting: list[_Sequence] = []
         self._running: list[_Sequence] = []
+        self._unclaimed: list[GenerationResult] = []
         self._blocked_at: int | None = None  # free pages when a prefill last ran out
         self._seen = [0, 0]  # token-head entries and slots of prefilled sequences (CR estimate)
         self.reset_stats()
@@ -309,8 +310,9 @@ class Engine:
 
     def step(self) -> list[GenerationResult]:
         """Admit (prefill) waiting requests while they fit, then one decode step for every
-        running sequence. Returns the requests that finished during this step."""
-        finished: list[GenerationResult] = []
+        running sequence. Returns the requests that finished during this step (and those of
+        requests queued with :meth:`add_request` that finished inside :meth:`generate`)."""
+        finished, self._unclaimed = self._unclaimed, []
         with torch.inference_mode():
             self._admit(finished)
             if self._running:
@@ -332,7 +334,9 @@ class Engine:
         """Generate for every prompt (continuous batching); results in prompt order.
 
         ``params`` is one :class:`SamplingParams` for all prompts or one per prompt;
-        ``progress`` shows a tqdm bar over generated tokens.
+        ``progress`` shows a tqdm bar over generated tokens (of all running requests). Requests
+        queued earlier with :meth:`add_request` run alongside; their results come from the next
+        :meth:`step`.
         """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -352,6 +356,9 @@ class Engine:
                 raise RuntimeError("generate: requests vanished from the engine")
             before = self.stats["generated_tokens"]
             for result in self.step():
+                if result.request_id not in wanted:  # queued by add_request: next step()
+                    self._unclaimed.append(result)
+                    continue
                 results[result.request_id] = result
                 if bar is not None:  # a stop token ends a request early: count its rest as done
                     bar.update(budget[result.request_id] - len(result.tokens))
@@ -456,13 +463,15 @@ class Engine:
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor,
                 finished: list[GenerationResult]) -> None:
         """Sample the next token of each sequence from ``logits [batch, vocab]``."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
         greedy = torch.argmax(logits, dim=-1).tolist()
-        for i, seq in enumerate(seqs):
-            token = greedy[i] if seq.params.greedy else sample_token(logits[i], seq.params,
-                                                                     seq.generator)
+        chosen = [greedy[i] if seq.params.greedy else sample_token(logits[i], seq.params,
+                                                                    seq.generator)
+                  for i, seq in enumerate(seqs)]
+        picked = torch.tensor(chosen, device=logits.device)[:, None]
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, picked)[:, 0].tolist()
+        for seq, token, token_logp in zip(seqs, chosen, logp):
             seq.generated.append(token)
-            seq.logprobs.append(float(logp[i, token]))
+            seq.logprobs.append(token_logp)
             self.stats["generated_tokens"] += 1
             if token in seq.params.stop_tokens:
                 finished.append(self._finish(seq, "stop"))
@@ -506,7 +515,8 @@ class Engine:
         return logits
 
     def _qkv(self, layer, hidden):
-        """``[seq, batch, hidden] ->`` q ``[seq, batch, heads, dim]``, k, v ``[.., kv_heads, dim]``."""
+        """``[seq, batch, hidden] ->`` q ``[seq, batch, heads, dim]``, k and v
+        ``[seq, batch, kv_heads, dim]`` (megatron's split, without the zero_out scaling)."""
         return self._get_qkv(layer.self_attention, hidden)
 
     def _decisions(self, query, key):
@@ -704,9 +714,7 @@ class Engine:
                 query, key, alpha, omega = self._decisions(query, key)
                 appends = alpha.cpu() <= 0.5
             keep = self._make_room(batch, lengths[:, index], appends)
-            if keep is not None:
-                if not keep:
-                    return
+            if keep is not None:  # some sequences were preempted
                 batch = [batch[i] for i in keep]
                 rows = torch.tensor(keep)
                 positions, lengths = positions[rows], lengths[rows]
@@ -725,7 +733,7 @@ class Engine:
             q_rot = apply_rope(query.float(), pos[:, None], self.inv_freq)
             if self.dmc is not None:
                 q_rot = _zero_channel(q_rot)
-            context = self.cache.attention(index, slots, q_rot.to(self.cache.dtype), self.scale,
+            context = self.cache.attention(index, slots, q_rot, self.scale,
                                            use_triton=self.use_triton)
             x = self._finish_layer(layer, x, context.reshape(1, len(batch), -1))
         self._note_usage()
@@ -736,8 +744,8 @@ class Engine:
         """Preempt the youngest sequences of ``batch`` until one layer's writes fit.
 
         ``lengths [batch, kv]`` are the heads' slots before the write, ``appends [batch, kv]``
-        which heads open a slot. Returns None when all fit, else the kept batch indices (empty
-        never: a lone sequence that does not fit raises :class:`CacheFullError`)."""
+        which heads open a slot. Returns None when all fit, else the kept batch indices (never
+        empty: a lone sequence that does not fit is dropped with :class:`CacheFullError`)."""
         new_page = (appends | (lengths == 0)) & (lengths % self.page_size == 0)
         needed = new_page.sum(dim=1)
         keep = list(range(len(batch)))

@@ -1,0 +1,161 @@
+"""Achieved memory bandwidth of the Triton paged decode kernel, as a fraction of a device copy.
+
+The kernel reads every cached K and V slot of every (sequence, KV head) once per query group;
+its useful traffic is ``sum(lengths) * head_dim * 2 * bytes`` (plus q and the output). The
+reference is a device-to-device ``copy_`` of a buffer of the same size, whose bandwidth is counted
+as bytes read + bytes written. Lengths are per (sequence, KV head); ``--cr`` > 1 draws DMC-like
+variable lengths around ``length / cr``. Pages are handed out in shuffled order (as after many
+allocations and frees).
+
+CUDA only: on a machine without a GPU the script says so and exits 0, after timing the PyTorch
+reference path against a CPU copy when ``--cpu-reference`` is given (that number is NOT the
+kernel's). ``--out FILE.json`` writes the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--length", type=int, default=4096, help="slots per head (before --cr)")
+    p.add_argument("--cr", type=float, default=1.0, help="DMC-like variable lengths ~ length/cr")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--num-splits", type=int, default=None, help="split-K (default: heuristic)")
+    p.add_argument("--cpu-reference", action="store_true",
+                   help="without CUDA: time the PyTorch reference path on the CPU instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def make_inputs(args, device):
+    gen = torch.Generator().manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    mean = args.length / args.cr
+    if args.cr > 1:  # per-head variable lengths in [mean / 2, 3 mean / 2]
+        lengths = (mean * (0.5 + torch.rand(args.batch, args.kv_heads, generator=gen))).long()
+    else:
+        lengths = torch.full((args.batch, args.kv_heads), args.length, dtype=torch.long)
+    lengths = lengths.clamp(min=1)
+    pages_per_head = (lengths + args.page_size - 1) // args.page_size
+    num_pages = int(pages_per_head.sum())
+    max_pages = int(pages_per_head.max())
+    order = torch.randperm(num_pages, generator=gen)
+    tables = torch.full((args.batch, args.kv_heads, max_pages), -1, dtype=torch.int32)
+    cursor = 0
+    for b in range(args.batch):
+        for h in range(args.kv_heads):
+            n = int(pages_per_head[b, h])
+            tables[b, h, :n] = order[cursor:cursor + n].to(torch.int32)
+            cursor += n
+    shape = (num_pages, args.page_size, args.head_dim)
+    k_pages = torch.randn(shape, generator=gen).to(dtype).to(device)
+    v_pages = torch.randn(shape, generator=gen).to(dtype).to(device)
+    q = torch.randn(args.batch, args.q_heads, args.head_dim, generator=gen).to(dtype).to(device)
+    return q, k_pages, v_pages, tables.to(device), lengths.to(torch.int32).to(device)
+
+
+def useful_bytes(q, lengths, head_dim, element):
+    kv = int(lengths.sum()) * head_dim * 2 * element
+    return kv + 2 * q.numel() * q.element_size()
+
+
+def time_cuda(fn, iters):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def time_cpu(fn, iters):
+    fn()
+    started = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - started) / iters
+
+
+def measure(args, device, kernel, timer):
+    q, k_pages, v_pages, tables, lengths = make_inputs(args, device)
+    scale = args.head_dim ** -0.5
+    moved = useful_bytes(q, lengths, args.head_dim, k_pages.element_size())
+    max_length = int(lengths.max())
+    seconds = timer(lambda: kernel(q, k_pages, v_pages, tables, lengths, scale, max_length),
+                    args.iters)
+    size = int(lengths.sum()) * args.head_dim * 2 * k_pages.element_size()
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_seconds = timer(lambda: dst.copy_(src), args.iters)
+    kernel_bw = moved / seconds
+    copy_bw = 2 * size / copy_seconds  # read + write
+    return {
+        "kv_bytes": size, "kernel_seconds": seconds, "kernel_GBps": kernel_bw / 1e9,
+        "copy_seconds": copy_seconds, "copy_GBps": copy_bw / 1e9,
+        "fraction_of_copy": kernel_bw / copy_bw, "mean_length": float(lengths.float().mean()),
+    }
+
+
+def report(args, result, device_name, path_name):
+    print(f"paged decode ({path_name}) on {device_name}: batch {args.batch}, {args.q_heads} q / "
+          f"{args.kv_heads} kv heads, head_dim {args.head_dim}, {args.dtype}, page "
+          f"{args.page_size}, mean length {result['mean_length']:.0f} (cr {args.cr})")
+    header = ("KV MiB", "kernel us", "kernel GB/s", "copy GB/s", "fraction")
+    cells = (f"{result['kv_bytes'] / 2**20:.1f}", f"{result['kernel_seconds'] * 1e6:.1f}",
+             f"{result['kernel_GBps']:.1f}", f"{result['copy_GBps']:.1f}",
+             f"{result['fraction_of_copy']:.3f}")
+    print(" | ".join(f"{h:>12}" for h in header))
+    print(" | ".join(f"{c:>12}" for c in cells))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": device_name, "path": path_name, "args": vars(args), **result},
+                      f, indent=2)
+        print(f"wrote {args.out}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if torch.cuda.is_available():
+        from dmc.inference.kernels.paged_decode import paged_decode
+
+        def kernel(q, k, v, t, lengths, scale, max_length):
+            return paged_decode(q, k, v, t, lengths, scale, num_splits=args.num_splits,
+                                max_length=max_length)
+
+        result = measure(args, torch.device("cuda"), kernel, time_cuda)
+        report(args, result, torch.cuda.get_device_name(), "Triton kernel")
+        return 0
+    print("paged_kernel: the Triton paged decode kernel needs a CUDA GPU; none found.")
+    if not args.cpu_reference:
+        print("(pass --cpu-reference to time the PyTorch reference path on the CPU instead)")
+        return 0
+    from dmc.inference.kernels import paged_decode_reference
+
+    print("timing the PyTorch reference path on the CPU instead -- NOT the Triton kernel")
+    def reference(q, k, v, t, lengths, scale, max_length):
+        return paged_decode_reference(q, k, v, t, lengths, scale)
+
+    result = measure(args, torch.device("cpu"), reference, time_cpu)
+    report(args, result, "cpu", "PyTorch reference, not the kernel")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

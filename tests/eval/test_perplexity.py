@@ -1,0 +1,125 @@
+"""Perplexity with the real compressed cache equals the eval-mode model's full forward."""
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from dmc.eval import evaluate_perplexity, load_token_sequences, model_perplexity, token_windows
+from dmc.eval.perplexity import add_ppl_arguments, run_ppl
+from dmc.inference import Engine, save_inference_state
+from dmc.megatron.attention import dmc_layers
+from dmc.megatron.model import build_gpt_model, llama_transformer_config
+from dmc.megatron.runtime import DMCConfig, DMCRuntime
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def parallel_1x1():
+    from dmc.megatron.parallel import destroy_parallel, initialize_parallel
+
+    initialize_parallel(1, 1, seed=1234)
+    yield
+    destroy_parallel()
+
+
+def build(groups, window="vanilla", c=-1.0):
+    torch.manual_seed(0)
+    config = llama_transformer_config(2, 64, 4, 96, num_query_groups=groups)
+    if window == "vanilla":
+        return build_gpt_model(config, VOCAB, 128)
+    runtime = DMCRuntime(DMCConfig(window=window, c=c))
+    model = build_gpt_model(config, VOCAB, 128, dmc=runtime)
+    for layer in dmc_layers(model):  # spread the decision rows (init std 0.02 -> 0.4)
+        dim = layer.hidden_size_per_attention_head
+        per_group = layer.num_attention_heads_per_partition // groups
+        with torch.no_grad():
+            for g in range(groups):
+                base = g * (per_group + 2) * dim
+                for i in range(per_group + 1):
+                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= 20.0
+    runtime.set_mode("eval")
+    return model
+
+
+def held_out(n=3, length=48, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, length), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("groups,window", [(2, 3), (4, None), (2, "vanilla")])
+def test_engine_perplexity_equals_full_forward(parallel_1x1, groups, window):
+    model = build(groups, window)
+    sequences = held_out()
+    engine = Engine(model, page_size=4, max_batch=1, chunk_size=10)
+    result = evaluate_perplexity(engine, sequences)
+    reference = model_perplexity(model, sequences)
+    assert result["tokens"] == reference["tokens"] == 3 * 47
+    assert result["nll"] == pytest.approx(reference["nll"], abs=1e-4)
+    assert result["perplexity"] == pytest.approx(reference["perplexity"], rel=1e-4)
+    comp = result["compression"]
+    assert comp["tokens"] == 3 * 48
+    assert len(comp["per_layer"]) == 2 and len(comp["per_head"][0]) == groups
+    if window == "vanilla":
+        assert comp["cr"] == 1.0 and result["dmc"] is False
+    else:
+        assert comp["cr"] > 1.5
+        # the cache's slots are the model's kept slots (its eval-mode CR statistics)
+        for layer in dmc_layers(model):
+            layer.reset_cr_stats()
+        model_perplexity(model, sequences)
+        kept = torch.stack([layer.cr_kept for layer in dmc_layers(model)])
+        assert comp["slots"] == int(kept.sum())
+        per_head = (3 * 48 / kept).tolist()
+        for got, want in zip(comp["per_head"], per_head):
+            assert got == pytest.approx(want)
+    assert json.loads(json.dumps(result)) == result  # JSON-able
+    assert engine.cache.pages_in_use == 0
+
+
+def test_score_returns_every_position(parallel_1x1):
+    model = build(2, 3)
+    tokens = held_out(1, 30)[0]
+    score = Engine(model, page_size=4, max_batch=1, chunk_size=7).score(tokens, return_logits=True)
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens)[None], torch.arange(30)[None], None)[0]
+    torch.testing.assert_close(score.logits, logits, atol=1e-4, rtol=1e-4)
+    assert score.token_logprobs.shape == (29,)
+    assert score.compression.tokens == 30
+
+
+def test_token_sources(tmp_path):
+    stream = list(range(50))
+    assert token_windows(stream, 16) == [stream[:16], stream[16:32], stream[32:48]]
+    assert token_windows(stream, 16, num_sequences=1) == [stream[:16]]
+    torch.save(torch.tensor(stream), tmp_path / "stream.pt")
+    assert load_token_sequences(tmp_path / "stream.pt", 25) == [stream[:25], stream[25:]]
+    torch.save(torch.arange(12).reshape(3, 4), tmp_path / "rows.pt")
+    assert load_token_sequences(tmp_path / "rows.pt", 99, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    from dmc.data.indexed import write_indexed_dataset
+
+    write_indexed_dataset(tmp_path / "valid", [[1, 2, 3], [4, 5]], vocab_size=VOCAB, eod=0)
+    assert load_token_sequences(tmp_path / "valid", 4) == [[1, 2, 3, 0]]
+    with pytest.raises(FileNotFoundError, match="no tokens"):
+        load_token_sequences(tmp_path / "missing", 4)
+    with pytest.raises(ValueError, match="seq_len"):
+        token_windows(stream, 1)
+
+
+def test_ppl_cli_json(parallel_1x1, tmp_path, capsys):
+    model = build(2, 3)
+    config = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                  num_query_groups=2, vocab_size=VOCAB, max_seq_length=128)
+    save_inference_state(tmp_path / "model.pt", model, config, DMCConfig(window=3, c=-1.0))
+    torch.save(torch.tensor(held_out(2, 40)), tmp_path / "tokens.pt")
+    parser = add_ppl_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--state-dict", str(tmp_path / "model.pt"), "--data",
+                              str(tmp_path / "tokens.pt"), "--chunk-size", "16", "--page-size",
+                              "4", "--compare-full-forward", "--json"])
+    assert run_ppl(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sequences"] == 2 and out["tokens"] == 78
+    assert out["nll"] == pytest.approx(out["full_forward"]["nll"], abs=1e-4)
+    assert math.isfinite(out["perplexity"]) and out["compression"]["cr"] > 1.5

@@ -1,0 +1,286 @@
+"""Engine: exact chunked prefill + batched decode with the paged cache against the megatron model's
+eval-mode full forward (teacher forcing), real memory savings, sampling, out-of-pages behaviour."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from dmc.inference import (
+    CacheFullError,
+    Engine,
+    SamplingParams,
+    load_inference_state,
+    save_inference_state,
+)
+from dmc.inference.sampling import filtered_probs
+from dmc.megatron.attention import dmc_layers
+from dmc.megatron.model import build_gpt_model, llama_transformer_config
+from dmc.megatron.runtime import DMCConfig, DMCRuntime
+
+VOCAB, MAX_SEQ = 96, 160
+PROMPT_LENGTHS = (13, 21, 7)
+
+
+@pytest.fixture(scope="module")
+def parallel_1x1():
+    from dmc.megatron.parallel import destroy_parallel, initialize_parallel
+
+    initialize_parallel(1, 1, seed=1234)
+    yield
+    destroy_parallel()
+
+
+def spread_decisions(model, scale=0.4):
+    """Scales the rows of k[..., -1] and q[..., -1] (init std 0.02) to std ``scale`` so that hard
+    decisions are mixed (as in tests/megatron/test_attention.py)."""
+    for layer in dmc_layers(model):
+        dim = layer.hidden_size_per_attention_head
+        groups = layer.num_query_groups_per_partition
+        per_group = layer.num_attention_heads_per_partition // groups
+        with torch.no_grad():
+            for g in range(groups):
+                base = g * (per_group + 2) * dim
+                for i in range(per_group + 1):
+                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= scale / 0.02
+
+
+def model_config(groups):
+    return dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                num_query_groups=groups, vocab_size=VOCAB, max_seq_length=MAX_SEQ)
+
+
+def build(groups, window="vanilla", c=-1.0, seed=0):
+    """A tiny Llama; DMC (eval mode, spread decisions, ``c < 0`` merges long runs) unless
+    ``window == "vanilla"``."""
+    torch.manual_seed(seed)
+    config = llama_transformer_config(2, 64, 4, 96, num_query_groups=groups)
+    if window == "vanilla":
+        return build_gpt_model(config, VOCAB, MAX_SEQ), None
+    runtime = DMCRuntime(DMCConfig(window=window, c=c))
+    model = build_gpt_model(config, VOCAB, MAX_SEQ, dmc=runtime)
+    spread_decisions(model)
+    runtime.set_mode("eval")
+    return model, runtime
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def teacher_forced(model, tokens):
+    """Eval-mode full forward: float64 log-probs ``[len, vocab]`` and the DMC layers' kept slots
+    ``[layers, kv_heads]`` (None for a vanilla model)."""
+    layers = dmc_layers(model)
+    for layer in layers:
+        layer.reset_cr_stats()
+    ids = torch.tensor(tokens)[None]
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1])[None], None)[0]
+    kept = torch.stack([layer.cr_kept for layer in layers]).long() if layers else None
+    return torch.log_softmax(logits.double(), dim=-1), kept
+
+
+def check_against_model(model, results, prompt_list, dmc):
+    for prompt, result in zip(prompt_list, results):
+        fed = prompt + result.tokens[:-1]  # the last generated token is never fed back
+        logp, kept = teacher_forced(model, fed)
+        steps = logp[len(prompt) - 1:]
+        assert steps.argmax(-1).tolist() == result.tokens
+        picked = steps.gather(-1, torch.tensor(result.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), picked,
+                                   atol=1e-4, rtol=0)
+        assert result.compression.tokens == len(fed)
+        if dmc:
+            assert torch.equal(result.compression.slots, kept)  # same decisions, same slots
+        else:
+            assert result.compression.overall == 1.0
+
+
+@pytest.mark.parametrize(
+    "groups,window", [(4, None), (4, 3), (2, None), (2, 3), (2, "vanilla"), (4, "vanilla")]
+)
+def test_greedy_generation_equals_teacher_forced_model(parallel_1x1, groups, window):
+    model, runtime = build(groups, window)
+    engine = Engine(model, page_size=4, max_batch=4, chunk_size=5)
+    assert (engine.dmc is None) == (window == "vanilla")
+    prompt_list = prompts()
+    results = engine.generate(prompt_list, SamplingParams(max_new_tokens=32))
+    assert [len(r.tokens) for r in results] == [32] * 3
+    assert all(r.finish_reason == "length" for r in results)
+    if runtime is not None:
+        cr = min(r.compression.overall for r in results)
+        assert cr > 1.5, "decisions should merge (and across chunk boundaries)"
+        if window is not None:  # some segments are longer than the window: it matters
+            exact = Engine(model, DMCConfig(window=None, c=runtime.config.c), page_size=4,
+                           max_batch=4, chunk_size=5)
+            other = exact.generate(prompt_list, SamplingParams(max_new_tokens=32))
+            assert any(abs(a - b) > 1e-3 for r, o in zip(results, other)
+                       for a, b in zip(r.logprobs, o.logprobs))
+    check_against_model(model, results, prompt_list, dmc=runtime is not None)
+    assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
+    assert engine.stats["peak_running"] == 3 and engine.stats["preemptions"] == 0
+
+
+def test_chunk_size_does_not_change_the_result(parallel_1x1):
+    model, _ = build(2, 3)
+    prompt_list = prompts((40,))
+    params = SamplingParams(max_new_tokens=4)
+    outs = [Engine(model, page_size=4, max_batch=1, chunk_size=chunk).generate(prompt_list, params)
+            for chunk in (1, 7, 64)]
+    for other in outs[1:]:
+        assert other[0].tokens == outs[0][0].tokens
+        assert torch.equal(other[0].compression.slots, outs[0][0].compression.slots)
+
+
+def test_triton_kernels_in_the_engine(parallel_1x1):
+    model, _ = build(2, 3)
+    prompt_list = prompts((9, 5))
+    params = SamplingParams(max_new_tokens=3)
+    reference = Engine(model, page_size=4, max_batch=2, chunk_size=4).generate(prompt_list, params)
+    triton = Engine(model, page_size=4, max_batch=2, chunk_size=4, use_triton=True)
+    for a, b in zip(reference, triton.generate(prompt_list, params)):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-5, rtol=0)
+
+
+def test_pages_in_use_follow_the_measured_cr(parallel_1x1):
+    """Real memory: pages held by a DMC sequence are within 10% of vanilla pages / measured CR."""
+    prompt_list = prompts((100, 120, 90), seed=2)
+    params = SamplingParams(max_new_tokens=16)
+    dmc_model, _ = build(2, 3)
+    vanilla_model, _ = build(2)
+    dmc_results = Engine(dmc_model, page_size=4, max_batch=3).generate(prompt_list, params)
+    vanilla_results = Engine(vanilla_model, page_size=4, max_batch=3).generate(prompt_list, params)
+    for d, v in zip(dmc_results, vanilla_results):
+        tokens = len(d.prompt) + 15
+        assert v.kv_pages == 2 * 2 * -(-tokens // 4)  # layers x heads x ceil(tokens / page)
+        cr = d.compression.overall
+        assert cr > 1.5
+        assert abs(d.kv_pages - v.kv_pages / cr) <= 0.1 * v.kv_pages / cr
+        assert d.kv_bytes == d.kv_pages * 2 * 4 * 16 * 4  # K+V, page 4, head_dim 16, float32
+
+
+def test_sampling_is_reproducible_and_tiny_top_p_is_greedy(parallel_1x1):
+    model, _ = build(2, 3)
+    prompt_list = prompts()
+
+    def run(**kw):
+        engine = Engine(model, page_size=4, max_batch=3, chunk_size=8)
+        return [r.tokens for r in engine.generate(prompt_list, SamplingParams(max_new_tokens=12,
+                                                                             **kw))]
+
+    sampled = run(temperature=1.0, top_p=0.9, seed=7)
+    assert sampled == run(temperature=1.0, top_p=0.9, seed=7)
+    assert sampled != run(temperature=1.0, top_p=0.9, seed=8)
+    assert run(temperature=1.0, top_p=1e-6, seed=3) == run()
+
+    # reproducible whatever the batch: a request alone samples what it sampled in the batch
+    alone = Engine(model, page_size=4, max_batch=1).generate(
+        prompt_list[1:2], SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7))
+    assert alone[0].tokens == sampled[1]
+
+
+def test_filtered_probs_top_p_and_top_k():
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.3, 0.15]))
+    torch.testing.assert_close(filtered_probs(logits, 1.0, top_p=0.7),
+                               torch.tensor([0.0, 0.5, 0.3, 0.0]) / 0.8)
+    torch.testing.assert_close(filtered_probs(logits, 1.0, top_p=0.8),
+                               torch.tensor([0.0, 0.5, 0.3, 0.0]) / 0.8)
+    torch.testing.assert_close(filtered_probs(logits, 1.0, top_p=1e-9),
+                               torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    torch.testing.assert_close(filtered_probs(logits, 1.0, top_k=3),
+                               torch.tensor([0.0, 0.5, 0.3, 0.15]) / 0.95)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_stop_tokens_finish_sequences_independently(parallel_1x1):
+    model, _ = build(2, None)
+    prompt_list = prompts()
+    engine = Engine(model, page_size=4, max_batch=3)
+    free = engine.generate(prompt_list, SamplingParams(max_new_tokens=20))
+    stop = free[0].tokens[4]  # request 0 stops at its 5th token (or earlier)
+    results = engine.generate(prompt_list, SamplingParams(max_new_tokens=20, stop_tokens=(stop,)))
+    for f, r in zip(free, results):
+        cut = f.tokens.index(stop) + 1 if stop in f.tokens else len(f.tokens)
+        assert r.tokens == f.tokens[:cut]
+        assert r.finish_reason == ("stop" if stop in f.tokens else "length")
+    assert results[0].finish_reason == "stop" and len(results[0].tokens) <= 5
+    assert engine.cache.pages_in_use == 0
+
+
+@pytest.mark.parametrize("window,temperature,pages", [("vanilla", 0.0, 60), (3, 1.0, 36)])
+def test_out_of_pages_preempts_the_youngest_and_restarts_it(parallel_1x1, window, temperature,
+                                                            pages):
+    model, _ = build(2, window)
+    prompt_list = prompts((10, 12, 9))
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5)
+    roomy = Engine(model, page_size=4, max_batch=3, chunk_size=8)
+    expected = roomy.generate(prompt_list, [params] * 3)
+    # 2 layers x 2 heads x ceil(35 / 4) = 36 pages for one full vanilla sequence, about half
+    # that under DMC at CR ~2: the three sequences do not fit together
+    tight = Engine(model, page_size=4, max_batch=3, chunk_size=8, num_pages=pages)
+    results = tight.generate(prompt_list, [params] * 3)
+    assert tight.stats["preemptions"] > 0
+    assert results[0].preemptions == 0  # the oldest request is never the one preempted
+    assert max(r.preemptions for r in results) > 0
+    for e, r in zip(expected, results):
+        assert r.tokens == e.tokens
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(e.logprobs),
+                                   atol=1e-5, rtol=0)
+    assert tight.cache.pages_in_use == 0 and tight.cache.free_pages == pages
+
+
+def test_a_sequence_larger_than_the_pool_raises_cache_full(parallel_1x1):
+    model, _ = build(2)
+    engine = Engine(model, page_size=4, max_batch=2, num_pages=12)  # 3 pages per head
+    with pytest.raises(CacheFullError, match="do not fit in the whole pool"):
+        engine.generate([list(range(20))], SamplingParams(max_new_tokens=2))
+    assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
+    with pytest.raises(CacheFullError, match="alone needs more than the whole pool"):
+        engine.generate([list(range(10))], SamplingParams(max_new_tokens=8))
+    assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
+    ok = engine.generate([list(range(6))], SamplingParams(max_new_tokens=4))  # still usable
+    assert len(ok[0].tokens) == 4
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.add_request(list(range(150)), SamplingParams(max_new_tokens=20))
+
+
+def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
+    from dmc.inference.generate_cli import add_generate_arguments, run_generate
+
+    model, runtime = build(2, 3)
+    path = tmp_path / "model.pt"
+    save_inference_state(path, model, model_config(2), runtime.config)
+    saved = load_inference_state(path)
+    assert saved["dmc_config"]["window"] == 3 and saved["model_config"]["num_query_groups"] == 2
+    prompt_list = prompts((9, 6))
+    params = SamplingParams(max_new_tokens=6)
+    direct = Engine(model, page_size=4, max_batch=2).generate(prompt_list, params)
+    loaded = Engine.from_file(path, page_size=4, max_batch=2)
+    assert loaded.dmc == runtime.config
+    assert [r.tokens for r in loaded.generate(prompt_list, params)] == [r.tokens for r in direct]
+
+    parser = add_generate_arguments(argparse.ArgumentParser())
+    args = parser.parse_args([
+        "--state-dict", str(path), "--prompt-ids", " ".join(map(str, prompt_list[0])),
+        "--prompt-ids", ",".join(map(str, prompt_list[1])), "--max-new-tokens", "6",
+        "--page-size", "4", "--json",
+    ])
+    assert run_generate(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in out["results"]] == [r.tokens for r in direct]
+    assert out["results"][0]["compression"]["cr"] == pytest.approx(direct[0].compression.overall)
+    with pytest.raises(ValueError, match="--tokenizer"):
+        run_generate(parser.parse_args(["--state-dict", str(path), "--prompt", "hello"]))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
