@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 
 LATEST = "latest"
 STATE = "state.json"
@@ -127,7 +127,3 @@ def prune_checkpoints(root: Path, keep_last: int) -> None:
     for old in steps[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
-
-def model_parallel_tag() -> str:
-    return (f"tp{parallel_state.get_tensor_model_parallel_world_size()}"
-            f"pp{parallel_state.get_pipeline_model_parallel_world_size()}")

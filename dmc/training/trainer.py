@@ -9,6 +9,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,8 +376,6 @@ class Trainer:
             phase = self.plan.phase_of(step)
             final = self.ckpt_dir / phase
             src = self.ckpt_dir / f"step_{self.step:07d}"
-            import shutil
-
             shutil.rmtree(final, ignore_errors=True)
             shutil.copytree(src, final)
             logger.write(f"phase {phase} finished at step {self.step}: {final}")
