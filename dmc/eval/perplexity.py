@@ -153,9 +153,9 @@ def model_perplexity(model, sequences: Iterable[Sequence[int]]) -> dict:
 # ----------------------------------------------------------------------------- CLI
 def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the ``dmc eval ppl`` flags on ``parser``; returns it."""
-    parser.add_argument("--state-dict", required=True, metavar="FILE.pt",
-                        help="model file written by dmc.inference.save_inference_state: a dict "
-                        "{'model_config', 'dmc_config' (or None), 'state_dict'}")
+    parser.add_argument("--model", "--state-dict", dest="model", required=True, metavar="PATH",
+                        help="an inference .pt file (dmc.inference.save_inference_state), a "
+                        "training checkpoint folder, or a run folder (its latest checkpoint)")
     parser.add_argument("--data", required=True, metavar="PATH",
                         help="held-out tokens: an indexed dataset prefix (PREFIX.bin/.idx), a "
                         "folder made by `dmc data prepare` (its valid split), or a .pt/.npy "
@@ -185,8 +185,8 @@ def run_ppl(args: argparse.Namespace) -> int:
     if not sequences:
         raise ValueError(f"--data {args.data}: fewer than --seq-len={args.seq_len} tokens")
     longest = max(len(s) for s in sequences)
-    engine = Engine.from_file(
-        args.state_dict, max_batch=1, page_size=args.page_size, chunk_size=args.chunk_size,
+    engine = Engine.from_path(
+        args.model, max_batch=1, page_size=args.page_size, chunk_size=args.chunk_size,
         max_seq_len=longest, cache_dtype=_dtype(args.cache_dtype),
     )
     result = evaluate_perplexity(engine, sequences, progress=not (args.quiet or args.json))

@@ -256,16 +256,20 @@ class Engine:
                         dmc_config: DMCConfig | dict | None = None, **engine_kwargs) -> Engine:
         """Build the model from ``model_config`` (see :func:`build_model_from_config`), load
         ``state_dict`` into it and wrap it; ``dmc_config`` None = a vanilla model."""
+        from dmc.inference.loading import _load_plain
+
         model = build_model_from_config(model_config, dmc_config)
-        missing, unexpected = model.load_state_dict(state_dict, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(
-                f"state dict does not match the model config: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        _load_plain(model, state_dict, "state_dict")
         return cls(model, **engine_kwargs)
+
+    @classmethod
+    def from_path(cls, path, **engine_kwargs) -> Engine:
+        """An engine for the model at ``path``: an inference ``.pt`` file, a training checkpoint
+        folder (any TP/PP), a checkpoints folder or a run folder (its latest checkpoint); see
+        :func:`dmc.inference.loading.load_model`."""
+        from dmc.inference.loading import load_model
+
+        return cls(load_model(path).model, **engine_kwargs)
 
     @classmethod
     def from_file(cls, path, **engine_kwargs) -> Engine:

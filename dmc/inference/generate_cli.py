@@ -13,7 +13,8 @@ plain dict, read with ``weights_only=True``)::
      "state_dict": {name: tensor}}                          # the GPTModel's state dict
 
 Prompts are token ids (``--prompt-ids "1 2 3"``) or text (``--prompt "..."`` with
-``--tokenizer``). megatron-core is imported only when the command runs.
+``--tokenizer``). ``--model`` may also name a training checkpoint (see
+:func:`dmc.inference.loading.load_model`). megatron-core is imported only when the command runs.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import json
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the ``dmc generate`` flags on ``parser``; returns it."""
-    parser.add_argument("--state-dict", required=True, metavar="FILE.pt",
-                        help="model file: {'model_config', 'dmc_config' (or None), "
-                        "'state_dict'} as written by dmc.inference.save_inference_state")
+    parser.add_argument("--model", "--state-dict", dest="model", required=True, metavar="PATH",
+                        help="an inference .pt file (dmc.inference.save_inference_state), a "
+                        "training checkpoint folder, or a run folder (its latest checkpoint)")
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                         help="a text prompt (needs --tokenizer); repeatable")
     parser.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
@@ -97,8 +98,8 @@ def run_generate(args: argparse.Namespace) -> int:
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     num_pages = args.num_pages
     cache_dtype = None if args.cache_dtype == "auto" else getattr(torch, args.cache_dtype)
-    engine = Engine.from_file(
-        args.state_dict, num_pages=num_pages, page_size=args.page_size,
+    engine = Engine.from_path(
+        args.model, num_pages=num_pages, page_size=args.page_size,
         max_batch=min(args.max_batch, len(prompts)), max_seq_len=longest,
         chunk_size=args.chunk_size, cache_dtype=cache_dtype, seed=args.seed,
     )
@@ -125,3 +126,9 @@ def run_generate(args: argparse.Namespace) -> int:
               f"prefill {stats['prefill_tokens'] / max(stats['prefill_seconds'], 1e-9):.1f} tok/s,"
               f" preemptions {stats['preemptions']}")
     return 0
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("generate", help="generate with the paged (DMC-compressed) KV cache")
+    add_generate_arguments(parser)
+    parser.set_defaults(handler=run_generate)

@@ -304,10 +304,29 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ checkpoints
+    def model_config(self) -> dict:
+        """The architecture as :func:`dmc.inference.build_model_from_config` takes it."""
+        m = self.cfg.model
+        return {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                "num_attention_heads": m.num_attention_heads,
+                "num_query_groups": m.num_query_groups or m.num_attention_heads,
+                "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": self.vocab_size,
+                "max_seq_length": m.max_seq_length, "rotary_base": m.rotary_base,
+                "norm_epsilon": m.norm_epsilon, "share_embeddings": m.share_embeddings}
+
+    def dmc_config_for(self, step: int) -> dict | None:
+        """DMC settings of the model saved after ``step`` steps: None until the decision rows
+        are zeroed (pretraining, zero_out), since the model then computes vanilla attention."""
+        if self.kind != "retrofit" or step <= self.plan.ranges["retrofit"][0]:
+            return None
+        d = self.cfg.dmc
+        return {"window": d.window, "tau": d.tau, "c": d.c, "hard": d.hard}
+
     def save(self, name: str, step: int, update_latest: bool = True) -> Path:
         meta = {"kind": self.kind, "step": step, "phase": self.plan.phase_of(max(step - 1, 0)),
                 "target_cr": self.plan.target_cr(step - 1) if step else 1.0,
-                "config": to_dict(self.cfg),
+                "config": to_dict(self.cfg), "model_config": self.model_config(),
+                "dmc_config": self.dmc_config_for(step),
                 "tp": parallel_state.get_tensor_model_parallel_world_size(),
                 "pp": parallel_state.get_pipeline_model_parallel_world_size()}
         path = ckpt.save_checkpoint(self.ckpt_dir, name, self.module, self.optimizer,

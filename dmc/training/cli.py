@@ -1,0 +1,48 @@
+"""``dmc pretrain`` and ``dmc retrofit``: training runs from YAML configs plus dotted overrides."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` (repeatable), positional ``KEY=VALUE`` overrides, ``--dry-run``, ``--json``."""
+    parser.add_argument("--config", action="append", default=[], metavar="FILE.yaml",
+                        help="YAML config; repeat to merge presets (later files win)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides, e.g. optim.lr=1e-5 data.seq_length=512")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate and print the resolved config, then exit")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run_training(args: argparse.Namespace) -> int:
+    from dmc.training.config import dump_config, load_config, to_dict
+
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        print(json.dumps(to_dict(cfg), indent=1) if args.json else dump_config(cfg), end="")
+        return 0
+    from dmc.training.trainer import Trainer
+
+    trainer = Trainer(cfg, args.command)
+    trainer.run(phase=getattr(args, "phase", None))
+    summary = {"run_dir": cfg.run_dir, "step": trainer.step, **trainer.evaluate()}
+    if trainer.rank == 0:
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print(" ".join(f"{k}={v}" for k, v in summary.items() if k != "valid_cr_per_head"))
+    return 0
+
+
+def register(sub) -> None:
+    pretrain = sub.add_parser("pretrain", help="train a vanilla base model (tiny demo base)")
+    add_run_arguments(pretrain)
+    pretrain.set_defaults(handler=run_training)
+
+    retrofit = sub.add_parser("retrofit", help="zero_out -> retrofit -> solidify DMC training")
+    add_run_arguments(retrofit)
+    retrofit.add_argument("--phase", choices=("zero_out", "retrofit", "solidify"),
+                          help="run only this phase (resuming from the run's latest checkpoint)")
+    retrofit.set_defaults(handler=run_training)
