@@ -176,7 +176,9 @@ class Engine:
             these ``c`` and ``window``, whatever the attention modules are), or ``None``
             (vanilla attention).
         num_pages: pages in the pool; default: room for ``max_batch`` uncompressed sequences of
-            ``max_seq_len`` tokens.
+            ``max_seq_len`` tokens, capped by ``kv_cache_bytes``.
+        kv_cache_bytes: byte budget of the page pool (keys and values) when ``num_pages`` is not
+            given; default: 90% of the free GPU memory on CUDA, a quarter of the RAM on CPU.
         page_size: slots per page.
         max_batch: most sequences running at once (= cache sequence slots).
         max_seq_len: most tokens (prompt + generated) per sequence; default: the model's
@@ -193,6 +195,7 @@ class Engine:
         dmc: DMCRuntime | DMCConfig | str | None = "auto",
         *,
         num_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
         page_size: int = 16,
         max_batch: int = 64,
         max_seq_len: int | None = None,
@@ -232,8 +235,7 @@ class Engine:
         self.max_seq_len = int(max_seq_len or model.max_sequence_length)
         self.page_size, self.max_batch, self.chunk_size = page_size, max_batch, chunk_size
         if num_pages is None:
-            num_pages = (max_batch * math.ceil(self.max_seq_len / page_size)
-                         * self.num_layers * self.num_kv_heads)
+            num_pages = self._default_num_pages(kv_cache_bytes, cache_dtype or self.dtype)
         self.cache = PagedKVCache(
             self.num_layers, self.num_kv_heads, self.head_dim, num_pages, page_size=page_size,
             max_seqs=max_batch, window=self.dmc.window if self.dmc else None,
@@ -251,6 +253,24 @@ class Engine:
         self.reset_stats()
 
     # ------------------------------------------------------------------ construction
+    def _default_num_pages(self, budget: int | None, dtype: torch.dtype) -> int:
+        """Room for ``max_batch`` uncompressed sequences, within ``budget`` bytes (default: 90%
+        of the free CUDA memory, or a quarter of the host RAM)."""
+        full = (self.max_batch * math.ceil(self.max_seq_len / self.page_size)
+                * self.num_layers * self.num_kv_heads)
+        if budget is None:
+            if self.device.type == "cuda":
+                budget = int(0.9 * torch.cuda.mem_get_info(self.device)[0])
+            else:
+                import psutil
+
+                budget = psutil.virtual_memory().total // 4
+        page_bytes = 2 * self.page_size * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        pages = min(full, budget // page_bytes)
+        if pages < 1:
+            raise ValueError(f"kv_cache_bytes={budget} holds no page of {page_bytes} bytes")
+        return pages
+
     @classmethod
     def from_state_dict(cls, state_dict: dict, model_config: dict,
                         dmc_config: DMCConfig | dict | None = None, **engine_kwargs) -> Engine:

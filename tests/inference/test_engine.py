@@ -298,3 +298,14 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     assert out["results"][0]["compression"]["cr"] == pytest.approx(direct[0].compression.overall)
     with pytest.raises(ValueError, match="--tokenizer"):
         run_generate(parser.parse_args(["--state-dict", str(path), "--prompt", "hello"]))
+
+
+def test_default_pool_respects_the_byte_budget(parallel_1x1):
+    model, _ = build(2)
+    page_bytes = 2 * 16 * 16 * 4  # keys + values, 16 slots of head_dim 16, float32
+    engine = Engine(model, dmc=None, max_batch=4, kv_cache_bytes=10 * page_bytes + 5)
+    assert engine.cache.num_pages == 10
+    roomy = Engine(model, dmc=None, max_batch=4, kv_cache_bytes=1 << 40)
+    assert roomy.cache.num_pages == 4 * (MAX_SEQ // 16) * 2 * 2  # uncompressed, all layers/heads
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        Engine(model, dmc=None, kv_cache_bytes=100)

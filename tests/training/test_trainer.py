@@ -79,3 +79,37 @@ def test_one_phase_at_a_time(tiny_data, tmp_path):
     assert [r.phase for r in first.run(phase="zero_out")] == ["zero_out"] * 2
     second = Trainer(_cfg(tiny_data, tmp_path, **extra), "retrofit")
     assert [r.phase for r in second.run(phase="retrofit")] == ["retrofit"] * 2
+
+
+def test_engine_loads_run_checkpoints(full_run, capsys):
+    """A retrofit checkpoint serves as a DMC model, a zero_out one as a vanilla model."""
+    import torch
+
+    from dmc.cli import main
+    from dmc.inference import Engine
+    from dmc.inference.loading import load_model
+
+    trainer, _, run_dir = full_run
+    loaded = load_model(run_dir)
+    assert loaded.source.name == "step_0000020" and loaded.dmc_config["window"] == 4
+    tokens = torch.arange(3, 19)[None]
+    positions = torch.arange(16)[None]
+    runtime = trainer.runtime
+    runtime.set_mode("eval")
+    trainer.module.eval()
+    with torch.no_grad():
+        want = trainer.module(tokens, positions, None)
+        got = loaded.model(tokens, positions, None)
+    runtime.set_mode("train")
+    trainer.module.train()
+    assert torch.allclose(got, want, atol=1e-5)
+    scored = Engine.from_path(run_dir).score(tokens[0].tolist())
+    assert scored.compression.overall > 1.0
+    vanilla = load_model(run_dir / "checkpoints" / "zero_out")
+    assert vanilla.dmc_config is None
+    assert Engine(vanilla.model).dmc is None
+    assert main(["generate", "--model", str(run_dir), "--prompt-ids", "3 4 5",
+                 "--max-new-tokens", "4", "--json"]) == 0
+    assert '"results"' in capsys.readouterr().out
+    assert main(["generate", "--model", str(run_dir / "nowhere"), "--prompt-ids", "3"]) == 2
+    assert "does not exist" in capsys.readouterr().err
