@@ -9,6 +9,7 @@ and CR loss). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import time
 import warnings
@@ -40,7 +41,7 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup):
     return tokens.numel() / seconds, seconds
 
 
-def main():
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
@@ -54,7 +55,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from dmc.megatron.model import build_gpt_model, llama_transformer_config
     from dmc.megatron.parallel import initialize_parallel
@@ -84,7 +85,8 @@ def main():
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "dmc.training.cli",            # pretrain, retrofit
     "dmc.inference.generate_cli",  # generate
     "dmc.eval.cli",                # eval ppl
+    "dmc.eval.bench",              # bench
 )
 
 

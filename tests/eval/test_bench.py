@@ -1,0 +1,21 @@
+"""``dmc bench`` runs the repository's benchmark scripts with their own arguments."""
+import json
+
+from dmc.cli import main
+
+
+def test_bench_runs_a_benchmark_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "train_step.json"
+    code = main(["bench", "train_step", "--layers", "1", "--hidden", "32", "--heads", "2",
+                 "--ffn", "64", "--vocab", "64", "--seq", "32", "--batch", "1", "--steps", "1",
+                 "--warmup", "0", "--window", "4", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"vanilla", "dmc"} and result["ratio"] > 0
+    assert "DMC / vanilla tokens/s" in capsys.readouterr().out
+
+
+def test_unknown_benchmark_lists_the_valid_ones(capsys):
+    assert main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "decode_throughput" in err and "paged_kernel" in err
