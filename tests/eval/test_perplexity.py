@@ -10,48 +10,15 @@ from dmc.eval import evaluate_perplexity, load_token_sequences, model_perplexity
 from dmc.eval.perplexity import add_ppl_arguments, run_ppl
 from dmc.inference import Engine, save_inference_state
 from dmc.megatron.attention import dmc_layers
-from dmc.megatron.model import build_gpt_model, llama_transformer_config
-from dmc.megatron.runtime import DMCConfig, DMCRuntime
-
-VOCAB = 96
+from dmc.megatron.runtime import DMCConfig
+from tiny_models import VOCAB, build_tiny
 
 
-@pytest.fixture(scope="module")
-def parallel_1x1():
-    from dmc.megatron.parallel import destroy_parallel, initialize_parallel
-
-    initialize_parallel(1, 1, seed=1234)
-    yield
-    destroy_parallel()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one intra-op thread is as fast as two and does not stall in
-    OpenMP barriers when the machine is oversubscribed (seen: 10 s vs 75 s for this file)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(groups, window="vanilla", c=-1.0):
-    torch.manual_seed(0)
-    config = llama_transformer_config(2, 64, 4, 96, num_query_groups=groups)
-    if window == "vanilla":
-        return build_gpt_model(config, VOCAB, 128)
-    runtime = DMCRuntime(DMCConfig(window=window, c=c))
-    model = build_gpt_model(config, VOCAB, 128, dmc=runtime)
-    for layer in dmc_layers(model):  # spread the decision rows (init std 0.02 -> 0.4)
-        dim = layer.hidden_size_per_attention_head
-        per_group = layer.num_attention_heads_per_partition // groups
-        with torch.no_grad():
-            for g in range(groups):
-                base = g * (per_group + 2) * dim
-                for i in range(per_group + 1):
-                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= 20.0
-    runtime.set_mode("eval")
-    return model
+    return build_tiny(groups, window, c, max_seq=128, scale=0.4)[0]
 
 
 def held_out(n=3, length=48, seed=3):

@@ -15,44 +15,14 @@ from dmc.inference import (
 )
 from dmc.inference.sampling import filtered_probs
 from dmc.megatron.attention import dmc_layers
-from dmc.megatron.model import build_gpt_model, llama_transformer_config
-from dmc.megatron.runtime import DMCConfig, DMCRuntime
+from dmc.megatron.runtime import DMCConfig
+from tiny_models import VOCAB, build_tiny
 
-VOCAB, MAX_SEQ = 96, 160
+MAX_SEQ = 160
 PROMPT_LENGTHS = (13, 21, 7)
 
 
-@pytest.fixture(scope="module")
-def parallel_1x1():
-    from dmc.megatron.parallel import destroy_parallel, initialize_parallel
-
-    initialize_parallel(1, 1, seed=1234)
-    yield
-    destroy_parallel()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one intra-op thread is as fast as two and does not stall in
-    OpenMP barriers when the machine is oversubscribed (seen: 10 s vs 75 s for this file)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def spread_decisions(model, scale=0.4):
-    """Scales the rows of k[..., -1] and q[..., -1] (init std 0.02) to std ``scale`` so that hard
-    decisions are mixed (as in tests/megatron/test_attention.py)."""
-    for layer in dmc_layers(model):
-        dim = layer.hidden_size_per_attention_head
-        groups = layer.num_query_groups_per_partition
-        per_group = layer.num_attention_heads_per_partition // groups
-        with torch.no_grad():
-            for g in range(groups):
-                base = g * (per_group + 2) * dim
-                for i in range(per_group + 1):
-                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= scale / 0.02
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_config(groups):
@@ -61,17 +31,7 @@ def model_config(groups):
 
 
 def build(groups, window="vanilla", c=-1.0, seed=0):
-    """A tiny Llama; DMC (eval mode, spread decisions, ``c < 0`` merges long runs) unless
-    ``window == "vanilla"``."""
-    torch.manual_seed(seed)
-    config = llama_transformer_config(2, 64, 4, 96, num_query_groups=groups)
-    if window == "vanilla":
-        return build_gpt_model(config, VOCAB, MAX_SEQ), None
-    runtime = DMCRuntime(DMCConfig(window=window, c=c))
-    model = build_gpt_model(config, VOCAB, MAX_SEQ, dmc=runtime)
-    spread_decisions(model)
-    runtime.set_mode("eval")
-    return model, runtime
+    return build_tiny(groups, window, c, max_seq=MAX_SEQ, seed=seed)
 
 
 def prompts(lengths=PROMPT_LENGTHS, seed=1):

@@ -8,12 +8,9 @@ from dmc.megatron.runtime import DMCConfig, DMCRuntime
 from dmc.ops import compression_loss_from_sums
 
 from llama_reference import decode_with_compressed_cache
+from tiny_models import spread_decisions, tiny_config
 
 VOCAB, SEQ = 96, 24
-
-
-def _config(groups):
-    return llama_transformer_config(2, 64, 4, 96, num_query_groups=groups)
 
 
 def _batch(batch=2, seq=SEQ, seed=0):
@@ -24,26 +21,12 @@ def _batch(batch=2, seq=SEQ, seed=0):
 
 def _pair(groups, dmc_config=None):
     """A vanilla model and a DMC model with the same weights."""
-    config = _config(groups)
+    config = tiny_config(groups)
     vanilla = build_gpt_model(config, VOCAB, 64)
     runtime = DMCRuntime(dmc_config or DMCConfig())
     dmc = build_gpt_model(config, VOCAB, 64, dmc=runtime)
     dmc.load_state_dict(vanilla.state_dict())
     return vanilla, dmc, runtime
-
-
-def _spread_decisions(model, scale=0.4):
-    """Scales the rows of k[..., -1] and q[..., -1] to std ``scale`` (init std 0.02) so hard
-    decisions are mixed."""
-    for layer in dmc_layers(model):
-        dim = layer.hidden_size_per_attention_head
-        groups = layer.num_query_groups_per_partition
-        per_group = layer.num_attention_heads_per_partition // groups
-        with torch.no_grad():
-            for g in range(groups):
-                base = g * (per_group + 2) * dim
-                for i in range(per_group + 1):
-                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= scale / 0.02
 
 
 @pytest.mark.parametrize("groups", [4, 2])
@@ -64,7 +47,7 @@ def test_at_initialisation_dmc_matches_vanilla(parallel_1x1, groups):
 @pytest.mark.parametrize("groups,window", [(4, None), (2, None), (2, SEQ)])
 def test_eval_mode_equals_token_by_token_compressed_cache(parallel_1x1, groups, window):
     _, dmc, runtime = _pair(groups, DMCConfig(window=window, c=0.5))
-    _spread_decisions(dmc)
+    spread_decisions(dmc)
     runtime.set_mode("eval")
     tokens, positions = _batch()
     with torch.no_grad():
@@ -112,7 +95,7 @@ def test_zero_out_scales_decision_channels(parallel_1x1):
 
 def test_train_mode_cr_loss_and_gradients(parallel_1x1):
     _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0))
-    _spread_decisions(dmc, scale=2.0)
+    spread_decisions(dmc, scale=2.0)
     runtime.set_mode("train")
     runtime.target_cr = 4.0
     tokens, positions = _batch()
@@ -134,7 +117,7 @@ def test_train_mode_cr_loss_and_gradients(parallel_1x1):
 
 def test_noise_is_keyed_by_step_and_microbatch(parallel_1x1):
     _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0))
-    _spread_decisions(dmc, scale=0.5)
+    spread_decisions(dmc, scale=0.5)
     runtime.set_mode("train")
     tokens, positions = _batch()
     with torch.no_grad():
@@ -150,9 +133,9 @@ def test_noise_is_keyed_by_step_and_microbatch(parallel_1x1):
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_flex_backend_matches_dense(parallel_1x1, mode):
     _, dense_model, dense_rt = _pair(2, DMCConfig(window=4, c=0.0, attention_backend="dense"))
-    _spread_decisions(dense_model, scale=1.0)
+    spread_decisions(dense_model, scale=1.0)
     flex_rt = DMCRuntime(DMCConfig(window=4, c=0.0, attention_backend="flex"))
-    flex_model = build_gpt_model(_config(2), VOCAB, 64, dmc=flex_rt)
+    flex_model = build_gpt_model(tiny_config(2), VOCAB, 64, dmc=flex_rt)
     flex_model.load_state_dict(dense_model.state_dict())
     dense_rt.set_mode(mode)
     flex_rt.set_mode(mode)
@@ -166,7 +149,7 @@ def test_flex_backend_matches_dense(parallel_1x1, mode):
 
 def test_hard_straight_through_training_is_finite(parallel_1x1):
     _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, hard=True))
-    _spread_decisions(dmc, scale=1.0)
+    spread_decisions(dmc, scale=1.0)
     runtime.set_mode("train")
     runtime.target_cr = 2.0
     tokens, positions = _batch()

@@ -1,0 +1,43 @@
+"""Tiny megatron Llama models shared by the tests (2 layers, hidden 64, 4 heads, head_dim 16)."""
+import torch
+
+from dmc.megatron.attention import dmc_layers
+from dmc.megatron.model import build_gpt_model, llama_transformer_config
+from dmc.megatron.runtime import DMCConfig, DMCRuntime
+
+VOCAB = 96
+
+
+def tiny_config(groups: int, **overrides):
+    """2 layers, hidden 64, 4 query heads in ``groups`` KV groups, FFN 96."""
+    return llama_transformer_config(2, 64, 4, 96, num_query_groups=groups, **overrides)
+
+
+def spread_decisions(model, scale: float = 0.4) -> None:
+    """Scales the rows of k[..., -1] and q[..., -1] (init std 0.02) to std ``scale`` so that hard
+    decisions are mixed. Megatron's fused QKV rows are grouped per KV group:
+    ``[q_1 .. q_{heads/groups}, k, v]``, each ``head_dim`` rows."""
+    for layer in dmc_layers(model):
+        dim = layer.hidden_size_per_attention_head
+        groups = layer.num_query_groups_per_partition
+        per_group = layer.num_attention_heads_per_partition // groups
+        with torch.no_grad():
+            for g in range(groups):
+                base = g * (per_group + 2) * dim
+                for i in range(per_group + 1):
+                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= scale / 0.02
+
+
+def build_tiny(groups: int, window="vanilla", c: float = -1.0, *, max_seq: int = 160,
+               scale: float = 0.4, seed: int = 0, vocab: int = VOCAB):
+    """``(model, runtime)``: a vanilla model (runtime None) when ``window == "vanilla"``, else a
+    DMC model in eval mode with spread decisions (``c < 0`` merges long runs)."""
+    torch.manual_seed(seed)
+    config = tiny_config(groups)
+    if window == "vanilla":
+        return build_gpt_model(config, vocab, max_seq), None
+    runtime = DMCRuntime(DMCConfig(window=window, c=c))
+    model = build_gpt_model(config, vocab, max_seq, dmc=runtime)
+    spread_decisions(model, scale)
+    runtime.set_mode("eval")
+    return model, runtime
