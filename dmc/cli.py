@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "dmc.inference.generate_cli",  # generate
     "dmc.eval.cli",                # eval ppl
     "dmc.eval.bench",              # bench
+    "dmc.baselines.cli",           # baseline gqa
 )
 
 

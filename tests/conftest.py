@@ -1,18 +1,20 @@
-"""Shared test set-up.
+"""Shared test set-up and fixtures.
 
 Triton kernels run under the interpreter on machines without CUDA; the variable must be set
 before any kernel module is imported, hence here at the top of the root conftest.
 """
 import os
+import random
+import warnings
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-import pytest  # noqa: E402
+warnings.filterwarnings("ignore", module="megatron")
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +36,6 @@ def one_thread():
     yield
     torch.set_num_threads(before)
 
-import random  # noqa: E402
-import warnings  # noqa: E402
-
-import pytest  # noqa: E402
-
-warnings.filterwarnings("ignore", module="megatron")
 
 WORDS = ("the king queen crown sword night day love death honour blood rose storm sea ship "
          "letter father daughter son brother ghost witch forest castle battle peace").split()

@@ -73,8 +73,10 @@ class ScheduleConfig:
 
 @dataclass
 class DMCSection:
-    """DMC hyper-parameters (Sec. 4 of the paper)."""
+    """DMC hyper-parameters (Sec. 4 of the paper). ``enabled: false`` makes ``dmc retrofit`` a
+    vanilla-attention up-training with the same steps and LR schedule (the GQA baseline)."""
 
+    enabled: bool = True
     target_cr: float = 2.0
     window: int | None = 12
     tau: float = 0.1

@@ -3,7 +3,9 @@
 A retrofit run's steps are laid end to end: ``zero_out`` [0, Z) scales the decision channels by
 1 - t/Z then zeroes their weight rows; ``retrofit`` [Z, Z+R) anneals the target CR linearly from
 1 to CR at constant LR; ``solidify`` [Z+R, Z+R+S) holds the CR while the LR decays (cosine) to
-``min_lr_ratio``. A pretrain run (tiny demo base only) is plain ``vanilla`` training.
+``min_lr_ratio``. A pretrain run (tiny demo base only) is plain ``vanilla`` training. A retrofit
+run with ``dmc.enabled: false`` (the GQA baseline's up-training, Table 1 of the paper) trains
+vanilla attention for the same steps: ``uptrain`` [0, Z+R) at constant LR, then ``solidify``.
 """
 from __future__ import annotations
 
@@ -25,15 +27,20 @@ class StepPlan:
 
 
 class PhasePlan:
-    """Step ranges of a run kind (``pretrain`` or ``retrofit``)."""
+    """Step ranges of a run kind (``pretrain`` or ``retrofit``); ``dmc`` tells whether the
+    run trains DMC decisions (a retrofit with ``dmc.enabled``)."""
 
     def __init__(self, cfg: RunConfig, kind: str):
         if kind not in ("pretrain", "retrofit"):
             raise ValueError(f"run kind must be pretrain or retrofit, got {kind!r}")
         s = cfg.schedule
         self.kind = kind
+        self.dmc = kind == "retrofit" and cfg.dmc.enabled
         if kind == "pretrain":
             self.ranges = {"pretrain": (0, s.pretrain_steps)}
+        elif not self.dmc:
+            z = s.zero_out_steps + s.retrofit_steps
+            self.ranges = {"uptrain": (0, z), "solidify": (z, z + s.solidify_steps)}
         else:
             z, r = s.zero_out_steps, s.retrofit_steps
             self.ranges = {
@@ -53,13 +60,13 @@ class PhasePlan:
 
     def target_cr(self, step: int) -> float:
         """CR after ``step`` (0-based): the last retrofit step reaches the target."""
-        if self.kind == "pretrain" or step < self.ranges["retrofit"][0]:
+        if not self.dmc or step < self.ranges["retrofit"][0]:
             return 1.0
         return self.cr_schedule(step + 1)
 
     def at(self, step: int) -> StepPlan:
         phase = self.phase_of(step)
-        if phase == "pretrain":
+        if not self.dmc:
             return StepPlan(phase, "vanilla", 1.0, 1.0)
         if phase == "zero_out":
             start, end = self.ranges["zero_out"]
@@ -74,7 +81,7 @@ class PhasePlan:
     def crossed_half_cr(self, step: int) -> float | None:
         """The integer or half-integer CR first reached at ``step``, if any (so checkpoints
         exist at 1.5x, 2x, 2.5x, ...)."""
-        if self.kind == "pretrain" or self.phase_of(step) != "retrofit":
+        if not self.dmc or self.phase_of(step) != "retrofit":
             return None
         before = math.floor(2 * self.target_cr(step - 1) + 1e-9)
         after = math.floor(2 * self.target_cr(step) + 1e-9)

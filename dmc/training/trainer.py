@@ -166,7 +166,23 @@ class Trainer:
         self.resumed_from = None
         base = self.cfg.checkpoint.load_base
         if self.kind == "retrofit" and base:
+            self._check_base_shape(Path(base))
             ckpt.load_checkpoint(Path(base), self.module)
+
+    def _check_base_shape(self, base: Path):
+        """A clear error when ``checkpoint.load_base`` holds another architecture (e.g. a GQA
+        conversion with fewer KV heads than the model preset)."""
+        saved = ckpt.read_state(base).get("model_config", {})
+        ours = self.model_config()
+        wrong = [k for k in ("num_layers", "hidden_size", "num_attention_heads",
+                             "num_query_groups", "ffn_hidden_size", "vocab_size")
+                 if k in saved and saved[k] != ours[k]]
+        if wrong:
+            raise ValueError(
+                f"checkpoint.load_base {base} does not match the model: "
+                + ", ".join(f"model.{k} is {ours[k]} but the checkpoint has {saved[k]}"
+                            for k in wrong)
+                + "; override them, e.g. " + " ".join(f"model.{k}={saved[k]}" for k in wrong))
 
     # ------------------------------------------------------------------ data
     def _microbatch(self, dataset, index: int) -> dict:
@@ -285,7 +301,7 @@ class Trainer:
         """Held-out LM loss and perplexity in eval mode (hard decisions) and the measured CR."""
         runtime = self.runtime
         previous = runtime.mode
-        runtime.set_mode("vanilla" if self.kind == "pretrain" else "eval")
+        runtime.set_mode("eval" if self.plan.dmc else "vanilla")
         self._reset_cr_stats()
         self.model.eval()
         mbs, iters = self.cfg.data.micro_batch_size, max(self.cfg.logging.eval_iters, 1)
@@ -295,7 +311,7 @@ class Trainer:
         loss = self._reduce_mean([r["lm_loss"].item() for r in results],
                                  parallel_state.is_pipeline_last_stage())
         out = {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
-        if self.kind == "retrofit":
+        if self.plan.dmc:
             cr = self.measured_cr()
             out["valid_cr"] = float(cr.size / (1 / cr).sum())
             out["valid_cr_per_head"] = cr.round(4).tolist()
@@ -317,7 +333,7 @@ class Trainer:
     def dmc_config_for(self, step: int) -> dict | None:
         """DMC settings of the model saved after ``step`` steps: None until the decision rows
         are zeroed (pretraining, zero_out), since the model then computes vanilla attention."""
-        if self.kind != "retrofit" or step <= self.plan.ranges["retrofit"][0]:
+        if not self.plan.dmc or step <= self.plan.ranges["retrofit"][0]:
             return None
         d = self.cfg.dmc
         return {"window": d.window, "tau": d.tau, "c": d.c, "hard": d.hard}
@@ -331,7 +347,7 @@ class Trainer:
                 "pp": parallel_state.get_pipeline_model_parallel_world_size()}
         path = ckpt.save_checkpoint(self.ckpt_dir, name, self.module, self.optimizer,
                                     self.scheduler, meta, update_latest=update_latest)
-        if self.kind == "retrofit" and self.cfg.logging.heatmap and self.rank == 0:
+        if self.plan.dmc and self.cfg.logging.heatmap and self.rank == 0:
             cr = self.last_cr if self.last_cr is not None else None
             if cr is not None:
                 save_cr_heatmap(cr, path / "cr_heatmap.png",
@@ -358,12 +374,12 @@ class Trainer:
         try:
             while self.step < end:
                 step = self.step
-                if self.kind == "retrofit" and step == self.plan.ranges["retrofit"][0] and step > 0:
+                if self.plan.dmc and step == self.plan.ranges["retrofit"][0] and step > 0:
                     zero_decision_rows_(self.module)
                 result = self.train_step(step)
                 self.step = step + 1
                 ran.append(result)
-                if result.phase in ("retrofit", "solidify"):
+                if self.plan.dmc and result.phase in ("retrofit", "solidify"):
                     self.last_cr = self.measured_cr()
                 record = {k: v for k, v in vars(result).items() if k != "extra"}
                 if log_cfg.eval_interval and self.step % log_cfg.eval_interval == 0:
