@@ -835,7 +835,8 @@ def build_model_from_config(model_config: dict, dmc_config: DMCConfig | dict | N
     ``model_config`` keys: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
     ``ffn_hidden_size``, ``vocab_size`` (required); ``num_query_groups`` (default: heads),
     ``max_seq_length`` (4096), ``norm_epsilon`` (1e-5), ``rotary_base`` (10000.0),
-    ``share_embeddings`` (False), ``params_dtype`` ("float32", "bfloat16" or "float16");
+    ``share_embeddings`` (False), ``rope_scaling_factor`` (None: Llama 3.x RoPE scaling off),
+    ``params_dtype`` ("float32", "bfloat16" or "float16");
     any other key is passed to :func:`dmc.megatron.model.llama_transformer_config` as a
     ``TransformerConfig`` override (e.g. ``add_qkv_bias``). ``dmc_config`` (a
     :class:`DMCConfig` or its fields as a dict) makes a DMC model; None a vanilla one.
@@ -856,6 +857,7 @@ def build_model_from_config(model_config: dict, dmc_config: DMCConfig | dict | N
     max_seq_length = int(cfg.pop("max_seq_length", 4096))
     rotary_base = float(cfg.pop("rotary_base", 10000.0))
     share = bool(cfg.pop("share_embeddings", False))
+    rope_scaling_factor = cfg.pop("rope_scaling_factor", None)
     dtype = cfg.pop("params_dtype", "float32")
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -869,7 +871,8 @@ def build_model_from_config(model_config: dict, dmc_config: DMCConfig | dict | N
         runtime = DMCRuntime(dmc_config)
         runtime.set_mode("eval")
     return build_gpt_model(config, vocab_size, max_seq_length, dmc=runtime,
-                           rotary_base=rotary_base, share_embeddings=share)
+                           rotary_base=rotary_base, share_embeddings=share,
+                           rope_scaling_factor=rope_scaling_factor)
 
 
 def save_inference_state(path, model: torch.nn.Module, model_config: dict,

@@ -63,8 +63,10 @@ def build_gpt_model(
     rotary_base: float = 10000.0,
     share_embeddings: bool = False,
     backend: str = "local",
+    rope_scaling_factor: float | None = None,
 ) -> GPTModel:
-    """A GPTModel for this pipeline stage; DMC attention when ``dmc`` is given."""
+    """A GPTModel for this pipeline stage; DMC attention when ``dmc`` is given.
+    ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling (None = plain RoPE)."""
     spec = dmc_layer_spec(dmc, backend) if dmc is not None else vanilla_layer_spec(backend)
     model = GPTModel(
         config=config,
@@ -76,6 +78,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=share_embeddings,
         position_embedding_type="rope",
         rotary_base=rotary_base,
+        rope_scaling=rope_scaling_factor is not None,
+        rope_scaling_factor=rope_scaling_factor or 8.0,
     )
     if cuda_available():
         model = model.cuda()

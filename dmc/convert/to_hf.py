@@ -1,0 +1,105 @@
+"""This project's checkpoints -> a Hugging Face folder (``dmc convert mcore-to-hf``).
+
+Vanilla and GQA models become ``LlamaForCausalLM`` folders. DMC models (any phase after the
+decision rows were zeroed) become ``DMCLlamaForCausalLM`` folders: ``config.json`` carries
+``dmc_window``, ``dmc_c``, ``dmc_channel`` ("last"), the target CR and the CR measured at export,
+and an ``auto_map`` to ``modeling_dmc.py`` (a copy of :mod:`dmc.convert.hf_modeling_dmc`), so that
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from dmc.convert.hf_config import hf_config_from_model_config
+from dmc.convert.hf_io import copy_tokenizer, has_tokenizer, write_safetensors
+from dmc.convert.mapping import mcore_to_hf_state
+
+MODELING_FILE = "modeling_dmc.py"
+AUTO_MAP = {"AutoConfig": "modeling_dmc.DMCLlamaConfig",
+            "AutoModelForCausalLM": "modeling_dmc.DMCLlamaForCausalLM"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = None,
+                max_shard_bytes: int = 5 * 2**30, cr_tokens=None) -> dict:
+    """Exports ``checkpoint`` (a checkpoint, checkpoints or run folder, any TP/PP) to
+    ``out_folder`` (must not exist or be empty).
+
+    tokenizer: tokenizer file or folder to copy; default: the checkpoint folder's own, else the
+        tokenizer of the run's prepared data (``state.json`` config ``data.path``).
+    dtype: "float32", "bfloat16" or "float16" (default: the checkpoint's parameter dtype).
+    cr_tokens: token ids on which to measure the DMC compression ratio with
+        :class:`dmc.inference.Engine` (stored as ``dmc_measured_cr``); None = not measured.
+    Returns a summary (files, config, measured CR).
+    """
+    from dmc.inference.loading import load_model
+
+    out = Path(out_folder)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output folder {out} exists and is not empty")
+    loaded = load_model(checkpoint)
+    model_config, dmc_config = loaded.model_config, loaded.dmc_config
+    if dtype is None:
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    state = {k: v.detach().cpu() for k, v in loaded.model.state_dict().items()
+             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    hf_state = {k: v.to(DTYPES[dtype]) for k, v in mcore_to_hf_state(state, model_config).items()}
+    dmc_fields, measured = None, None
+    if dmc_config is not None:
+        if cr_tokens is not None:
+            measured = measure_cr(loaded.model, cr_tokens)
+        dmc_fields = {"dmc_window": dmc_config.get("window"), "dmc_c": dmc_config.get("c", 5.0),
+                      "dmc_channel": "last", "dmc_target_cr": loaded.state.get("target_cr"),
+                      "dmc_measured_cr": measured, "auto_map": AUTO_MAP}
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config_from_model_config(model_config, dtype, dmc_fields)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    files = write_safetensors(out, hf_state, max_shard_bytes)
+    if dmc_fields is not None:
+        shutil.copy2(Path(__file__).with_name("hf_modeling_dmc.py"), out / MODELING_FILE)
+        files.append(MODELING_FILE)
+    copied = _export_tokenizer(tokenizer, loaded, out)
+    return {"output": str(out), "config": config, "files": files, "tokenizer": copied,
+            "measured_cr": measured}
+
+
+def measure_cr(model, tokens) -> float:
+    """Overall compression ratio (tokens x heads / slots) of the real compressed cache after
+    teacher-forcing ``tokens`` through :class:`dmc.inference.Engine`."""
+    from dmc.inference.engine import Engine
+
+    tokens = [int(t) for t in tokens]
+    engine = Engine(model, max_batch=1, max_seq_len=len(tokens), page_size=16)
+    return float(engine.score(tokens).compression.overall)
+
+
+def _export_tokenizer(tokenizer, loaded, out: Path) -> list[str]:
+    source = Path(tokenizer) if tokenizer is not None else _find_tokenizer(loaded)
+    if source is None:
+        return []
+    if not source.exists():
+        raise FileNotFoundError(f"tokenizer {source} does not exist")
+    copied = copy_tokenizer(source, out)
+    if not copied:
+        raise FileNotFoundError(f"{source} holds no tokenizer.model or tokenizer.json")
+    if "tokenizer_config.json" not in copied:
+        kind = "LlamaTokenizerFast" if "tokenizer.json" in copied else "LlamaTokenizer"
+        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": kind}))
+        copied.append("tokenizer_config.json")
+    return copied
+
+
+def _find_tokenizer(loaded) -> Path | None:
+    """The checkpoint folder itself (converted checkpoints), else the run's prepared data."""
+    if has_tokenizer(loaded.source):
+        return Path(loaded.source)
+    data_path = ((loaded.state.get("config") or {}).get("data") or {}).get("path")
+    if data_path and has_tokenizer(Path(data_path)):
+        return Path(data_path)
+    return None
