@@ -187,6 +187,8 @@ class Engine:
         cache_dtype: dtype of the page pools; default: the model's parameter dtype.
         use_triton: kernel choice (None: Triton on CUDA, PyTorch on CPU).
         seed: base seed of requests that set none (request ``i`` uses ``seed + i``).
+        policy: a training-free KV policy from :func:`dmc.policies.get_policy` (vanilla or GQA
+            models only): it evicts after every prefill chunk and decode step, freeing pages.
     """
 
     def __init__(
@@ -203,6 +205,7 @@ class Engine:
         cache_dtype: torch.dtype | None = None,
         use_triton: bool | None = None,
         seed: int = 0,
+        policy=None,
     ):
         from megatron.core import parallel_state
         from megatron.core.transformer.attention import SelfAttention
@@ -242,6 +245,14 @@ class Engine:
             dtype=cache_dtype or self.dtype, device=self.device, max_seq_len=self.max_seq_len,
         )
         self.cache.inv_freq = self.inv_freq.clone()
+        self.policy = None  # a dmc.policies.PolicyRunner
+        if policy is not None:
+            from dmc.policies import PolicyRunner
+
+            if self.dmc is not None:
+                raise ValueError("Engine: policy is not supported on a DMC model (dmc must be "
+                                 "None for a vanilla or GQA model)")
+            self.policy = PolicyRunner(policy, self.cache, self.num_heads, self.scale)
         self.use_triton = use_triton
         self.seed = seed
         self._next_id = 0
@@ -393,13 +404,21 @@ class Engine:
         return [results[i] for i in ids]
 
     @torch.inference_mode()
-    def score(self, tokens: Sequence[int], *, return_logits: bool = False) -> ScoreResult:
-        """Teacher forcing through the real compressed cache: chunked prefill of ``tokens`` and
-        the log-probability of every next token. Uses one sequence slot and its pages for the
-        duration of the call (no preemption: :class:`CacheFullError` when they do not fit)."""
+    def score(self, tokens: Sequence[int], *, return_logits: bool = False,
+              prefill_tokens: int | None = None) -> ScoreResult:
+        """Teacher forcing through the real compressed cache: the log-probability of every next
+        token. The first ``prefill_tokens`` tokens (None: all) go through chunked prefill, the
+        others one at a time through the decode path, so that a policy evicts at every token as
+        in generation (DMC and vanilla give the same result either way). Uses one sequence slot
+        and its pages for the duration of the call (no preemption: :class:`CacheFullError` when
+        they do not fit)."""
         tokens = [int(t) for t in tokens]
         if len(tokens) < 1 or len(tokens) > self.max_seq_len:
             raise ValueError(f"score: need 1..{self.max_seq_len} tokens, got {len(tokens)}")
+        prefilled = len(tokens) if prefill_tokens is None else int(prefill_tokens)
+        if not 1 <= prefilled <= len(tokens):
+            raise ValueError(f"score: prefill_tokens must be None or in [1, {len(tokens)}], got "
+                             f"{prefill_tokens!r}")
         target = torch.tensor(tokens[1:] + [0], device=self.device)
         logprobs, kept = [], []
 
@@ -412,7 +431,12 @@ class Engine:
 
         slot = self.cache.add_sequence()
         try:
-            self._prefill(slot, tokens, consume, all_logits=True)
+            self._prefill(slot, tokens[:prefilled], consume, all_logits=True)
+            seq = _Sequence(-1, tokens[:prefilled], SamplingParams(), None, slot=slot)
+            for position in range(prefilled, len(tokens)):
+                _, logits = self._decode_step([seq], [tokens[position]], [position],
+                                              preempt=False)
+                consume(position, logits)
             compression = self._compression(slot, len(tokens))
         finally:
             self.cache.free_sequence(slot)
@@ -514,6 +538,8 @@ class Engine:
         )
 
     def _compression(self, slot: int, tokens: int) -> CompressionStats:
+        if self.policy is not None:
+            return CompressionStats(tokens, self.policy.reported_slots(slot, tokens))
         return CompressionStats(tokens, self.cache.head_lengths(slot).long())
 
     def _note_usage(self) -> None:
@@ -566,12 +592,16 @@ class Engine:
         token only."""
         total = len(tokens)
         ids = torch.tensor(tokens, device=self.device)
+        if self.policy is not None:
+            self.policy.reset(slot)
         for start in range(0, total, self.chunk_size):
             end = min(start + self.chunk_size, total)
             positions = torch.arange(start, end, device=self.device)
             x = self._embed(ids[None, start:end], positions[None])
             for index, layer in enumerate(self.layers):
                 x = self._prefill_layer(index, layer, x, slot, start)
+            if self.policy is not None:
+                self.policy.evict([slot], [end])
             if all_logits:
                 consume(start, self._logits(x)[:, 0])
             elif end == total:
@@ -617,6 +647,8 @@ class Engine:
                                         chunk_bias)
         self.cache.pack_prefill(index, slot, packed[1], packed[2], packed[0], *open_state,
                                 overwrite_last=overwrite)
+        if self.policy is not None:
+            self.policy.observe(index, [slot], q_rot[None], positions[None], prefill=True)
         context = context.transpose(0, 1).reshape(n, 1, self.num_heads * self.head_dim)
         return self._finish_layer(layer, x, context)
 
@@ -724,8 +756,19 @@ class Engine:
     # ------------------------------------------------------------------ decode
     def _decode(self, batch: list[_Sequence], finished: list[GenerationResult]) -> None:
         """One token for every sequence of ``batch`` (each feeds its newest token)."""
-        tokens = torch.tensor([s.tokens[-1] for s in batch], device=self.device)[:, None]
-        positions = torch.tensor([len(s.tokens) - 1 for s in batch])
+        batch, logits = self._decode_step(batch, [s.tokens[-1] for s in batch],
+                                          [len(s.tokens) - 1 for s in batch])
+        self._note_usage()
+        self.stats["decode_tokens"] += len(batch)
+        self._accept(batch, logits, finished)
+
+    def _decode_step(self, batch: list[_Sequence], tokens: list[int], positions: list[int],
+                     preempt: bool = True):
+        """Feed ``tokens`` (one per sequence, at ``positions``) through every layer; returns the
+        sequences still running (``preempt``: the youngest make room when pages run out) and
+        their logits ``[batch, vocab]``."""
+        tokens = torch.tensor(tokens, device=self.device)[:, None]
+        positions = torch.tensor(positions)
         x = self._embed(tokens, positions[:, None].to(self.device))  # [1, batch, hidden]
         lengths = torch.stack([self.cache.head_lengths(s.slot) for s in batch]).long()
         for index, layer in enumerate(self.layers):
@@ -737,7 +780,7 @@ class Engine:
             else:
                 query, key, alpha, omega = self._decisions(query, key)
                 appends = alpha.cpu() <= 0.5
-            keep = self._make_room(batch, lengths[:, index], appends)
+            keep = self._make_room(batch, lengths[:, index], appends) if preempt else None
             if keep is not None:  # some sequences were preempted
                 batch = [batch[i] for i in keep]
                 rows = torch.tensor(keep)
@@ -757,12 +800,18 @@ class Engine:
             q_rot = apply_rope(query.float(), pos[:, None], self.inv_freq)
             if self.dmc is not None:
                 q_rot = _zero_channel(q_rot)
-            context = self.cache.attention(index, slots, q_rot, self.scale,
-                                           use_triton=self.use_triton)
+            context = None
+            if self.policy is not None:
+                context = self.policy.decode_attention(index, slots, q_rot)
+            if context is None:
+                context = self.cache.attention(index, slots, q_rot, self.scale,
+                                               use_triton=self.use_triton)
+            if self.policy is not None:
+                self.policy.observe(index, slots, q_rot[:, :, None], pos[:, None], prefill=False)
             x = self._finish_layer(layer, x, context.reshape(1, len(batch), -1))
-        self._note_usage()
-        self.stats["decode_tokens"] += len(batch)
-        self._accept(batch, self._logits(x)[0], finished)
+        if self.policy is not None:
+            self.policy.evict([s.slot for s in batch], positions + 1)
+        return batch, self._logits(x)[0]
 
     def _make_room(self, batch, lengths, appends):
         """Preempt the youngest sequences of ``batch`` until one layer's writes fit.

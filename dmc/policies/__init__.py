@@ -1,0 +1,69 @@
+"""Training-free KV-cache policies on the paged cache: real eviction (pages freed) after every
+prompt chunk and every decode step, batched, per KV head (GQA).
+
+``get_policy(name, compression_ratio=2.0, **kwargs)`` builds one; pass it to
+``dmc.inference.Engine(model, dmc=None, policy=...)``. Names: see ``POLICY_NAMES``.
+"""
+from __future__ import annotations
+
+import inspect
+
+from .base import KVPolicy, LayerView, PolicyShape
+from .caote import CAOTE, FastCAOTE
+from .d2o import D2O
+from .h2o import H2O
+from .omnikv import OmniKV
+from .pyramidkv import PyramidKV
+from .runner import PolicyRunner
+from .snapkv import SnapKV
+from .streamingllm import StreamingLLM
+from .tova import TOVA
+
+POLICIES: dict[str, type[KVPolicy]] = {
+    cls.name: cls
+    for cls in (H2O, TOVA, SnapKV, StreamingLLM, PyramidKV, D2O, CAOTE, FastCAOTE, OmniKV)
+}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+
+def get_policy(name: str, compression_ratio: float = 2.0, **policy_kwargs) -> KVPolicy:
+    """A new policy ``name`` (one of ``POLICY_NAMES``) at ``compression_ratio``.
+
+    Raises ValueError for an unknown name, an unknown keyword (listing the accepted ones) or a
+    bad value."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid names: {list(POLICY_NAMES)}")
+    cls = POLICIES[name]
+    accepted = _keywords(cls)
+    unknown = sorted(set(policy_kwargs) - set(accepted))
+    if unknown and not (cls in (CAOTE, FastCAOTE) and _base_accepts(policy_kwargs, unknown)):
+        raise ValueError(f"policy {name!r} got unknown arguments {unknown}; accepted: "
+                         f"{['compression_ratio'] + accepted}")
+    return cls(compression_ratio, **policy_kwargs)
+
+
+def _keywords(cls) -> list[str]:
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+
+
+def _base_accepts(kwargs: dict, unknown: list[str]) -> bool:
+    """CAOTE passes the keywords it does not know to its base policy: check them there."""
+    from .caote import BASES
+
+    base = kwargs.get("base", "h2o")
+    if base not in BASES:
+        raise ValueError(f"base must be one of {list(BASES)}, got {base!r}")
+    accepted = _keywords(BASES[base])
+    bad = [k for k in unknown if k not in accepted]
+    if bad:
+        raise ValueError(f"policy caote (base {base!r}) got unknown arguments {bad}; accepted: "
+                         f"['compression_ratio', 'base'] + {accepted}")
+    return True
+
+
+__all__ = [
+    "CAOTE", "D2O", "H2O", "POLICIES", "POLICY_NAMES", "TOVA", "FastCAOTE", "KVPolicy",
+    "LayerView", "OmniKV", "PolicyRunner", "PolicyShape", "PyramidKV", "SnapKV", "StreamingLLM",
+    "get_policy",
+]

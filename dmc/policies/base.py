@@ -1,0 +1,228 @@
+"""The base class of training-free KV-cache policies and the selection helpers they share.
+
+A policy sees, for one layer and a batch of sequences, a :class:`LayerView` of the paged cache
+(keys, values, the original position of every slot) and the attention of the newest queries
+(:meth:`KVPolicy.observe`); then, under a budget of slots per head, it picks what each
+(sequence, layer, KV head) keeps (:meth:`KVPolicy.select`) and may rewrite the kept slots
+(:meth:`KVPolicy.merge`). :class:`~dmc.policies.runner.PolicyRunner` drives it against a
+:class:`~dmc.inference.cache.PagedKVCache` and frees the evicted pages.
+
+Budgets follow the DMC paper's accounting: after ``n`` tokens a head keeps at most
+``ceil(n / CR)`` slots, so the measured CR (tokens / kept slots) is the requested one, at the end
+of the prompt and at every generated token alike.
+
+Per-slot state (e.g. H2O's accumulated attention) lives in policy-owned tensors
+``[max_seqs, num_layers, kv_heads, max_slots]`` named in ``slot_state_names``; the runner moves
+them along with the cache on every eviction and zeroes what lies past a head's length.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PolicyShape:
+    """What a policy needs to know of the model and the cache (given by the runner)."""
+
+    num_layers: int
+    num_kv_heads: int
+    group: int  # query heads per KV head (GQA)
+    head_dim: int
+    max_seqs: int
+    max_slots: int  # most slots one head may hold
+    scale: float  # softmax scale
+    inv_freq: torch.Tensor  # RoPE frequencies [head_dim // 2]
+    device: torch.device
+
+
+@dataclass
+class LayerView:
+    """One layer of the cache for a batch of sequences, as the runner reads it.
+
+    seqs: ``[batch]`` host sequence slots. keys, values: ``[batch, kv_heads, L, head_dim]``
+    float32 (post-RoPE keys, as cached). positions: ``[batch, kv_heads, L]`` original token
+    position of each slot, ``-1`` past a head's length. lengths: ``[batch, kv_heads]``.
+    tokens: ``[batch]`` tokens the sequence has seen so far (long, on the device).
+    """
+
+    layer: int
+    seqs: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    tokens: torch.Tensor
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.positions >= 0
+
+    @property
+    def slot_index(self) -> torch.Tensor:
+        """``[1, 1, L]`` slot indices."""
+        return torch.arange(self.positions.shape[-1], device=self.positions.device)[None, None]
+
+
+class KVPolicy:
+    """Score cached tokens, keep the best ones under a per-head budget, optionally merge.
+
+    Subclasses set ``name`` and implement :meth:`scores` (higher = keep) and, when some slots are
+    always kept (recent window, sinks, observation window), :meth:`protected`; they update
+    their state in :meth:`observe`.
+
+    Args:
+        compression_ratio: CR >= 1; a head keeps at most ``ceil(n / CR)`` slots after ``n``
+            tokens (per-layer policies keep the total over layers).
+    """
+
+    name = ""
+    evicts = True  # False: nothing is freed (OmniKV)
+    slot_state_names: tuple[str, ...] = ()
+    seq_state_names: tuple[str, ...] = ()  # [max_seqs, ...] tensors zeroed for a new sequence
+
+    def __init__(self, compression_ratio: float = 2.0):
+        ratio = float(compression_ratio)
+        if not math.isfinite(ratio) or ratio < 1.0:
+            raise ValueError(f"compression_ratio must be a finite number >= 1, got "
+                             f"{compression_ratio!r}")
+        self.compression_ratio = ratio
+        self.shape: PolicyShape | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(compression_ratio={self.compression_ratio})"
+
+    # ----------------------------------------------------------------- lifecycle
+    def bind(self, shape: PolicyShape) -> None:
+        """Allocate the state for ``shape`` (called once by the runner)."""
+        self.shape = shape
+
+    def slot_states(self) -> list[torch.Tensor]:
+        """Per-slot state tensors ``[max_seqs, layers, kv_heads, max_slots, ...]``."""
+        return [getattr(self, name) for name in self.slot_state_names]
+
+    def reset(self, seq: int) -> None:
+        """Forget sequence slot ``seq`` (a new sequence starts there)."""
+        for state in self.slot_states():
+            state[seq] = 0
+        for name in self.seq_state_names:
+            getattr(self, name)[seq] = 0
+
+    def _slot_tensor(self, dtype=torch.float32) -> torch.Tensor:
+        s = self.shape
+        return torch.zeros(s.max_seqs, s.num_layers, s.num_kv_heads, s.max_slots, dtype=dtype,
+                           device=s.device)
+
+    # ----------------------------------------------------------------- budgets
+    def budget(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``ceil(tokens / CR)`` slots per head, ``tokens [batch]`` -> ``[batch]`` (long)."""
+        return torch.ceil(tokens.double() / self.compression_ratio).long().clamp(min=1)
+
+    def budgets(self, view_seqs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Slots per head of every layer, ``[batch, num_layers]``; uniform by default."""
+        return self.budget(tokens)[:, None].expand(-1, self.shape.num_layers)
+
+    # ----------------------------------------------------------------- the policy
+    def observe(self, view: LayerView, queries: torch.Tensor, q_positions: torch.Tensor,
+                probs: torch.Tensor, prefill: bool) -> None:
+        """Take in the newest queries of ``view.layer``, already written to the cache.
+
+        queries: ``[batch, q_heads, n, head_dim]`` post-RoPE; q_positions: ``[batch, n]``
+        (``-1`` = padding); probs: ``[batch, kv_heads, group, n, L]`` their causal attention
+        over the cached slots (0 on padding and invalid slots); prefill: a prompt chunk
+        (False: one decode step)."""
+
+    def scores(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
+        """Importance of every slot ``[batch, kv_heads, L]`` (higher = keep)."""
+        raise NotImplementedError
+
+    def protected(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
+        """Slots kept whatever their score ``[batch, kv_heads, L]`` (they count in the budget)."""
+        return torch.zeros_like(view.valid)
+
+    def select(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
+        """Keep mask ``[batch, kv_heads, L]``: the protected slots plus the best-scored others,
+        ``budget [batch]`` slots per head in all (every slot when a head holds no more)."""
+        valid = view.valid
+        guard = self.protected(view, budget) & valid
+        room = (budget[:, None] - guard.sum(-1)).clamp(min=0)
+        candidates = valid & ~guard
+        scores = self.scores(view, budget).masked_fill(~candidates, float("-inf"))
+        return guard | (top_mask(scores, room) & candidates)
+
+    def merge(self, view: LayerView, keep: torch.Tensor):
+        """New ``(keys, values)`` ``[batch, kv_heads, L, head_dim]`` for the kept slots, or
+        None (no merge)."""
+        return None
+
+    def reported_slots(self, lengths: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Slots per (layer, KV head) to report as the compression, ``[layers, kv_heads]``:
+        those held (OmniKV reports the GPU-resident ones, see its module)."""
+        return lengths
+
+
+# ----------------------------------------------------------------------------- helpers
+def top_mask(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``[..., L]`` mask of the ``count [...]`` highest scores of each row (ties: lower index
+    first)."""
+    order = torch.argsort(-scores, dim=-1, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device)
+                   .expand_as(order).contiguous())
+    return ranks < count[..., None]
+
+
+def recent_mask(view: LayerView, count: torch.Tensor) -> torch.Tensor:
+    """The last ``count [batch]`` slots of every head (slots are in position order)."""
+    start = view.lengths.to(view.positions.device) - count[:, None]
+    return (view.slot_index >= start[..., None]) & view.valid
+
+
+def first_mask(view: LayerView, count: torch.Tensor) -> torch.Tensor:
+    """The first ``count [batch]`` slots of every head (attention sinks)."""
+    return (view.slot_index < count[:, None, None]) & view.valid
+
+
+def split_budget(total: int, weights, cap: int) -> list[int]:
+    """Integers ``b_l <= cap`` summing to ``min(total, cap * len(weights))``, proportional to
+    ``weights`` (water-filling for the cap, then largest remainders; ties to lower layers)."""
+    weights = [float(w) for w in weights]
+    if any(w < 0 for w in weights) or not any(weights):
+        raise ValueError(f"split_budget: weights must be >= 0 and not all 0, got {weights}")
+    total = min(int(total), cap * len(weights))
+    shares = [0.0] * len(weights)
+    free = [i for i, w in enumerate(weights) if w > 0]
+    left = float(total)
+    while free:
+        unit = left / sum(weights[i] for i in free)
+        capped = [i for i in free if unit * weights[i] >= cap]
+        if not capped:
+            for i in free:
+                shares[i] = unit * weights[i]
+            break
+        for i in capped:
+            shares[i] = float(cap)
+            left -= cap
+            free.remove(i)
+    floors = [min(cap, math.floor(x + 1e-9)) for x in shares]
+    missing = total - sum(floors)
+    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - floors[i]), i))
+    for i in [i for i in order if floors[i] < cap][:missing]:
+        floors[i] += 1
+    return floors
+
+
+def layer_budgets(per_head: torch.Tensor, tokens: torch.Tensor, weights) -> torch.Tensor:
+    """Per-layer budgets ``[batch, layers]`` summing to ``layers * per_head [batch]``, split by
+    ``weights [batch][layers]`` (:func:`split_budget`, a layer holding at most ``tokens``); a
+    layer left with 0 slots takes 1 from the largest (every layer keeps its newest token)."""
+    rows = []
+    for b, n, w in zip(per_head.tolist(), tokens.tolist(), weights):
+        alloc = split_budget(len(w) * b, w, int(n))
+        for i in [i for i, x in enumerate(alloc) if x == 0]:
+            alloc[max(range(len(alloc)), key=lambda j: (alloc[j], -j))] -= 1
+            alloc[i] = 1
+        rows.append(alloc)
+    return torch.tensor(rows, dtype=torch.long, device=tokens.device)

@@ -1,0 +1,84 @@
+"""CAOTE and FastCAOTE (Goel et al., 2025, "CAOTE: KV Caching through Attention Output Error
+based Token Eviction"), on top of H2O, TOVA or SnapKV.
+
+The base policy's scores are normalised into attention weights ``alpha_j = s_j / sum_i s_i``
+over the head's cached tokens and the attention output ``o = sum_i alpha_i v_i``. Evicting token
+``j`` alone turns the output into ``(o - alpha_j v_j) / (1 - alpha_j)``, an error of norm
+``e_j = alpha_j / (1 - alpha_j) * ||o - v_j||`` (the CAOTE score, Eq. 4-5); the tokens with the
+smallest errors are evicted, the base policy's always-kept slots (recent / observation window)
+kept. FastCAOTE drops the need for the output: ``o`` is replaced by the mean of the cached values
+(the output under uniform attention), so the score needs only the values and the base scores.
+
+Budgets and the base's protected slots are the base policy's. GQA: scores and values are per KV
+head (the base's group aggregation).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import KVPolicy, LayerView
+from .h2o import H2O
+from .snapkv import SnapKV
+from .tova import TOVA
+
+BASES = {"h2o": H2O, "tova": TOVA, "snapkv": SnapKV}
+
+
+class CAOTE(KVPolicy):
+    """The base policy's selection with CAOTE scores (eviction error of the attention output).
+
+    Args:
+        base: ``"h2o"``, ``"tova"`` or ``"snapkv"``.
+        base_kwargs: passed to the base policy (e.g. SnapKV's ``window``).
+    """
+
+    name = "caote"
+
+    def __init__(self, compression_ratio: float = 2.0, *, base: str = "h2o", **base_kwargs):
+        super().__init__(compression_ratio)
+        if base not in BASES:
+            raise ValueError(f"base must be one of {list(BASES)}, got {base!r}")
+        self.base = BASES[base](compression_ratio, **base_kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base={self.base!r})"
+
+    def bind(self, shape) -> None:
+        super().bind(shape)
+        self.base.bind(shape)
+
+    def slot_states(self) -> list[torch.Tensor]:
+        return self.base.slot_states()
+
+    def reset(self, seq: int) -> None:
+        self.base.reset(seq)
+
+    def budgets(self, view_seqs, tokens):
+        return self.base.budgets(view_seqs, tokens)
+
+    def observe(self, view, queries, q_positions, probs, prefill) -> None:
+        self.base.observe(view, queries, q_positions, probs, prefill)
+
+    def protected(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
+        return self.base.protected(view, budget)
+
+    def output(self, view: LayerView, alpha: torch.Tensor) -> torch.Tensor:
+        """``o = sum_i alpha_i v_i``, ``[batch, kv, head_dim]``."""
+        return torch.einsum("bhl,bhld->bhd", alpha, view.values)
+
+    def scores(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
+        base = torch.where(view.valid, self.base.scores(view, budget).clamp(min=0), 0.0)
+        alpha = base / base.sum(-1, keepdim=True).clamp(min=1e-30)
+        distance = (self.output(view, alpha)[:, :, None] - view.values).norm(dim=-1)
+        return alpha / (1 - alpha).clamp(min=1e-12) * distance
+
+
+class FastCAOTE(CAOTE):
+    """CAOTE with the attention output replaced by the mean cached value."""
+
+    name = "fastcaote"
+
+    def output(self, view: LayerView, alpha: torch.Tensor) -> torch.Tensor:
+        valid = view.valid.float()
+        total = torch.einsum("bhl,bhld->bhd", valid, view.values)
+        return total / valid.sum(-1, keepdim=True).clamp(min=1)

@@ -1,0 +1,140 @@
+"""Glue between :class:`~dmc.inference.Engine` and a :class:`~dmc.policies.base.KVPolicy`.
+
+The engine calls, for a sequence batch:
+
+* :meth:`PolicyRunner.reset` when a sequence starts (its prefill's first chunk);
+* :meth:`PolicyRunner.observe` after each layer wrote its new slots (a prefill chunk's pack, a
+  decode step's append), with the post-RoPE queries of the new tokens: the runner records the
+  slots' original positions, computes the queries' causal attention over the cached slots on the
+  PyTorch path (GQA: ``[batch, kv_heads, group, n, L]``) and hands it to the policy;
+* :meth:`PolicyRunner.evict` once all layers of the chunk (step) are done: per layer, the policy
+  picks what each head keeps under its budget, the cache moves the kept slots to the front and
+  frees the pages past them (:meth:`PagedKVCache.compact`), and the per-slot state follows.
+
+Evicting after the last layer instead of after each one gives the same result (a layer's cache
+is read again only by the next chunk or step) and lets per-layer budgets (PyramidKV, D2O) see
+every layer first.
+"""
+from __future__ import annotations
+
+import torch
+
+from dmc.inference.cache import PagedKVCache
+
+from .base import KVPolicy, LayerView, PolicyShape
+
+
+class PolicyRunner:
+    """Drives ``policy`` on ``cache`` (vanilla appends, post-RoPE keys, one slot per token).
+
+    Args:
+        policy: an unbound :class:`KVPolicy` (a policy serves one runner).
+        cache: the paged cache.
+        num_heads: query heads (GQA group = ``num_heads // cache.num_kv_heads``).
+        scale: softmax scale of the model.
+    """
+
+    def __init__(self, policy: KVPolicy, cache: PagedKVCache, num_heads: int, scale: float):
+        if policy.shape is not None:
+            raise ValueError(f"{policy!r} already serves an engine; make a new one with "
+                             f"dmc.policies.get_policy")
+        self.policy, self.cache = policy, cache
+        kv = cache.num_kv_heads
+        if num_heads % kv:
+            raise ValueError(f"{num_heads} query heads do not split into {kv} KV heads")
+        max_slots = cache.max_pages_per_head * cache.page_size
+        shape = PolicyShape(cache.num_layers, kv, num_heads // kv, cache.head_dim,
+                            cache.max_seqs, max_slots, scale, cache.inv_freq, cache.device)
+        self.group = shape.group
+        self.positions = torch.full((cache.max_seqs, cache.num_layers, kv, max_slots), -1,
+                                    dtype=torch.long, device=cache.device)
+        policy.bind(shape)
+
+    def reset(self, seq: int) -> None:
+        self.positions[seq] = -1
+        self.policy.reset(seq)
+
+    def view(self, layer: int, seqs: torch.Tensor, tokens: torch.Tensor) -> LayerView:
+        keys, values, lengths = self.cache.read(layer, seqs)
+        rows = seqs.to(self.cache.device)
+        positions = self.positions[rows, layer, :, :keys.shape[2]]
+        return LayerView(layer, seqs, keys, values, positions, lengths,
+                         tokens.to(self.cache.device))
+
+    # ------------------------------------------------------------------ hooks
+    def observe(self, layer: int, seq_slots, queries: torch.Tensor, q_positions: torch.Tensor,
+                prefill: bool) -> None:
+        """The ``n`` newest slots of every head of ``(seq_slots, layer)`` hold the tokens at
+        ``q_positions [batch, n]``; ``queries [batch, q_heads, n, head_dim]`` post-RoPE."""
+        seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
+        device = self.cache.device
+        q_positions = q_positions.to(device).long()
+        n = q_positions.shape[1]
+        lengths = self.cache.layer_lengths(layer, seqs).to(device)  # [batch, kv]
+        rows = seqs.to(device)
+        slot = lengths[..., None] - n + torch.arange(n, device=device)  # [batch, kv, n]
+        b = torch.arange(len(seqs), device=device)[:, None, None].expand_as(slot)
+        h = torch.arange(lengths.shape[1], device=device)[None, :, None].expand_as(slot)
+        self.positions[rows[b], layer, h, slot] = q_positions[:, None, :].expand_as(slot)
+        view = self.view(layer, seqs, q_positions[:, -1] + 1)
+        probs = causal_probs(queries.float(), view, q_positions, self.policy.shape.scale)
+        self.policy.observe(view, queries.float(), q_positions, probs, prefill)
+
+    def evict(self, seq_slots, tokens) -> None:
+        """Bring every layer of ``seq_slots`` to its budget after ``tokens [batch]`` tokens."""
+        if not self.policy.evicts:
+            return
+        seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        budgets = self.policy.budgets(seqs, tokens.to(self.cache.device))
+        for layer in range(self.cache.num_layers):
+            view = self.view(layer, seqs, tokens)
+            budget = budgets[:, layer].to(self.cache.device)
+            keep = self.policy.select(view, budget)
+            if bool((keep == view.valid).all()):
+                continue
+            merged = self.policy.merge(view, keep)
+            keys, values = merged if merged is not None else (None, None)
+            self.cache.compact(layer, seqs, keep, keys, values)
+            self._compact_state(layer, seqs, keep)
+
+    def decode_attention(self, layer: int, seq_slots, queries: torch.Tensor):
+        """Attention override of a decode step (OmniKV's sparse layers), or None."""
+        attend = getattr(self.policy, "attend", None)
+        if attend is None:
+            return None
+        seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
+        return attend(layer, seqs, queries, self)
+
+    def reported_slots(self, seq: int, tokens: int) -> torch.Tensor:
+        return self.policy.reported_slots(self.cache.head_lengths(seq).long(), tokens)
+
+    # ------------------------------------------------------------------ helpers
+    def _compact_state(self, layer: int, seqs: torch.Tensor, keep: torch.Tensor) -> None:
+        """Move the positions and the policy's per-slot state like the cache moved the slots."""
+        n = keep.shape[-1]
+        rows = seqs.to(self.cache.device)
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+        kept = torch.arange(n, device=keep.device) < keep.sum(-1, keepdim=True)
+        for state, blank in [(self.positions, -1)] + [(s, 0) for s in self.policy.slot_states()]:
+            current = state[rows, layer, :, :n]
+            index = order.reshape(order.shape + (1,) * (current.dim() - 3)).expand_as(current)
+            moved = current.gather(2, index)
+            mask = kept.reshape(kept.shape + (1,) * (current.dim() - 3))
+            state[rows, layer, :, :n] = torch.where(mask, moved, torch.full_like(moved, blank))
+
+
+def causal_probs(queries: torch.Tensor, view: LayerView, q_positions: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Softmax attention of ``queries [batch, q_heads, n, dim]`` (at ``q_positions [batch, n]``,
+    ``-1`` = none) over the slots of ``view`` that are not later than the query:
+    ``[batch, kv_heads, group, n, L]``, zeros where nothing is visible."""
+    batch, heads, n, dim = queries.shape
+    kv = view.keys.shape[1]
+    q = queries.reshape(batch, kv, heads // kv, n, dim)
+    logits = torch.einsum("bhgnd,bhld->bhgnl", q, view.keys) * scale
+    visible = (view.valid[:, :, None, :] & (view.positions[:, :, None, :]
+                                            <= q_positions[:, None, :, None])
+               & (q_positions >= 0)[:, None, :, None])  # [batch, kv, n, L]
+    logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)

@@ -1,0 +1,179 @@
+"""Float64 references of the KV policies, written from their papers, for tests only.
+
+One layer of ``kv`` KV heads with ``group`` query heads each, one sequence, plain Python lists.
+:func:`run` feeds a prompt of ``prompt`` tokens at once, then the other tokens one at a time;
+after each step the policy brings each head down to its budget. It returns, per step, the kept
+token positions of every head and the scores the policy ranked them by.
+
+Inputs: ``q [heads, T, d]`` and ``k [kv, T, d]`` post-RoPE at the original positions, ``v``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG = float("-inf")
+
+
+def softmax(x):
+    x = torch.as_tensor(x, dtype=torch.float64)
+    return torch.softmax(x, dim=-1)
+
+
+def attention(q, keys, scale):
+    """softmax(q . k_j * scale) over the given keys ``[n, d]``."""
+    return softmax(keys @ q * scale)
+
+
+def budget(tokens, cr):
+    return max(1, math.ceil(tokens / cr))
+
+
+def ranked(candidates, score, count):
+    """The ``count`` best candidates (ties: lower position first)."""
+    return sorted(sorted(candidates, key=lambda j: (-score[j], j))[:count])
+
+
+class Head:
+    """Kept positions (in order) and the current key / value of each."""
+
+    def __init__(self):
+        self.kept, self.key, self.value = [], {}, {}
+
+    def keys(self, positions=None):
+        return torch.stack([self.key[j] for j in (positions or self.kept)])
+
+
+def run(name, q, k, v, prompt, cr, scale, **kw):
+    heads, total, _ = q.shape
+    kv = k.shape[0]
+    group = heads // kv
+    state = [Head() for _ in range(kv)]
+    extra = {"acc": [dict() for _ in range(kv)], "tau": [None] * kv}
+    steps = []
+    for end in [prompt] + list(range(prompt + 1, total + 1)):
+        start = 0 if end == prompt else end - 1
+        for h in range(kv):
+            for t in range(start, end):
+                state[h].kept.append(t)
+                state[h].key[t], state[h].value[t] = k[h, t].double(), v[h, t].double()
+        b = budget(end, cr)
+        # attention of the new queries over what each head holds (causal by position)
+        probs = {}
+        for h in range(kv):
+            for g in range(group):
+                for i in range(start, end):
+                    visible = [j for j in state[h].kept if j <= i]
+                    p = attention(q[h * group + g, i].double(), state[h].keys(visible), scale)
+                    probs[h, g, i] = dict(zip(visible, p.tolist()))
+        step_scores = []
+        if name == "tova":
+            last = end - 1
+            score = {j: sum(probs[h, g, last].get(j, 0.0) for h in range(kv)
+                            for g in range(group)) / heads for j in state[0].kept}
+        for h in range(kv):
+            head = state[h]
+            if name in ("h2o", "d2o", "caote-h2o"):
+                acc = extra["acc"][h]
+                for (hh, g, i), p in probs.items():
+                    if hh == h:
+                        for j, x in p.items():
+                            acc[j] = acc.get(j, 0.0) + x
+                score = dict(acc)
+            elif name == "snapkv":
+                score = snapkv_scores(q, head, h, group, end, b, scale, kw["window"],
+                                      kw["kernel_size"])
+            elif name != "tova":
+                raise ValueError(name)
+            if name == "caote-h2o":
+                score = caote_scores(head, score, fast=kw.get("fast", False))
+            step_scores.append({j: score[j] for j in head.kept})
+            if len(head.kept) <= b:
+                continue
+            if name in ("h2o", "caote-h2o"):
+                recent = head.kept[len(head.kept) - (b - b // 2):]
+                guard = recent
+            elif name == "d2o":
+                sinks = min(kw["sinks"], b)
+                recent = (b - sinks + 1) // 2
+                guard = head.kept[:sinks] + head.kept[len(head.kept) - recent:]
+            elif name == "snapkv":
+                guard = head.kept[len(head.kept) - min(kw["window"], b):]
+            else:
+                guard = []
+            others = [j for j in head.kept if j not in guard]
+            keep = sorted(set(guard) | set(ranked(others, score, b - len(guard))))
+            if name == "d2o":
+                d2o_merge(head, keep, extra["tau"], h, kw["momentum"])
+            head.kept = keep
+        steps.append(([list(s.kept) for s in state], step_scores))
+    return steps
+
+
+def snapkv_scores(q, head, h, group, end, b, scale, window, kernel_size):
+    """SnapKV Eq. 1-2: the last ``min(window, b)`` queries' attention (softmax over every visible
+    held key), summed over the window, averaged over the group, average-pooled over the prefix."""
+    w = min(window, b)
+    votes = {j: 0.0 for j in head.kept}
+    for g in range(group):
+        for i in range(end - w, end):
+            visible = [j for j in head.kept if j <= i]
+            p = attention(q[h * group + g, i].double(), head.keys(visible), scale)
+            for j, x in zip(visible, p.tolist()):
+                votes[j] += x / group
+    prefix = head.kept[:len(head.kept) - w]
+    pad = kernel_size // 2
+    pooled = {}
+    for idx, j in enumerate(prefix):
+        around = [prefix[o] for o in range(idx - pad, idx + pad + 1) if 0 <= o < len(prefix)]
+        pooled[j] = sum(votes[x] for x in around) / kernel_size
+    for j in head.kept[len(prefix):]:
+        pooled[j] = 0.0
+    return pooled
+
+
+def caote_scores(head, score, fast=False):
+    """CAOTE Eq. 4-5: ``alpha_j / (1 - alpha_j) ||o - v_j||`` with ``alpha`` the normalised
+    scores and ``o = sum alpha_i v_i`` (FastCAOTE: ``o`` = the mean value)."""
+    total = sum(score[j] for j in head.kept)
+    alpha = {j: score[j] / total for j in head.kept}
+    values = torch.stack([head.value[j] for j in head.kept])
+    if fast:
+        o = values.mean(0)
+    else:
+        o = sum(alpha[j] * head.value[j] for j in head.kept)
+    return {j: alpha[j] / (1 - alpha[j]) * float((o - head.value[j]).norm())
+            for j in head.kept}
+
+
+def d2o_merge(head, keep, tau, h, momentum):
+    """D2O Sec. 3.3: evicted keys go to their most cosine-similar kept key when the similarity
+    reaches the EMA threshold; similarity-weighted average of keys and values."""
+    evicted = [j for j in head.kept if j not in keep]
+    best = {}
+    for e in evicted:
+        sims = {r: float(torch.nn.functional.cosine_similarity(head.key[e], head.key[r], dim=0))
+                for r in keep}
+        target = max(keep, key=lambda r: (sims[r], -r))
+        best[e] = (sims[target], target)
+    mean = sum(s for s, _ in best.values()) / len(best)
+    tau[h] = mean if tau[h] is None else momentum * tau[h] + (1 - momentum) * mean
+    groups = {r: [] for r in keep}
+    for e, (s, r) in best.items():
+        if s >= tau[h]:
+            groups[r].append((math.exp(s), e))
+    for r, members in groups.items():
+        if not members:
+            continue
+        weight = math.e + sum(w for w, _ in members)
+        for table in (head.key, head.value):
+            table[r] = (math.e * table[r] + sum(w * table[e] for w, e in members)) / weight
+
+
+def pyramid_budgets(layers, per_head, beta):
+    """PyramidKV Sec. 3.3 arithmetic budgets (real-valued), summing to ``layers * per_head``."""
+    total = layers * per_head
+    top = total / (beta * layers)
+    bottom = 2 * total / layers - top
+    return [bottom - (bottom - top) * i / (layers - 1) for i in range(layers)]

@@ -1,0 +1,241 @@
+"""Each policy's scores and kept sets, driven through PolicyRunner on a real PagedKVCache, equal a
+float64 reference written from its paper (tests/policies/reference.py), step by step: a prompt in
+one chunk, then one token at a time."""
+import math
+
+import pytest
+import torch
+
+from dmc.inference import PagedKVCache
+from dmc.inference.kernels import apply_rope, rope_inv_freq
+from dmc.policies import PolicyRunner, get_policy
+from dmc.policies.base import split_budget
+from dmc.policies.pyramidkv import pyramid_weights
+
+from . import reference
+
+KV, GROUP, DIM, TOTAL, PROMPT = 2, 2, 8, 26, 15
+SCALE = DIM ** -0.5
+
+
+def inputs(seed, layers=1):
+    """Post-RoPE queries ``[layers, heads, T, d]``, keys and values ``[layers, kv, T, d]``."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.arange(TOTAL)
+    inv_freq = rope_inv_freq(DIM)
+    q = apply_rope(torch.randn(layers, KV * GROUP, TOTAL, DIM, generator=gen) * 1.5, positions,
+                   inv_freq)
+    k = apply_rope(torch.randn(layers, KV, TOTAL, DIM, generator=gen), positions, inv_freq)
+    v = torch.randn(layers, KV, TOTAL, DIM, generator=gen)
+    return q, k, v
+
+
+def drive(policy, q, k, v, prompt=PROMPT, batch_seqs=None):
+    """Prompt in one chunk, then single tokens; yields (kept positions per layer and head,
+    scores per layer) after each step, the scores taken just before eviction."""
+    layers = q.shape[0]
+    cache = PagedKVCache(layers, KV, DIM, num_pages=200, page_size=4, max_seqs=4, window=None,
+                         dtype=torch.float64, max_seq_len=64)
+    runner = PolicyRunner(policy, cache, KV * GROUP, SCALE)
+    seq = cache.add_sequence()
+    runner.reset(seq)
+    out = []
+    for end in [prompt] + list(range(prompt + 1, TOTAL + 1)):
+        start = 0 if end == prompt else end - 1
+        for layer in range(layers):
+            n = end - start
+            cache.pack_prefill(layer, seq, k[layer, :, start:end], v[layer, :, start:end],
+                               torch.full((KV,), n), torch.zeros(KV, 1, DIM),
+                               torch.zeros(KV, 1, DIM), torch.zeros(KV, 1), torch.zeros(KV))
+            runner.observe(layer, [seq], q[layer, :, start:end][None],
+                           torch.arange(start, end)[None], prefill=end == prompt)
+        budgets = policy.budgets(torch.tensor([seq]), torch.tensor([end]))
+        scores = []
+        for layer in range(layers):
+            view = runner.view(layer, torch.tensor([seq]), torch.tensor([end]))
+            scores.append(policy.scores(view, budgets[:, layer])[0])
+        runner.evict([seq], [end])
+        kept = [[runner.positions[seq, layer, h, :int(cache.lengths[seq, layer, h])].tolist()
+                 for h in range(KV)] for layer in range(layers)]
+        out.append((kept, scores, cache))
+    return out
+
+
+def check(name, ref_name, seed=0, **kw):
+    ref_kw = {key: val for key, val in kw.items() if key in ("window", "kernel_size", "sinks",
+                                                                "momentum")}
+    q, k, v = inputs(seed)
+    got = drive(get_policy(name, 2.0, **kw), q, k, v)
+    want = reference.run(ref_name, q[0], k[0], v[0], PROMPT, 2.0, SCALE,
+                         fast=name == "fastcaote", **ref_kw)
+    evicted_somewhere = False
+    for step, ((kept, scores, _), (ref_kept, ref_scores)) in enumerate(zip(got, want)):
+        assert kept[0] == ref_kept, f"step {step}"
+        for h in range(KV):
+            positions = ref_kept[h]
+            evicted_somewhere |= len(positions) < PROMPT + step
+            if name != "streamingllm":
+                held = sorted(ref_scores[h])
+                ours = scores[0][h, :len(held)].double()
+                torch.testing.assert_close(ours, torch.tensor([ref_scores[h][j] for j in held],
+                                                              dtype=torch.float64),
+                                           atol=1e-5, rtol=1e-4)
+    assert evicted_somewhere
+    return got, want
+
+
+def test_h2o_matches_reference():
+    check("h2o", "h2o")
+
+
+def test_tova_matches_reference():
+    check("tova", "tova")
+
+
+@pytest.mark.parametrize("window", [3, 32])
+def test_snapkv_matches_reference(window):
+    check("snapkv", "snapkv", window=window, kernel_size=5)
+
+
+@pytest.mark.parametrize("name", ["caote", "fastcaote"])
+def test_caote_on_h2o_matches_reference(name):
+    check(name, "caote-h2o", base="h2o")
+
+
+def test_caote_changes_the_kept_set():
+    q, k, v = inputs(3)
+    h2o = drive(get_policy("h2o"), q, k, v)
+    caote = drive(get_policy("caote"), q, k, v)
+    assert any(a[0] != b[0] for a, b in zip(h2o, caote))
+
+
+def test_d2o_single_layer_matches_reference():
+    got, want = check("d2o", "d2o", sinks=2, momentum=0.5)
+    # merged keys and values equal the reference's, slot by slot
+    q, k, v = inputs(0)
+    ref = reference.run("d2o", q[0], k[0], v[0], PROMPT, 2.0, SCALE, sinks=2, momentum=0.5)
+    assert ref == want
+    cache = got[-1][2]
+    keys, values, lengths = cache.read(0, [0])
+    heads = _final_heads(q[0], k[0], v[0])
+    merged = False
+    for h in range(KV):
+        for slot, j in enumerate(want[-1][0][h]):
+            torch.testing.assert_close(keys[0, h, slot].double(), heads[h].key[j], atol=1e-5,
+                                       rtol=1e-5)
+            torch.testing.assert_close(values[0, h, slot].double(), heads[h].value[j],
+                                       atol=1e-5, rtol=1e-5)
+            merged |= not torch.allclose(heads[h].value[j], v[0, h, j].double())
+    assert merged, "some evicted tokens should have been merged"
+
+
+def _final_heads(q, k, v):
+    """Re-run the D2O reference keeping its head objects."""
+    captured = {}
+    original = reference.d2o_merge
+
+    def spy(head, keep, tau, h, momentum):
+        captured[h] = head
+        original(head, keep, tau, h, momentum)
+
+    reference.d2o_merge = spy
+    try:
+        reference.run("d2o", q, k, v, PROMPT, 2.0, SCALE, sinks=2, momentum=0.5)
+    finally:
+        reference.d2o_merge = original
+    return captured
+
+
+def test_streamingllm_keeps_sinks_and_recent_with_cache_positions():
+    """Kept: the first 4 tokens and the most recent ones; and every kept key scores against the
+    next query exactly as StreamingLLM's cache positions do: key j at RoPE position j, the query
+    at the cache length."""
+    q, k, v = inputs(1)
+    inv_freq = rope_inv_freq(DIM)
+    positions = torch.arange(TOTAL)
+    pre_k = apply_rope(k[0], -positions, inv_freq)  # undo RoPE: the pre-RoPE keys
+    pre_q = apply_rope(q[0], -positions, inv_freq)
+    got = drive(get_policy("streamingllm", 2.0, sinks=4), q, k, v)
+    for step, (kept, _, cache) in enumerate(got):
+        n = PROMPT + step
+        b = math.ceil(n / 2)
+        expected = list(range(min(4, b))) + list(range(n - (b - min(4, b)), n))
+        assert kept[0] == [expected] * KV
+    cache = got[-1][2]
+    keys, _, lengths = cache.read(0, [0])
+    held = int(lengths[0, 0])
+    probe = pre_q[:, -1]  # a query for the next token, at its original position
+    original = apply_rope(probe, torch.tensor(TOTAL), inv_freq)
+    at_cache = apply_rope(probe, torch.tensor(held), inv_freq)
+    for h in range(KV):
+        ideal = apply_rope(pre_k[h, got[-1][0][0][h]], torch.arange(held), inv_freq)
+        for g in range(GROUP):
+            torch.testing.assert_close(keys[0, h, :held].float() @ original[h * GROUP + g],
+                                       ideal @ at_cache[h * GROUP + g], atol=1e-4, rtol=1e-4)
+
+
+def test_pyramidkv_budgets_follow_the_arithmetic_sequence_and_sum_to_the_total():
+    layers = 4
+    policy = get_policy("pyramidkv", 2.0, window=3)
+    q, k, v = inputs(2, layers)
+    got = drive(policy, q, k, v)
+    for step, (kept, _, _) in enumerate(got):
+        n = PROMPT + step
+        per_head = math.ceil(n / 2)
+        budgets = policy.budgets(torch.tensor([0]), torch.tensor([n]))[0].tolist()
+        assert sum(budgets) == layers * per_head
+        assert budgets == sorted(budgets, reverse=True)
+        ideal = reference.pyramid_budgets(layers, per_head, 20.0)
+        slack = 1 + sum(x < 1 for x in ideal)  # layers rounded to 0 take 1 slot from the first
+        assert all(abs(a - b) <= slack + 1e-9 for a, b in zip(budgets, ideal)), (budgets, ideal)
+        held = [len(kept[layer][0]) for layer in range(layers)]
+        # a layer whose budget grows faster than tokens arrive cannot get evicted tokens back
+        assert all(h <= b for h, b in zip(held, budgets))
+        assert held == budgets or step > 0
+    assert pyramid_weights(3, 20.0) == pytest.approx([1.95, 1.0, 0.05])
+
+
+def test_pyramidkv_selection_is_snapkv_under_its_budget():
+    """With one layer the pyramid is flat: PyramidKV == SnapKV."""
+    q, k, v = inputs(4)
+    pyramid = drive(get_policy("pyramidkv", 2.0, window=3), q, k, v)
+    snap = drive(get_policy("snapkv", 2.0, window=3), q, k, v)
+    assert [a[0] for a in pyramid] == [b[0] for b in snap]
+
+
+def test_d2o_layer_budgets_softmax_of_minus_variance_and_sum():
+    layers = 3
+    policy = get_policy("d2o", 2.0)
+    q, k, v = inputs(5, layers)
+    q[1] *= 6.0  # a peaked layer: larger attention variance, a smaller budget
+    got = drive(policy, q, k, v)
+    variance = policy.layer_variance(torch.tensor([0]))[0]
+    # the variance of every visible prompt attention weight, recomputed in float64
+    for layer in range(layers):
+        weights = []
+        for head in range(KV * GROUP):
+            keys = k[layer, head // GROUP, :PROMPT].double()
+            logits = q[layer, head, :PROMPT].double() @ keys.T * SCALE
+            logits = logits.masked_fill(torch.ones(PROMPT, PROMPT).triu(1).bool(), -math.inf)
+            probs = torch.softmax(logits, -1)
+            weights.append(probs[torch.ones(PROMPT, PROMPT).tril().bool()])
+        assert float(variance[layer]) == pytest.approx(float(torch.cat(weights).var(
+            unbiased=False)), rel=1e-5)
+    shares = torch.softmax(-variance, 0)
+    for step, (kept, _, _) in enumerate(got):
+        n = PROMPT + step
+        budgets = policy.budgets(torch.tensor([0]), torch.tensor([n]))[0].tolist()
+        assert sum(budgets) == layers * math.ceil(n / 2)
+        assert budgets == split_budget(layers * math.ceil(n / 2), shares.tolist(), n)
+        held = [len(kept[layer][0]) for layer in range(layers)]
+        assert all(h <= b for h, b in zip(held, budgets))
+        assert held == budgets or step > 0
+    assert variance[1] > variance[0] and variance[1] > variance[2]
+
+
+def test_split_budget():
+    assert split_budget(10, [1, 1, 1], 10) == [4, 3, 3]
+    assert split_budget(10, [10, 1, 1], 5) == [5, 3, 2]
+    assert sum(split_budget(37, [0.3, 0.5, 0.2, 1.0], 20)) == 37
+    with pytest.raises(ValueError, match="weights"):
+        split_budget(3, [0, 0], 5)
