@@ -73,9 +73,11 @@ def load_token_sequences(path: str | os.PathLike, seq_len: int,
 
 
 def evaluate_perplexity(engine, sequences: Iterable[Sequence[int]], *,
-                        progress: bool = False) -> dict:
+                        prefill_tokens: int | None = None, progress: bool = False) -> dict:
     """Perplexity of ``sequences`` through ``engine`` (a :class:`dmc.inference.Engine`), with
-    its real compressed cache. Returns a JSON-able dict::
+    its real compressed cache: the first ``prefill_tokens`` tokens of each sequence (None: all)
+    are prefilled, the rest teacher-forced one at a time through the decode path (see
+    :meth:`Engine.score`; a KV policy then evicts at every token). Returns a JSON-able dict::
 
         {"perplexity", "nll" (mean per predicted token), "tokens" (predicted), "sequences",
          "chunk_size", "page_size", "dmc": bool, "per_sequence_nll": [...],
@@ -95,7 +97,7 @@ def evaluate_perplexity(engine, sequences: Iterable[Sequence[int]], *,
     for tokens in iterator:
         if len(tokens) < 2:
             raise ValueError("evaluate_perplexity: every sequence needs at least two tokens")
-        result = engine.score(tokens)
+        result = engine.score(tokens, prefill_tokens=prefill_tokens)
         seq_nll = -float(result.token_logprobs.sum())
         nll += seq_nll
         count += len(tokens) - 1

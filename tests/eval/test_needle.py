@@ -1,0 +1,66 @@
+"""Needle scoring through the engine: exact match = greedy generation, counts per depth."""
+import pytest
+import torch
+
+from dmc.data.needle import make_needle_examples
+from dmc.eval.needle import evaluate_needle
+from dmc.inference import Engine, SamplingParams
+from dmc.inference.engine import CompressionStats, ScoreResult
+from tiny_models import VOCAB, build_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def examples(n=4, seq_len=48):
+    stream = torch.randint(0, VOCAB, (3000,), generator=torch.Generator().manual_seed(5))
+    return make_needle_examples(stream.tolist(), seq_len, n, key_len=4, value_len=3, seed=2)
+
+
+class ScriptedEngine:
+    """Scores by a script: the answer's first ``right[i]`` tokens of example ``i`` get the top
+    logit, the rest a wrong one; it records the prefill length it was asked for."""
+
+    def __init__(self, right):
+        self.right, self.calls = list(right), []
+
+    def score(self, tokens, *, prefill_tokens=None, return_logits=False):
+        self.calls.append(prefill_tokens)
+        ok = self.right[len(self.calls) - 1]
+        n = len(tokens)
+        logits = torch.zeros(n, VOCAB)
+        start = prefill_tokens - 1
+        for j, row in enumerate(range(start, n - 1)):
+            target = tokens[row + 1] if j < ok else (tokens[row + 1] + 1) % VOCAB
+            logits[row, target] = 5.0
+        logp = torch.log_softmax(logits, -1)[torch.arange(n - 1), torch.tensor(tokens[1:])]
+        return ScoreResult(logp.double(), logits, CompressionStats(n, torch.full((1, 1), n)))
+
+
+def test_accuracy_counts_exact_and_token_hits():
+    exs = examples(4)
+    engine = ScriptedEngine([3, 0, 2, 3])
+    result = evaluate_needle(engine, exs)
+    assert engine.calls == [ex.prompt_len for ex in exs]  # prompt prefilled, answer decoded
+    assert result["accuracy"] == 0.5 and result["token_accuracy"] == pytest.approx(8 / 12)
+    assert result["per_depth"] == {"0.1": 1.0, "0.3": 0.0, "0.5": 0.0, "0.7": 1.0}
+    assert result["compression"]["cr"] == 1.0
+
+
+@pytest.mark.parametrize("window", ["vanilla", 3])
+def test_exact_match_is_greedy_generation(parallel_1x1, window):
+    model, _ = build_tiny(2, window, seed=4)
+    exs = examples(4)
+    engine = Engine(model, max_batch=1, max_seq_len=48)
+    result = evaluate_needle(engine, exs)
+    for ex in exs:
+        generated = engine.generate([ex.prompt], SamplingParams(max_new_tokens=3))[0].tokens
+        scored = engine.score(ex.tokens, prefill_tokens=ex.prompt_len, return_logits=True)
+        assert generated[0] == int(scored.logits[ex.prompt_len - 1].argmax())
+        own = engine.score(ex.prompt + generated, prefill_tokens=ex.prompt_len,
+                           return_logits=True)  # greedy tokens are the argmax given themselves
+        assert own.logits[ex.prompt_len - 1:-1].argmax(-1).tolist() == generated
+    nll = 0.0
+    for ex in exs:
+        full = engine.score(ex.tokens)  # all prefilled: DMC and vanilla give the same numbers
+        nll -= float(full.token_logprobs[ex.prompt_len - 1:].sum())
+    assert result["answer_nll"] == pytest.approx(nll / 12, rel=1e-5)
