@@ -484,8 +484,7 @@ class DMCLlamaModel(DMCLlamaPreTrainedModel):
         self.layers = nn.ModuleList(DMCDecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = DMCRMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = config.hidden_size // config.num_attention_heads
-        self.register_buffer("inv_freq", rope_inv_freq(config, head_dim), persistent=False)
+        self.head_dim = config.hidden_size // config.num_attention_heads
         self.post_init()
 
     def get_input_embeddings(self):
@@ -523,7 +522,9 @@ class DMCLlamaModel(DMCLlamaPreTrainedModel):
         return self.norm(hidden), cache
 
     def _run(self, x, positions, real, cache, prefill):
-        inv_freq = self.inv_freq.float().to(x.device)
+        # computed per call: from_pretrained builds modules on the meta device, so a buffer
+        # would have to be re-initialised after loading
+        inv_freq = rope_inv_freq(self.config, self.head_dim).to(x.device)
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             x = layer(x, positions.to(x.device), real, inv_freq, layer_cache, prefill)

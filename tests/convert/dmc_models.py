@@ -1,0 +1,53 @@
+"""Tiny DMC megatron checkpoints for the conversion tests."""
+import torch
+
+from dmc.convert.mcore_io import write_checkpoint
+from dmc.inference.engine import build_model_from_config
+from dmc.megatron.attention import dmc_layers
+
+VOCAB = 96
+
+
+def model_config(groups, max_seq=96):
+    return dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=groups,
+                ffn_hidden_size=96, vocab_size=VOCAB, max_seq_length=max_seq,
+                init_method_std=0.05)
+
+
+def spread_decisions(model, std=0.4):
+    """Redraws the rows of linear_qkv that produce q[..., -1] and k[..., -1] with std ``std`` so
+    that the hard decisions mix appends and merges (rows grouped ``[q_1 .. q_G, k, v]``)."""
+    for layer in dmc_layers(model):
+        dim = layer.hidden_size_per_attention_head
+        groups = layer.num_query_groups_per_partition
+        per_group = layer.num_attention_heads_per_partition // groups
+        with torch.no_grad():
+            for g in range(groups):
+                base = g * (per_group + 2) * dim
+                for i in range(per_group + 1):
+                    row = layer.linear_qkv.weight[base + i * dim + dim - 1]
+                    row.copy_(torch.randn_like(row) * std)
+
+
+def tiny_dmc(groups, window, c=-1.0, seed=0):
+    """``(model, model_config, dmc_config)``: an eval-mode DMC megatron model."""
+    torch.manual_seed(seed)
+    cfg = model_config(groups)
+    dmc = {"window": window, "tau": 0.1, "c": c, "hard": False}
+    model = build_model_from_config(cfg, dmc).eval()
+    spread_decisions(model)
+    return model, cfg, dmc
+
+
+def full_state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
+def save_tiny(model, cfg, dmc, folder, **extra):
+    return write_checkpoint(folder, full_state(model), cfg, dmc, extra=extra)
+
+
+def megatron_logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1])[None].expand_as(ids), None)
