@@ -23,6 +23,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from dmc.megatron import pipeline_sum
 from dmc.megatron.runtime import DMCRuntime
 from dmc.ops import (
     compression_loss_from_sums,
@@ -178,9 +179,11 @@ class DMCSelfAttention(SelfAttention):
         return kept_per_head.sum()
 
     def _attach_cr_loss(self, output, kept, alpha):
-        """Eq. 10 over every layer of this pipeline stage and every TP rank: the first DMC
-        layer of the stage starts the sum, the last one applies the hinge and attaches the loss
-        to its output with ``MoEAuxLossAutoScaler`` (so it backpropagates under pipelining)."""
+        """Eq. 10 over every layer and KV head of the model: the first DMC layer of the stage
+        starts the stage's sum, the last one reduces it over TP ranks and adds it to the sum of
+        the earlier pipeline stages (:mod:`dmc.megatron.pipeline_sum`). The last stage applies
+        the hinge and attaches the loss to its output with ``MoEAuxLossAutoScaler`` (so it
+        backpropagates under pipelining); earlier stages pass their running sum on."""
         layers = self.dmc.layers
         if self is layers[0]:
             self.dmc.stage_kept.clear()
@@ -191,11 +194,12 @@ class DMCSelfAttention(SelfAttention):
         self.dmc.stage_kept.clear()
         if self.world_size > 1:
             stage_kept = reduce_from_tensor_model_parallel_region(stage_kept, group=self.tp_group)
+        total_kept = pipeline_sum.running_sum(stage_kept)
+        if not parallel_state.is_pipeline_last_stage():
+            return pipeline_sum.pass_on(output, total_kept)
         decisions_per_layer = alpha.shape[0] * alpha.shape[2] * self.config.num_query_groups
-        stage_count = decisions_per_layer * len(layers)
         model_count = decisions_per_layer * self.config.num_layers
-        loss = compression_loss_from_sums(stage_kept, stage_count, self.dmc.target_cr)
-        loss = loss * (stage_count / model_count)
+        loss = compression_loss_from_sums(total_kept, model_count, self.dmc.target_cr)
         self.dmc.cr_losses.append(loss.detach())
         return MoEAuxLossAutoScaler.apply(output, loss)
 

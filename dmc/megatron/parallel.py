@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dmc.megatron.compat import apply_cpu_compat, cuda_available, model_parallel_manual_seed
+from dmc.megatron.pipeline_sum import init_pipeline_scalar_groups
 
 
 def _free_port() -> int:
@@ -57,6 +58,7 @@ def initialize_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
     )
+    init_pipeline_scalar_groups()
     model_parallel_manual_seed(seed)
 
 

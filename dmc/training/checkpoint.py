@@ -98,6 +98,38 @@ def read_state(path: Path) -> dict:
     return json.loads((path / STATE).read_text())
 
 
+INIT_FROM_SAME = ("seed", "model", "schedule", "optim", "data.seq_length",
+                  "data.global_batch_size")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def check_init_from(path: Path, config: dict, kind: str) -> None:
+    """Raises ValueError unless ``path`` (``checkpoint.init_from``) was written by a ``kind``
+    run whose seed, model, schedule, optimizer and batch shape equal ``config``'s (a nested
+    dict), so continuing from it is the same as having run those steps here."""
+    state = read_state(path)
+    if state.get("kind") != kind:
+        raise ValueError(f"checkpoint.init_from {path} belongs to a {state.get('kind')} run, "
+                         f"not {kind}")
+    ours, theirs = _flat(config), _flat(state.get("config", {}))
+    wrong = sorted(k for k in ours
+                   if any(k == s or k.startswith(s + ".") for s in INIT_FROM_SAME)
+                   and theirs.get(k, ours[k]) != ours[k])
+    if wrong:
+        raise ValueError(
+            f"checkpoint.init_from {path} was written by a different run: "
+            + ", ".join(f"{k} is {ours[k]!r} here but {theirs[k]!r} there" for k in wrong))
+
+
 def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
     """Restores the model (and optimizer, scheduler, RNG when given); returns ``state.json``."""
     path = Path(path)

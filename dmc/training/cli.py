@@ -1,8 +1,14 @@
-"""``dmc pretrain`` and ``dmc retrofit``: training runs from YAML configs plus dotted overrides."""
+"""``dmc pretrain`` and ``dmc retrofit``: training runs from YAML configs plus dotted overrides.
+
+Exit codes: 0 finished (the run or the ``--phase``), 2 bad input, ``EXIT_PREEMPTED`` (99) stopped
+by SIGUSR1/SIGTERM after saving a checkpoint that the next launch resumes from."""
 from __future__ import annotations
 
 import argparse
 import json
+
+from dmc.training import launch
+from dmc.training.preemption import EXIT_PREEMPTED
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +20,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate and print the resolved config, then exit")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N",
+                        help="processes on this node (re-executes under torchrun; data "
+                             "parallel size = N / (parallel.tensor x parallel.pipeline))")
 
 
 def run_training(args: argparse.Namespace) -> int:
@@ -23,10 +32,16 @@ def run_training(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(to_dict(cfg), indent=1) if args.json else dump_config(cfg), end="")
         return 0
+    if args.nproc < 1:
+        raise ValueError(f"--nproc: must be >= 1, got {args.nproc}")
+    if args.nproc > 1 and not launch.is_worker():
+        launch.relaunch(args.nproc, args)
     from dmc.training.trainer import Trainer
 
     trainer = Trainer(cfg, args.command)
     trainer.run(phase=getattr(args, "phase", None))
+    if trainer.preempted:
+        return EXIT_PREEMPTED
     summary = {"run_dir": cfg.run_dir, "step": trainer.step, **trainer.evaluate()}
     if trainer.rank == 0:
         if args.json:

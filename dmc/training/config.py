@@ -88,12 +88,16 @@ class DMCSection:
 @dataclass
 class CheckpointConfig:
     """``dir`` null = ``<run_dir>/checkpoints``; ``load_base`` = a base checkpoint folder
-    (e.g. a pretrain run or a converted HF model) that a fresh retrofit starts from."""
+    (e.g. a pretrain run or a converted HF model) that a fresh retrofit starts from (weights
+    only); ``init_from`` = a checkpoint of another run with the same model and schedule (e.g. a
+    shared ``zero_out`` phase) that a fresh run continues from: weights, optimizer state, LR
+    schedule and step. A run's own ``latest`` checkpoint takes precedence over both."""
 
     dir: str | None = None
     save_interval: int = 500
     save_at_cr_crossings: bool = True
     load_base: str | None = None
+    init_from: str | None = None
     keep_last: int = 2
 
 

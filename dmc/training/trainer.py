@@ -4,13 +4,15 @@ DDP-wrapped GPTModel, megatron's optimizer and LR scheduler, ``forward_backward_
 tensor/pipeline/data parallelism come from the config), phases from :mod:`dmc.training.phases`,
 atomic distributed checkpoints and exact resume: the data position is a function of the step and
 the Gumbel noise is keyed by (seed, layer, step, micro-batch), so a resumed run reproduces the
-uninterrupted one.
+uninterrupted one. SIGUSR1/SIGTERM end a run cleanly after a checkpoint
+(:mod:`dmc.training.preemption`).
 """
 from __future__ import annotations
 
 import math
 import shutil
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from dmc.training import checkpoint as ckpt
 from dmc.training.config import RunConfig, dump_config, to_dict
 from dmc.training.logging import RunLogger, save_cr_heatmap
 from dmc.training.phases import PhasePlan
+from dmc.training.preemption import StopSignal
 
 
 @dataclass
@@ -161,13 +164,32 @@ class Trainer:
             if state["kind"] != self.kind:
                 raise ValueError(f"{latest} belongs to a {state['kind']} run, not {self.kind}")
             self.step = state["step"]
-            self.resumed_from = latest
+            self.resumed_from = self._describe_resume(latest, state)
             return
         self.resumed_from = None
+        init = self.cfg.checkpoint.init_from
+        if init:
+            ckpt.check_init_from(Path(init), to_dict(self.cfg), self.kind)
+            state = ckpt.load_checkpoint(Path(init), self.module, self.optimizer, self.scheduler)
+            self.step = state["step"]
+            self.resumed_from = self._describe_resume(Path(init), state)
+            return
         base = self.cfg.checkpoint.load_base
         if self.kind == "retrofit" and base:
             self._check_base_shape(Path(base))
             ckpt.load_checkpoint(Path(base), self.module)
+
+    def _describe_resume(self, path: Path, state: dict) -> str:
+        """Where the run continues from, and whether the layout changed (dist_checkpointing
+        reshards the model and the optimizer state on load)."""
+        now = (parallel_state.get_tensor_model_parallel_world_size(),
+               parallel_state.get_pipeline_model_parallel_world_size())
+        saved = (state.get("tp", now[0]), state.get("pp", now[1]))
+        note = f"{path} at step {state['step']}"
+        if saved != now:
+            note += (f" (written at TP={saved[0]} PP={saved[1]}, resharded to TP={now[0]} "
+                     f"PP={now[1]}: model and optimizer state)")
+        return note
 
     def _check_base_shape(self, base: Path):
         """A clear error when ``checkpoint.load_base`` holds another architecture (e.g. a GQA
@@ -247,7 +269,7 @@ class Trainer:
         return total.item() / self.dp_size
 
     def measured_cr(self) -> np.ndarray:
-        """``[layers, kv_heads]`` CR measured since the last reset, gathered over TP/PP."""
+        """``[layers, kv_heads]`` CR measured since the last reset, gathered over TP/PP/DP."""
         layers, heads = self.cfg.model.num_layers, self.tconfig.num_query_groups
         kept = torch.zeros(layers, heads, dtype=torch.float64)
         count = torch.zeros(layers, heads, dtype=torch.float64)
@@ -258,8 +280,10 @@ class Trainer:
             count[layer.layer_number - 1, tp_rank * n:(tp_rank + 1) * n] = layer.cr_count.cpu()
         if cuda_available():
             kept, count = kept.cuda(), count.cuda()
-        dist.all_reduce(kept, group=parallel_state.get_model_parallel_group())
-        dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
+        for group in (parallel_state.get_model_parallel_group(),
+                      parallel_state.get_data_parallel_group()):  # DP ranks saw other samples
+            dist.all_reduce(kept, group=group)
+            dist.all_reduce(count, group=group)
         return (count / kept.clamp_min(1e-12)).cpu().numpy()
 
     def _reset_cr_stats(self):
@@ -367,11 +391,12 @@ class Trainer:
         logger = RunLogger(self.run_dir, self.plan.total_steps, self.step, self.cfg,
                            enabled=self.rank == 0)
         if self.resumed_from is not None:
-            logger.write(f"resumed from {self.resumed_from} at step {self.step}")
+            logger.write(f"resumed from {self.resumed_from}")
         self.last_cr = None
+        self.preempted = None
         ran: list[StepResult] = []
         log_cfg, ckpt_cfg = self.cfg.logging, self.cfg.checkpoint
-        try:
+        with StopSignal() as stop, closing(logger):
             while self.step < end:
                 step = self.step
                 if self.plan.dmc and step == self.plan.ranges["retrofit"][0] and step > 0:
@@ -390,11 +415,12 @@ class Trainer:
                     "phase": result.phase, "loss": f"{result.lm_loss:.3f}",
                     "cr": f"{result.measured_cr:.2f}/{result.target_cr:.2f}",
                     "lr": f"{result.lr:.1e}", "tok/s": f"{result.tokens_per_s:.0f}"})
-                self._checkpoint_after(step, end, logger, ckpt_cfg)
+                saved = self._checkpoint_after(step, end, logger, ckpt_cfg)
+                if stop.requested():
+                    self._stop_on_signal(stop, saved, logger)
+                    break
                 if stop_after is not None and len(ran) >= stop_after:
                     break
-        finally:
-            logger.close()
         return ran
 
     def _checkpoint_after(self, step, end, logger, ckpt_cfg):
@@ -414,3 +440,14 @@ class Trainer:
             shutil.rmtree(final, ignore_errors=True)
             shutil.copytree(src, final)
             logger.write(f"phase {phase} finished at step {self.step}: {final}")
+        return bool(phase_done or regular or self.step == end)
+
+    def _stop_on_signal(self, stop: StopSignal, saved: bool, logger) -> None:
+        """After SIGUSR1/SIGTERM: a regular checkpoint (unless this step just wrote one), then
+        ``self.preempted`` names the signal so the CLI exits with ``EXIT_PREEMPTED``."""
+        if not saved:
+            self.save(f"step_{self.step:07d}", self.step)
+            ckpt.prune_checkpoints(self.ckpt_dir, self.cfg.checkpoint.keep_last)
+        self.preempted = stop.received or "a stop signal on another rank"
+        logger.write(f"{self.preempted} received: checkpoint saved at step {self.step} "
+                     f"({self.ckpt_dir / ckpt.LATEST}); stopping so the run can be resumed")
