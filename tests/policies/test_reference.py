@@ -146,18 +146,21 @@ def _final_heads(q, k, v):
     return captured
 
 
-def test_streamingllm_keeps_sinks_and_recent_with_cache_positions():
+@pytest.mark.parametrize("prompt", [PROMPT, 3])
+def test_streamingllm_keeps_sinks_and_recent_with_cache_positions(prompt):
     """Kept: the first 4 tokens and the most recent ones; and every kept key scores against the
     next query exactly as StreamingLLM's cache positions do: key j at RoPE position j, the query
-    at the cache length."""
+    at the cache length (also when early budgets are below the number of sinks)."""
     q, k, v = inputs(1)
     inv_freq = rope_inv_freq(DIM)
     positions = torch.arange(TOTAL)
     pre_k = apply_rope(k[0], -positions, inv_freq)  # undo RoPE: the pre-RoPE keys
     pre_q = apply_rope(q[0], -positions, inv_freq)
-    got = drive(get_policy("streamingllm", 2.0, sinks=4), q, k, v)
+    got = drive(get_policy("streamingllm", 2.0, sinks=4), q, k, v, prompt=prompt)
     for step, (kept, _, cache) in enumerate(got):
-        n = PROMPT + step
+        n = prompt + step
+        if prompt < 8:  # budgets below the sinks at first: later tokens took sink slots
+            continue
         b = math.ceil(n / 2)
         expected = list(range(min(4, b))) + list(range(n - (b - min(4, b)), n))
         assert kept[0] == [expected] * KV
@@ -239,3 +242,32 @@ def test_split_budget():
     assert sum(split_budget(37, [0.3, 0.5, 0.2, 1.0], 20)) == 37
     with pytest.raises(ValueError, match="weights"):
         split_budget(3, [0, 0], 5)
+
+
+def test_compact_moves_kept_slots_to_the_front_and_frees_pages():
+    cache = PagedKVCache(1, 2, DIM, num_pages=12, page_size=4, max_seqs=2, window=None,
+                         dtype=torch.float64, max_seq_len=32)
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    keys = torch.randn(2, 2, 10, DIM, dtype=torch.float64)
+    values = torch.randn_like(keys)
+    for t in range(10):
+        cache.append(0, seqs, keys[:, :, t], values[:, :, t])
+    assert cache.pages_in_use == 2 * 2 * 3
+    keep = torch.zeros(2, 2, 10, dtype=torch.bool)
+    keep[0, 0, [1, 4, 9]] = True
+    keep[0, 1] = True
+    keep[1, :, :5] = True
+    new = cache.compact(0, seqs, keep)
+    assert new.tolist() == [[3, 10], [5, 5]]
+    assert cache.pages_in_use == 1 + 3 + 2 + 2 and cache.free_pages == 12 - 8
+    read_k, read_v, _ = cache.read(0, seqs)
+    torch.testing.assert_close(read_k[0, 0, :3].double(), keys[0, 0, [1, 4, 9]])
+    torch.testing.assert_close(read_v[1, 1, :5].double(), values[1, 1, :5])
+    torch.testing.assert_close(read_k[0, 1].double(), keys[0, 1])
+    owned = cache._tables[cache._tables >= 0].tolist()
+    assert len(set(owned)) == len(owned) == cache.pages_in_use
+    with pytest.raises(ValueError, match="keep must be"):
+        cache.compact(0, seqs, keep[:, :, :4])
+    for s in seqs:
+        cache.free_sequence(s)
+    assert cache.free_pages == 12

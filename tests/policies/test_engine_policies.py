@@ -1,0 +1,184 @@
+"""Policies served by the Engine on a tiny GQA model: pages freed for real, measured CR = the
+requested one, batched == batch-1, score(prefill_tokens) semantics, bad arguments."""
+import math
+
+import pytest
+import torch
+
+from dmc.inference import Engine, SamplingParams
+from dmc.megatron.attention import dmc_layers
+from dmc.megatron.model import build_gpt_model, llama_transformer_config
+from dmc.megatron.runtime import DMCConfig, DMCRuntime
+from dmc.policies import POLICY_NAMES, get_policy
+
+VOCAB, MAX_SEQ, PAGE = 96, 160, 4
+SMALL_WINDOW = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}, "streamingllm": {"sinks": 2},
+                "d2o": {"sinks": 2}, "caote": {"base": "snapkv", "window": 4}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(parallel_1x1):
+    torch.manual_seed(0)
+    config = llama_transformer_config(2, 64, 4, 96, num_query_groups=2)
+    return build_gpt_model(config, VOCAB, MAX_SEQ)
+
+
+def spread_decisions(model, scale=0.4):
+    """Mixed hard DMC decisions: the k[..., -1] and q[..., -1] rows scaled to std ``scale``
+    (as tests/inference/test_engine.py)."""
+    for layer in dmc_layers(model):
+        dim = layer.hidden_size_per_attention_head
+        groups = layer.num_query_groups_per_partition
+        per_group = layer.num_attention_heads_per_partition // groups
+        with torch.no_grad():
+            for g in range(groups):
+                base = g * (per_group + 2) * dim
+                for i in range(per_group + 1):
+                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= scale / 0.02
+
+
+def tokens(n, seed=1):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine(model, name=None, cr=2.0, **kw):
+    policy = None if name is None else get_policy(name, cr, **SMALL_WINDOW.get(name, {}))
+    return Engine(model, dmc=None, page_size=PAGE, max_batch=3, chunk_size=kw.pop("chunk", 16),
+                  policy=policy, **kw)
+
+
+def pages_of(lengths):
+    return int(((lengths + PAGE - 1) // PAGE).sum())
+
+
+def check_allocator(cache):
+    owned = cache._tables[cache._tables >= 0].tolist()
+    assert len(owned) == len(set(owned)) and not set(owned) & set(cache._free_pages)
+    assert cache.pages_in_use == len(owned) == pages_of(cache._lengths.long())
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "omnikv"])
+def test_prefill_evicts_and_frees_pages(model, name):
+    prompt = tokens(50)
+    vanilla, compressed = engine(model), engine(model, name, cr=4.0)
+    for e in (vanilla, compressed):
+        e.add_request(prompt, SamplingParams(max_new_tokens=8))
+        e.step()  # prefill (chunks of 16, evicting after each) + one decode step
+        check_allocator(e.cache)
+    held = compressed.cache.head_lengths(compressed._running[0].slot)
+    per_head = math.ceil(51 / 4)
+    assert int(held.sum()) == 2 * 2 * per_head  # budgets per layer sum to the total
+    if name not in ("pyramidkv", "d2o"):
+        assert (held == per_head).all()
+    assert compressed.cache.pages_in_use < vanilla.cache.pages_in_use / 2
+    used = [compressed.cache.pages_in_use]
+    while compressed.has_unfinished():
+        compressed.step()
+        check_allocator(compressed.cache)
+        used.append(compressed.cache.pages_in_use)
+    assert used[-1] == 0 and max(used) <= pages_of(torch.full((2, 2), math.ceil(58 / 4))) + 4
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_batched_equals_batch_one_and_cr_is_the_requested_one(model, name):
+    prompt_list = [tokens(n, seed) for n, seed in ((37, 2), (22, 3), (29, 4))]
+    params = SamplingParams(max_new_tokens=9)
+    batched = engine(model, name).generate(prompt_list, params)
+    for prompt, together in zip(prompt_list, batched):
+        single = engine(model, name).generate([prompt], params)[0]
+        assert single.tokens == together.tokens
+        torch.testing.assert_close(torch.tensor(single.logprobs), torch.tensor(together.logprobs),
+                                   atol=1e-5, rtol=0)
+        assert torch.equal(single.compression.slots, together.compression.slots)
+        fed = len(prompt) + 8
+        if name == "omnikv":  # GPU-resident: layer 0 dense, layer 1 the selected tokens
+            expected = 2 * fed / (fed + math.ceil(fed / 2))
+            assert together.compression.overall == pytest.approx(expected)
+            assert together.kv_pages == pages_of(torch.full((2, 2), fed))  # nothing freed
+        elif name in ("pyramidkv", "d2o"):  # a layer whose budget outgrows its tokens lags
+            assert fed / math.ceil(fed / 2) <= together.compression.overall <= 2.05
+        else:
+            assert together.compression.overall == pytest.approx(fed / math.ceil(fed / 2))
+        if name != "omnikv":
+            assert together.kv_pages <= pages_of(torch.full((2, 2), math.ceil(fed / 2))) + 2
+
+
+def test_score_prefill_tokens_is_exact_for_vanilla_and_dmc(model):
+    seq = tokens(40, seed=5)
+    vanilla = engine(model)
+    full = vanilla.score(seq, return_logits=True)
+    split = vanilla.score(seq, return_logits=True, prefill_tokens=11)
+    torch.testing.assert_close(split.logits, full.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split.token_logprobs, full.token_logprobs, atol=1e-5, rtol=0)
+
+    torch.manual_seed(0)
+    runtime = DMCRuntime(DMCConfig(window=3, c=-1.0))
+    config = llama_transformer_config(2, 64, 4, 96, num_query_groups=2)
+    dmc_model = build_gpt_model(config, VOCAB, MAX_SEQ, dmc=runtime)
+    spread_decisions(dmc_model)
+    runtime.set_mode("eval")
+    dmc = Engine(dmc_model, page_size=PAGE, max_batch=1, chunk_size=8)
+    full, split = dmc.score(seq), dmc.score(seq, prefill_tokens=13)
+    torch.testing.assert_close(split.token_logprobs, full.token_logprobs, atol=1e-5, rtol=0)
+    assert torch.equal(split.compression.slots, full.compression.slots)
+    assert full.compression.overall > 1.5
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        dmc.score(seq, prefill_tokens=0)
+    with pytest.raises(ValueError, match="not supported on a DMC model"):
+        Engine(dmc_model, page_size=PAGE, policy=get_policy("h2o"))
+
+
+@pytest.mark.parametrize("name", ["h2o", "streamingllm", "omnikv"])
+def test_score_with_a_policy_evicts_at_every_teacher_forced_token(model, name):
+    seq = tokens(60, seed=6)
+    full = engine(model).score(seq)
+    e = engine(model, name, cr=3.0)
+    chunked = e.score(seq)
+    stepped = e.score(seq, prefill_tokens=20)
+    n = len(seq)
+    if name == "omnikv":
+        assert stepped.compression.overall == pytest.approx(2 * n / (n + math.ceil(n / 3)))
+        # prefill is dense: all-prefill scoring is the vanilla model's
+        torch.testing.assert_close(chunked.token_logprobs, full.token_logprobs, atol=1e-5,
+                                   rtol=0)
+    else:
+        assert stepped.compression.overall == pytest.approx(n / math.ceil(n / 3))
+    # the first chunk's 16 predictions see the full cache; later ones see evictions
+    torch.testing.assert_close(stepped.token_logprobs[:16], full.token_logprobs[:16],
+                               atol=1e-5, rtol=0)
+    assert (stepped.token_logprobs[20:] - full.token_logprobs[20:]).abs().max() > 1e-4
+    assert e.cache.pages_in_use == 0
+
+
+def test_get_policy_rejects_bad_names_and_arguments():
+    with pytest.raises(ValueError, match="valid names.*h2o.*omnikv"):
+        get_policy("lru")
+    with pytest.raises(ValueError, match="accepted.*window"):
+        get_policy("snapkv", windw=3)
+    with pytest.raises(ValueError, match="compression_ratio"):
+        get_policy("h2o", 0.5)
+    with pytest.raises(ValueError, match="base must be one of"):
+        get_policy("caote", base="d2o")
+    with pytest.raises(ValueError, match="pooling"):
+        get_policy("snapkv", pooling="median")
+    with pytest.raises(ValueError, match="kernel_size"):
+        get_policy("pyramidkv", kernel_size=4)
+    with pytest.raises(ValueError, match="filter_layers"):
+        get_policy("omnikv", filter_layers=[-1])
+    assert get_policy("fastcaote", 3.0, base="tova").base.name == "tova"
+
+
+def test_a_policy_serves_one_engine(model):
+    policy = get_policy("tova")
+    engine_a = Engine(model, dmc=None, page_size=PAGE, max_batch=1, policy=policy)
+    assert engine_a.policy.policy is policy
+    with pytest.raises(ValueError, match="already serves"):
+        Engine(model, dmc=None, page_size=PAGE, max_batch=1, policy=policy)
