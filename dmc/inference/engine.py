@@ -139,7 +139,8 @@ class ScoreResult:
 
     token_logprobs: ``[n - 1]`` float64, ``log p(tokens[i + 1] | tokens[: i + 1])``.
     logits: ``[n, vocab]`` float32 when asked for, else None.
-    compression: the cache after all ``n`` tokens.
+    compression: the cache after all ``n`` tokens (with a policy: the slots it kept, so CR is the
+        measured one; OmniKV reports its GPU-resident slots, see :mod:`dmc.policies.omnikv`).
     """
 
     token_logprobs: torch.Tensor

@@ -11,8 +11,8 @@ Token level (Sec. 3.3): H2O-style eviction (accumulated attention) that always k
 ``sinks`` tokens and the most recent ``ceil((b - sinks) / 2)``. Each evicted key ``k_e`` finds its
 most cosine-similar kept key ``k_r`` (``u_e = max_r cos(k_e, k_r)``); it is merged only when
 ``u_e >= tau_t``, an exponential moving average of the mean similarity of the evicted tokens of
-each eviction (``tau_t = momentum tau_{t-1} + (1 - momentum) mean_e u_e``, ``tau_0`` the first mean),
-per (sequence, layer, KV head). The merge is similarity-weighted:
+each eviction (``tau_t = momentum tau_{t-1} + (1 - momentum) mean_e u_e``, ``tau_0`` the first
+mean), per (sequence, layer, KV head). The merge is similarity-weighted:
 ``k_r <- (e k_r + sum_e exp(u_e) k_e) / (e + sum_e exp(u_e))`` (the kept key's own weight is
 ``exp(cos(k_r, k_r)) = e``), and the same weights merge the values.
 

@@ -1,4 +1,5 @@
-"""StreamingLLM (Xiao et al., ICLR 2024, "Efficient Streaming Language Models with Attention Sinks").
+"""StreamingLLM (Xiao et al., ICLR 2024, "Efficient Streaming Language Models with Attention
+Sinks").
 
 Keep the first ``sinks`` tokens (attention sinks, 4 in the paper) and the most recent
 ``b - sinks`` ones; positions are those IN THE CACHE (Sec. 3.2, "we focus on positions within the
