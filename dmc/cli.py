@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "dmc.eval.cli",                # eval ppl
     "dmc.eval.bench",              # bench
     "dmc.baselines.cli",           # baseline gqa
+    "dmc.convert.cli",             # convert hf-to-mcore, mcore-to-hf, nvidia-dmc
 )
 
 

@@ -20,7 +20,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Llama-family architecture. ``vocab_size`` null = taken from the prepared data."""
+    """Llama-family architecture. ``vocab_size`` null = taken from the prepared data.
+    ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling (null = off)."""
 
     num_layers: int = 4
     hidden_size: int = 256
@@ -33,6 +34,7 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     share_embeddings: bool = False
+    rope_scaling_factor: float | None = None
 
 
 @dataclass

@@ -122,7 +122,8 @@ class Trainer:
                                             seed=cfg.seed, attention_backend=d.attention_backend))
         module = build_gpt_model(self.tconfig, self.vocab_size, m.max_seq_length,
                                  dmc=self.runtime, rotary_base=m.rotary_base,
-                                 share_embeddings=m.share_embeddings)
+                                 share_embeddings=m.share_embeddings,
+                                 rope_scaling_factor=m.rope_scaling_factor)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
@@ -352,7 +353,8 @@ class Trainer:
                 "num_query_groups": m.num_query_groups or m.num_attention_heads,
                 "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": self.vocab_size,
                 "max_seq_length": m.max_seq_length, "rotary_base": m.rotary_base,
-                "norm_epsilon": m.norm_epsilon, "share_embeddings": m.share_embeddings}
+                "norm_epsilon": m.norm_epsilon, "share_embeddings": m.share_embeddings,
+                "rope_scaling_factor": m.rope_scaling_factor}
 
     def dmc_config_for(self, step: int) -> dict | None:
         """DMC settings of the model saved after ``step`` steps: None until the decision rows

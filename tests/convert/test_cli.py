@@ -1,0 +1,42 @@
+"""``dmc convert``: the three subcommands through the ``dmc`` console entry, the model YAML that
+``dmc retrofit`` loads, one-line errors."""
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from dmc.cli import main  # noqa: E402
+from dmc.training.config import load_config  # noqa: E402
+from test_hf_roundtrip import LLAMA3, tiny_hf  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
+
+
+def test_convert_cli_and_model_yaml(tmp_path, capsys):
+    hf = tiny_hf(groups=2, rope_scaling=LLAMA3)
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mc"),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert "tokenizer.json" in summary["tokenizer"]
+    cfg = load_config([summary["yaml"]], ["data.path=somewhere", "data.seq_length=32"])
+    assert cfg.model.num_query_groups == 2 and cfg.model.rope_scaling_factor == 8.0
+    assert cfg.model.rotary_base == 500000.0 and cfg.checkpoint.load_base == str(
+        (tmp_path / "mc").resolve())
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "mc"), str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "tokenizer.json").is_file()
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["rope_scaling"]["factor"] == 8.0 and back["num_key_value_heads"] == 2
+
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "mc"), str(tmp_path / "back")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert main(["convert", "nvidia-dmc", str(tmp_path / "hf"), str(tmp_path / "nv")]) == 2
+    assert "latest_checkpointed_iteration.txt" in capsys.readouterr().err
+    cfg_json = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg_json["rope_scaling"] = dict(LLAMA3, high_freq_factor=2.0)
+    cfg_json.pop("rope_parameters", None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg_json))
+    assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mc3")]) == 2
+    assert "high_freq_factor=4.0" in capsys.readouterr().err
