@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "dmc.eval.bench",              # bench
     "dmc.baselines.cli",           # baseline gqa
     "dmc.convert.cli",             # convert hf-to-mcore, mcore-to-hf, nvidia-dmc
+    "dmc.slurm.cli",               # sweep
 )
 
 

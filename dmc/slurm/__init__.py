@@ -1,0 +1,1 @@
+"""SLURM launches: sweep files, job chains, sbatch rendering and submission."""
