@@ -53,7 +53,7 @@ class DMCLlamaConfig(PretrainedConfig):
                  rms_norm_eps=1e-5, rope_theta=10000.0, rope_llama3_scaling=None,
                  max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
                  dmc_window=12, dmc_c=5.0, dmc_channel="last", dmc_target_cr=None,
-                 dmc_measured_cr=None, **kwargs):
+                 dmc_measured_cr=None, use_cache=True, **kwargs):
         if dmc_channel != "last":
             raise ValueError(f"dmc_channel must be 'last', got {dmc_channel!r}")
         if dmc_window is not None and int(dmc_window) < 1:
@@ -74,6 +74,7 @@ class DMCLlamaConfig(PretrainedConfig):
         self.dmc_channel = dmc_channel
         self.dmc_target_cr = dmc_target_cr
         self.dmc_measured_cr = dmc_measured_cr
+        self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 

@@ -39,6 +39,7 @@ def test_exported_dmc_model_matches_megatron_and_engine(tmp_path, groups, window
     want = megatron_logits(model, ids)
     with torch.no_grad():
         got = hf(ids, use_cache=False).logits
+        assert type(hf(ids).past_key_values).__name__ == "DMCCache"  # config.use_cache default
         cached = hf(ids[:, :25], use_cache=True)
         steps = [cached.logits]
         cache = cached.past_key_values
