@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+
+# megatron-core warns at import when the optional GPU extras are absent (the fallbacks are used)
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 COMMAND_MODULES = (
     "dmc.data.cli",                # data prepare
