@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job on a fresh CPU machine: create .venv, prepare the Shakespeare corpus, pretrain a
-# tiny Llama-style base, retrofit it to 2x DMC (zero_out -> retrofit -> solidify), and print
-# base vs DMC validation perplexity (eval mode, hard decisions) and the measured CR.
+# tiny Llama-style base, retrofit it to 2x DMC (zero_out -> retrofit -> solidify), build the GQA
+# 2x baseline (mean-pooled KV heads, up-trained for the same steps), print base vs DMC vs GQA
+# validation perplexity and the measured CR, then compare them and four KV policies at 2x with
+# the real caches (`dmc eval compare`: perplexity and needle retrieval, DMC paper Table 1).
 #   bash scripts/quickstart.sh            # everything lands in runs/quickstart/
 # Knobs (environment): QS_PRETRAIN_STEPS, QS_RETROFIT_STEPS, QS_DIR.
 set -euo pipefail
@@ -21,30 +23,50 @@ PRETRAIN_STEPS=${QS_PRETRAIN_STEPS:-300}
 RETROFIT_STEPS=${QS_RETROFIT_STEPS:-180}
 mkdir -p "$QS"
 
-echo "== 1/3 data: Shakespeare -> SentencePiece (4096) -> megatron indexed dataset"
+echo "== 1/5 data: Shakespeare -> SentencePiece (4096) -> megatron indexed dataset"
 [ -f "$QS/data/meta.json" ] || dmc data prepare --output "$QS/data" --vocab-size 4096 --quiet
 
 common=(--config configs/models/tiny.yaml data.path="$QS/data" logging.eval_iters=16)
-echo "== 2/3 pretrain the tiny base ($PRETRAIN_STEPS steps)"
+echo "== 2/5 pretrain the tiny base ($PRETRAIN_STEPS steps)"
 dmc pretrain "${common[@]}" --json run_dir="$QS/base" schedule.pretrain_steps="$PRETRAIN_STEPS" \
   optim.lr=2e-3 optim.warmup_steps=20 optim.min_lr_ratio=0.1 checkpoint.save_interval=100 \
   | tail -n 1 > "$QS/base.json"
 
-echo "== 3/3 retrofit to 2x DMC (zero_out 10, retrofit $RETROFIT_STEPS, solidify 40 steps)"
+echo "== 3/5 retrofit to 2x DMC (zero_out 10, retrofit $RETROFIT_STEPS, solidify 40 steps)"
 dmc retrofit "${common[@]}" --config configs/retrofit/cr2.yaml --json run_dir="$QS/dmc2" \
   checkpoint.load_base="$QS/base/checkpoints/pretrain" optim.lr=2e-3 \
   schedule.zero_out_steps=10 schedule.retrofit_steps="$RETROFIT_STEPS" schedule.solidify_steps=40 \
   checkpoint.save_interval=100 | tail -n 1 > "$QS/dmc2.json"
+
+echo "== 4/5 GQA 2x baseline: mean-pool 8 KV heads into 4, up-train for the same $((RETROFIT_STEPS + 50)) steps"
+[ -f "$QS/gqa2_init/state.json" ] || dmc baseline gqa --checkpoint "$QS/base/checkpoints/pretrain" \
+  --num-query-groups 4 --output "$QS/gqa2_init" > /dev/null
+dmc retrofit "${common[@]}" --config configs/retrofit/gqa2.yaml --json run_dir="$QS/gqa2" \
+  model.num_query_groups=4 checkpoint.load_base="$QS/gqa2_init" optim.lr=2e-3 \
+  schedule.zero_out_steps=10 schedule.retrofit_steps="$RETROFIT_STEPS" schedule.solidify_steps=40 \
+  checkpoint.save_interval=100 | tail -n 1 > "$QS/gqa2.json"
+
+echo "== 5/5 compare at 2x with the real caches: vanilla, DMC, GQA, H2O, TOVA, SnapKV, StreamingLLM"
+dmc eval compare --vanilla "$QS/base/checkpoints/pretrain" --dmc "$QS/dmc2/checkpoints/solidify" \
+  --gqa "$QS/gqa2/checkpoints/solidify" --policies h2o,tova,snapkv,streamingllm --crs 2 \
+  --data "$QS/data" --seq-len 256 --num-sequences 2 --prefill-fraction 0.75 --num-needles 5 \
+  --output "$QS/compare" > "$QS/compare.log"
 
 python - "$QS" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys
 root, wall = sys.argv[1], int(sys.argv[2])
 base = json.load(open(f"{root}/base.json"))
 dmc = json.load(open(f"{root}/dmc2.json"))
+gqa = json.load(open(f"{root}/gqa2.json"))
 print()
 print(f"{'model':<22}{'valid ppl':>12}{'measured CR':>14}")
 print(f"{'base (vanilla)':<22}{base['valid_ppl']:>12.2f}{1.0:>14.2f}")
 print(f"{'DMC, target 2x':<22}{dmc['valid_ppl']:>12.2f}{dmc['valid_cr']:>14.2f}")
+print(f"{'GQA, 8 -> 4 KV heads':<22}{gqa['valid_ppl']:>12.2f}{2.0:>14.2f}")
+print()
+print("dmc eval compare (2 x 256 tokens, last quarter decoded token by token; 5 needles):")
+print(json.load(open(f"{root}/compare/compare.json"))["table"])
 print(f"wall time {wall // 60} min {wall % 60} s; checkpoints under {root}/dmc2/checkpoints "
-      f"(cr_1.5, cr_2.0, solidify), metrics in {root}/dmc2/metrics.jsonl")
+      f"(cr_1.5, cr_2.0, solidify), metrics in {root}/dmc2/metrics.jsonl, comparison in "
+      f"{root}/compare (compare.json, compare.png)")
 PY
