@@ -13,19 +13,23 @@ def tiny_config(groups: int, **overrides):
     return llama_transformer_config(2, 64, 4, 96, num_query_groups=groups, **overrides)
 
 
-def spread_decisions(model, scale: float = 0.4) -> None:
-    """Scales the rows of k[..., -1] and q[..., -1] (init std 0.02) to std ``scale`` so that hard
-    decisions are mixed. Megatron's fused QKV rows are grouped per KV group:
+def decision_rows(layer) -> list[int]:
+    """Rows of ``layer.linear_qkv.weight`` producing q[..., -1] of every query head and k[..., -1]
+    of every KV head. Megatron's fused QKV rows are grouped per KV group:
     ``[q_1 .. q_{heads/groups}, k, v]``, each ``head_dim`` rows."""
+    dim = layer.hidden_size_per_attention_head
+    groups = layer.num_query_groups_per_partition
+    per_group = layer.num_attention_heads_per_partition // groups
+    return [g * (per_group + 2) * dim + i * dim + dim - 1
+            for g in range(groups) for i in range(per_group + 1)]
+
+
+def spread_decisions(model, scale: float = 0.4) -> None:
+    """Scales the decision rows (init std 0.02) to std ``scale`` so that hard decisions mix
+    appends and merges."""
     for layer in dmc_layers(model):
-        dim = layer.hidden_size_per_attention_head
-        groups = layer.num_query_groups_per_partition
-        per_group = layer.num_attention_heads_per_partition // groups
         with torch.no_grad():
-            for g in range(groups):
-                base = g * (per_group + 2) * dim
-                for i in range(per_group + 1):
-                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= scale / 0.02
+            layer.linear_qkv.weight[decision_rows(layer)] *= scale / 0.02
 
 
 def build_tiny(groups: int, window="vanilla", c: float = -1.0, *, max_seq: int = 160,

@@ -4,6 +4,7 @@ import torch
 from dmc.convert.mcore_io import write_checkpoint
 from dmc.inference.engine import build_model_from_config
 from dmc.megatron.attention import dmc_layers
+from tiny_models import decision_rows
 
 VOCAB = 96
 
@@ -15,18 +16,13 @@ def model_config(groups, max_seq=96):
 
 
 def spread_decisions(model, std=0.4):
-    """Redraws the rows of linear_qkv that produce q[..., -1] and k[..., -1] with std ``std`` so
-    that the hard decisions mix appends and merges (rows grouped ``[q_1 .. q_G, k, v]``)."""
+    """Redraws the decision rows (q[..., -1], k[..., -1]) with std ``std`` so that the hard
+    decisions mix appends and merges."""
     for layer in dmc_layers(model):
-        dim = layer.hidden_size_per_attention_head
-        groups = layer.num_query_groups_per_partition
-        per_group = layer.num_attention_heads_per_partition // groups
+        rows = decision_rows(layer)
         with torch.no_grad():
-            for g in range(groups):
-                base = g * (per_group + 2) * dim
-                for i in range(per_group + 1):
-                    row = layer.linear_qkv.weight[base + i * dim + dim - 1]
-                    row.copy_(torch.randn_like(row) * std)
+            weight = layer.linear_qkv.weight
+            weight[rows] = torch.randn_like(weight[rows]) * std
 
 
 def tiny_dmc(groups, window, c=-1.0, seed=0):

@@ -6,22 +6,17 @@ import pytest
 import torch
 
 from dmc.inference import Engine, SamplingParams
-from dmc.megatron.attention import dmc_layers
 from dmc.megatron.model import build_gpt_model, llama_transformer_config
 from dmc.megatron.runtime import DMCConfig, DMCRuntime
 from dmc.policies import POLICY_NAMES, get_policy
+from tiny_models import spread_decisions
 
 VOCAB, MAX_SEQ, PAGE = 96, 160, 4
 SMALL_WINDOW = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}, "streamingllm": {"sinks": 2},
                 "d2o": {"sinks": 2}, "caote": {"base": "snapkv", "window": 4}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +24,6 @@ def model(parallel_1x1):
     torch.manual_seed(0)
     config = llama_transformer_config(2, 64, 4, 96, num_query_groups=2)
     return build_gpt_model(config, VOCAB, MAX_SEQ)
-
-
-def spread_decisions(model, scale=0.4):
-    """Mixed hard DMC decisions: the k[..., -1] and q[..., -1] rows scaled to std ``scale``
-    (as tests/inference/test_engine.py)."""
-    for layer in dmc_layers(model):
-        dim = layer.hidden_size_per_attention_head
-        groups = layer.num_query_groups_per_partition
-        per_group = layer.num_attention_heads_per_partition // groups
-        with torch.no_grad():
-            for g in range(groups):
-                base = g * (per_group + 2) * dim
-                for i in range(per_group + 1):
-                    layer.linear_qkv.weight[base + i * dim + dim - 1] *= scale / 0.02
 
 
 def tokens(n, seed=1):

@@ -73,7 +73,7 @@ def test_llama_dry_run_renders_chains(in_repo, tmp_path, capsys):
                     "--exclusive", f"--job-name=dmc-llama2-7b-cr-{retro['name']}"):
             assert opt in header, opt
         text = Path(retro["script"]).read_text()
-        assert f"set -- retrofit --config configs/models/llama2-7b.yaml" in text
+        assert "set -- retrofit --config configs/models/llama2-7b.yaml" in text
         assert f"export DMC_ROOT={ROOT}" in text and "scontrol requeue" in text
     for factor, groups in ((2, 16), (4, 8)):
         convert, up = jobs[f"llama2-7b-gqa{factor}-convert"], jobs[f"llama2-7b-gqa{factor}-s1234-uptrain"]
