@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dmc.inference.cli_args import add_cache_arguments
+
 DEFAULT_POLICIES = "h2o,tova,snapkv,streamingllm"
 
 
@@ -64,10 +66,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--num-needles", type=int, default=10,
                         help="needle-in-a-haystack examples, 0 = none (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="needle seed (default: %(default)s)")
-    parser.add_argument("--chunk-size", type=int, default=512,
-                        help="prefill chunk in tokens (default: %(default)s)")
-    parser.add_argument("--page-size", type=int, default=16,
-                        help="slots per KV page (default: %(default)s)")
+    add_cache_arguments(parser, dtype=False)
     parser.add_argument("--output", default="runs/compare", metavar="DIR",
                         help="where compare.json and compare.png go (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from dmc.inference.cli_args import add_cache_arguments, add_model_argument, cache_dtype
+
 DEFAULT_SEQ_LEN = 256
 
 
@@ -155,9 +157,7 @@ def model_perplexity(model, sequences: Iterable[Sequence[int]]) -> dict:
 # ----------------------------------------------------------------------------- CLI
 def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the ``dmc eval ppl`` flags on ``parser``; returns it."""
-    parser.add_argument("--model", "--state-dict", dest="model", required=True, metavar="PATH",
-                        help="an inference .pt file (dmc.inference.save_inference_state), a "
-                        "training checkpoint folder, or a run folder (its latest checkpoint)")
+    add_model_argument(parser)
     parser.add_argument("--data", required=True, metavar="PATH",
                         help="held-out tokens: an indexed dataset prefix (PREFIX.bin/.idx), a "
                         "folder made by `dmc data prepare` (its valid split), or a .pt/.npy "
@@ -166,12 +166,7 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="tokens per evaluated sequence (default: %(default)s)")
     parser.add_argument("--num-sequences", type=int, default=None,
                         help="evaluate at most this many sequences (default: all)")
-    parser.add_argument("--chunk-size", type=int, default=512,
-                        help="prefill chunk in tokens (default: %(default)s)")
-    parser.add_argument("--page-size", type=int, default=16,
-                        help="slots per KV page (default: %(default)s)")
-    parser.add_argument("--cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                        default="auto", help="KV cache dtype (default: the model's)")
+    add_cache_arguments(parser)
     parser.add_argument("--compare-full-forward", action="store_true",
                         help="also report the perplexity of the model's full forward (no cache)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -189,7 +184,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     longest = max(len(s) for s in sequences)
     engine = Engine.from_path(
         args.model, max_batch=1, page_size=args.page_size, chunk_size=args.chunk_size,
-        max_seq_len=longest, cache_dtype=_dtype(args.cache_dtype),
+        max_seq_len=longest, cache_dtype=cache_dtype(args.cache_dtype),
     )
     result = evaluate_perplexity(engine, sequences, progress=not (args.quiet or args.json))
     if args.compare_full_forward:
@@ -213,7 +208,3 @@ def summary(result: dict) -> str:
     if "full_forward" in result:
         lines.append(f"full forward perplexity {result['full_forward']['perplexity']:.4f}")
     return "\n".join(lines)
-
-
-def _dtype(name: str):
-    return None if name == "auto" else getattr(torch, name)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from dmc.inference.cli_args import add_cache_arguments, add_model_argument, cache_dtype
+
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the ``dmc generate`` flags on ``parser``; returns it."""
-    parser.add_argument("--model", "--state-dict", dest="model", required=True, metavar="PATH",
-                        help="an inference .pt file (dmc.inference.save_inference_state), a "
-                        "training checkpoint folder, or a run folder (its latest checkpoint)")
+    add_model_argument(parser)
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                         help="a text prompt (needs --tokenizer); repeatable")
     parser.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
@@ -45,16 +45,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="stop after this id; repeatable (default: the tokenizer's EOD)")
     parser.add_argument("--no-stop", action="store_true",
                         help="ignore stop tokens: always generate --max-new-tokens")
-    parser.add_argument("--chunk-size", type=int, default=512,
-                        help="prefill chunk in tokens (default: %(default)s)")
-    parser.add_argument("--page-size", type=int, default=16,
-                        help="slots per KV page (default: %(default)s)")
+    add_cache_arguments(parser)
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV pages in the pool (default: every prompt uncompressed)")
     parser.add_argument("--max-batch", type=int, default=8,
                         help="sequences decoded together (default: %(default)s)")
-    parser.add_argument("--cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                        default="auto", help="KV cache dtype (default: the model's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     return parser
@@ -71,8 +66,6 @@ def run_generate(args: argparse.Namespace) -> int:
     """Run ``dmc generate`` from parsed arguments; prints each completion (or JSON); returns 0.
 
     Bad arguments raise ValueError / FileNotFoundError naming the flag."""
-    import torch
-
     from dmc.inference.engine import Engine
     from dmc.inference.sampling import SamplingParams
 
@@ -97,11 +90,10 @@ def run_generate(args: argparse.Namespace) -> int:
                              seed=args.seed + i) for i in range(len(prompts))]
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     num_pages = args.num_pages
-    cache_dtype = None if args.cache_dtype == "auto" else getattr(torch, args.cache_dtype)
     engine = Engine.from_path(
         args.model, num_pages=num_pages, page_size=args.page_size,
         max_batch=min(args.max_batch, len(prompts)), max_seq_len=longest,
-        chunk_size=args.chunk_size, cache_dtype=cache_dtype, seed=args.seed,
+        chunk_size=args.chunk_size, cache_dtype=cache_dtype(args.cache_dtype), seed=args.seed,
     )
     results = engine.generate(prompts, params, progress=not (args.quiet or args.json))
     records = []

@@ -93,3 +93,4 @@ def _load_plain(model: torch.nn.Module, state_dict: dict, source: Path) -> None:
     if missing or unexpected:
         raise ValueError(f"{source}: state dict does not match the model config: missing "
                          f"{missing[:5]}, unexpected {unexpected[:5]}")
+
