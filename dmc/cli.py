@@ -12,8 +12,10 @@ import importlib
 import sys
 import warnings
 
-# megatron-core warns at import when the optional GPU extras are absent (the fallbacks are used)
+# megatron-core warns when the optional GPU extras are absent (the fallbacks are used) and about
+# its own deprecations (sharded-tensor checkpoint loading): nothing a user of the CLI can act on
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", module=r"(megatron|dmc\.megatron)\.")
 
 COMMAND_MODULES = (
     "dmc.data.cli",                # data prepare
