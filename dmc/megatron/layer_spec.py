@@ -1,6 +1,7 @@
 """Layer specs: vanilla (MHA or GQA, the GQA baseline included) and DMC.
 
-``backend="local"`` uses megatron-core's own modules (CPU and GPU); ``backend="te"`` uses
+``backend="local"`` uses megatron-core's own modules (CPU and GPU) with a fused causal core
+attention (:mod:`dmc.megatron.core_attention`); ``backend="te"`` uses
 Transformer Engine's (GPU, optional extra). The DMC spec only swaps the self-attention module
 for :class:`~dmc.megatron.attention.DMCSelfAttention` and hands it the shared runtime.
 """
@@ -16,6 +17,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dmc.megatron.attention import DMCSelfAttention
+from dmc.megatron.core_attention import use_sdpa
 from dmc.megatron.runtime import DMCRuntime
 
 BACKENDS = ("local", "te")
@@ -25,7 +27,7 @@ def vanilla_layer_spec(backend: str = "local") -> ModuleSpec:
     """Llama-style layer (RMSNorm, SwiGLU MLP, RoPE attention); MHA or GQA follows
     ``num_query_groups`` of the transformer config."""
     if backend == "local":
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return use_sdpa(get_gpt_layer_local_spec(normalization="RMSNorm"))
     if backend == "te":
         return get_gpt_layer_with_transformer_engine_spec()
     raise ValueError(f"layer spec backend must be one of {BACKENDS}, got {backend!r}")
