@@ -2,12 +2,14 @@
 
 Modes (set on the shared :class:`~dmc.megatron.runtime.DMCRuntime`):
 - ``vanilla``: megatron's attention, untouched;
-- ``zero_out``: as vanilla, with q[..., -1] and k[..., -1] scaled by ``zero_out_scale``
-  (= 1 - t / n_t); :func:`zero_decision_rows_` then zeroes those rows of ``linear_qkv``;
+- ``zero_out``: megatron's core attention with q[..., -1] and k[..., -1] multiplied by
+  ``zero_out_scale`` (= 1 - t / n_t, Eq. 12) before and after RoPE;
+  :func:`zero_decision_rows_` then zeroes those rows of ``linear_qkv``;
 - ``train``: alpha = GumbelSigmoid(k[..., -1] - c, tau) (Eq. 8), omega = sigmoid(q[..., -1] + c),
   decision channels zeroed before and after RoPE, window-grouped partial accumulation of pre-RoPE
   keys and values (Eq. 9), RoPE, attention with the additive log(1 - alpha) mask (App. H) and the
-  CR loss (Eq. 10) attached through megatron's aux-loss path;
+  CR loss (Eq. 10, per sequence; global or App. G's local prior) attached through megatron's
+  aux-loss path;
 - ``eval``: hard decisions alpha = [k[..., -1] - c > 0] and a -inf/0 mask: exactly what
   inference with a compressed cache computes (Algorithm 1).
 
@@ -30,10 +32,11 @@ from dmc.ops import (
     dmc_attention,
     logistic_noise,
     partial_accumulate,
+    scale_decision_channel,
     split_decision_channels,
+    straight_through_round,
     zero_decision_channel,
 )
-from dmc.ops.decisions import DECISION_CHANNEL
 from dmc.ops.mask import log_keep_next, log_keep_next_from_logits
 
 
@@ -62,30 +65,13 @@ class DMCSelfAttention(SelfAttention):
         self.register_buffer("cr_kept", torch.zeros(heads, dtype=torch.float64), persistent=False)
         self.register_buffer("cr_count", torch.zeros((), dtype=torch.float64), persistent=False)
 
-    # ------------------------------------------------------------------ q, k, v
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
-                                    output_gate=False, split_qkv=True):
-        """Megatron's split; in ``zero_out`` mode the decision channels are scaled by
-        ``zero_out_scale``."""
-        qkv = super().get_query_key_value_tensors(
-            hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv
-        )
-        if self.dmc.mode != "zero_out":
-            return qkv
-        if not split_qkv or output_gate:
-            raise ValueError("DMC zero_out mode needs split q/k/v without an output gate")
-        query, key, value = qkv
-        scale = torch.ones(query.shape[-1], dtype=query.dtype, device=query.device)
-        scale[DECISION_CHANNEL] = self.dmc.zero_out_scale
-        return query * scale, key * scale, value
-
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states, attention_mask, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
                 rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
         """``hidden_states [seq, batch, hidden] -> (output [seq, batch, hidden], bias)``."""
-        if self.dmc.mode in ("vanilla", "zero_out"):
+        if self.dmc.mode == "vanilla":
             return super().forward(
                 hidden_states, attention_mask, key_value_states=key_value_states,
                 inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
@@ -96,19 +82,22 @@ class DMCSelfAttention(SelfAttention):
             )
         if inference_context is not None or inference_params is not None:
             raise ValueError(
-                "DMCSelfAttention does not use megatron's inference context in train/eval mode; "
-                "serve DMC models with dmc.inference.Engine"
+                "DMCSelfAttention does not use megatron's inference context in zero_out/train/eval "
+                "mode; serve DMC models with dmc.inference.Engine"
             )
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("DMC attention supports neither packed sequences nor attention_bias")
+        if self.dmc.mode == "zero_out":
+            return self._zero_out_forward(hidden_states, attention_mask, rotary_pos_emb)
 
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         to_bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731  [s, b, h, d] -> [b, h, s, d]
         to_sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
-        channels = split_decision_channels(to_bhsd(query), to_bhsd(key), self.dmc.config.c)
+        cfg = self.dmc.config
+        channels = split_decision_channels(to_bhsd(query), to_bhsd(key), cfg.c, cfg.omega_offset)
         alpha, log_keep = self._decisions(channels.alpha_logit)
         key_acc, value_acc = partial_accumulate(
-            channels.key, to_bhsd(value), alpha, channels.omega, self.dmc.config.window
+            channels.key, to_bhsd(value), alpha, channels.omega, cfg.window
         )
         query, key_acc = self._rotate(to_sbhd(channels.query), to_sbhd(key_acc), rotary_pos_emb)
         context = dmc_attention(
@@ -117,15 +106,33 @@ class DMCSelfAttention(SelfAttention):
             value_acc,
             log_keep,
             scale=self.softmax_scale,
-            backend=self.dmc.config.attention_backend,
+            backend=cfg.attention_backend,
         )
         seq, batch = hidden_states.shape[:2]
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
         output, bias = self.linear_proj(context)
         kept = self._record_kept(alpha)
         if self.dmc.mode == "train" and torch.is_grad_enabled():
-            output = self._attach_cr_loss(output, kept, alpha)
+            output = self._attach_cr_loss(output, kept, alpha.shape[2])
         return output, bias
+
+    def _zero_out_forward(self, hidden_states, attention_mask, rotary_pos_emb):
+        """Megatron's core attention with q[..., -1] and k[..., -1] multiplied by
+        ``zero_out_scale`` (Eq. 12) before AND after RoPE.
+
+        The paper scales the channel once; scaling after RoPE as well is NVIDIA's
+        ``forward_decay_decision_neuron``: rotate-half moves x[d/2 - 1] into the last channel, so
+        only then does scale 0 take the decision channel out of q.k entirely, as ``eval`` mode
+        does (the model at the end of the zero-out phase is then the DMC model with no merges).
+        """
+        scale = self.dmc.zero_out_scale
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        query, key = scale_decision_channel(query, scale), scale_decision_channel(key, scale)
+        query, key = self._rotate(query, key, rotary_pos_emb)
+        query, key = scale_decision_channel(query, scale), scale_decision_channel(key, scale)
+        context = self.core_attention(query, key, value, attention_mask,
+                                      attn_mask_type=self.attn_mask_type)
+        return self.linear_proj(context)
 
     def _decisions(self, alpha_logit):
         """``alpha_logit [batch, kv_heads, seq] -> (alpha, log(1 - alpha_{j+1}))``."""
@@ -139,9 +146,8 @@ class DMCSelfAttention(SelfAttention):
         soft = torch.sigmoid(scaled)
         log_keep = log_keep_next_from_logits(scaled)
         if cfg.hard:
-            hard = (soft > 0.5).float()
-            soft = hard - soft.detach() + soft
-            log_keep = log_keep_next(hard) + (log_keep - log_keep.detach())
+            log_keep = log_keep_next((soft > 0.5).float()) + (log_keep - log_keep.detach())
+            soft = straight_through_round(soft)
         alpha = soft.to(alpha_logit.dtype)
         first = torch.ones_like(alpha)
         first[..., 0] = 0
@@ -172,34 +178,51 @@ class DMCSelfAttention(SelfAttention):
     # ------------------------------------------------------------------ CR bookkeeping
     def _record_kept(self, alpha):
         """Adds this forward's kept slots ``sum(1 - alpha)`` per local KV head to the CR stats
-        and returns the differentiable total."""
-        kept_per_head = (1 - alpha.float()).sum(dim=(0, 2))
-        self.cr_kept += kept_per_head.detach().double()
-        self.cr_count += alpha.shape[0] * alpha.shape[2]
-        return kept_per_head.sum()
+        and returns the differentiable kept slots per sequence ``[batch]`` (this rank's heads).
 
-    def _attach_cr_loss(self, output, kept, alpha):
-        """Eq. 10 over every layer and KV head of the model: the first DMC layer of the stage
-        starts the stage's sum, the last one reduces it over TP ranks and adds it to the sum of
-        the earlier pipeline stages (:mod:`dmc.megatron.pipeline_sum`). The last stage applies
-        the hinge and attaches the loss to its output with ``MoEAuxLossAutoScaler`` (so it
-        backpropagates under pipelining); earlier stages pass their running sum on."""
+        With ``hard_loss`` alpha is rounded straight-through first, as in NVIDIA's loss
+        (``get_decisions``): the loss and the stats count rounded decisions while the gradient
+        is that of the soft alphas."""
+        if self.dmc.config.hard_loss:
+            alpha = straight_through_round(alpha)
+        kept = 1 - alpha.float()
+        self.cr_kept += kept.detach().sum(dim=(0, 2)).double()
+        self.cr_count += alpha.shape[0] * alpha.shape[2]
+        return kept.sum(dim=(1, 2))
+
+    def _attach_cr_loss(self, output, kept, seq):
+        """Attaches the CR loss (Eq. 10, the hinge per sequence) to ``output`` with
+        ``MoEAuxLossAutoScaler`` (so it backpropagates under pipelining); ``kept [batch]`` is
+        this layer's differentiable kept-slot count per sequence, ``seq`` its tokens."""
+        if self.world_size > 1:
+            kept = reduce_from_tensor_model_parallel_region(kept, group=self.tp_group)
+        per_layer = seq * self.config.num_query_groups
+        if self.dmc.config.prior == "local":
+            loss = compression_loss_from_sums(kept, per_layer, self.dmc.target_cr,
+                                              num_groups=self.config.num_layers)
+            return self._attach(output, loss)
+        return self._attach_global(output, kept, per_layer * self.config.num_layers)
+
+    def _attach_global(self, output, kept, model_count):
+        """The paper's global prior: one hinge per sequence over every layer and KV head of the
+        model. The first DMC layer of the stage starts the stage's ``[batch]`` sum, the last one
+        adds it to the sum of the earlier pipeline stages (:mod:`dmc.megatron.pipeline_sum`).
+        The last stage applies the hinge; earlier stages pass their running sum on."""
         layers = self.dmc.layers
         if self is layers[0]:
             self.dmc.stage_kept.clear()
         self.dmc.stage_kept.append(kept)
         if self is not layers[-1]:
             return output
-        stage_kept = torch.stack(self.dmc.stage_kept).sum()
+        stage_kept = torch.stack(self.dmc.stage_kept).sum(dim=0)
         self.dmc.stage_kept.clear()
-        if self.world_size > 1:
-            stage_kept = reduce_from_tensor_model_parallel_region(stage_kept, group=self.tp_group)
         total_kept = pipeline_sum.running_sum(stage_kept)
         if not parallel_state.is_pipeline_last_stage():
             return pipeline_sum.pass_on(output, total_kept)
-        decisions_per_layer = alpha.shape[0] * alpha.shape[2] * self.config.num_query_groups
-        model_count = decisions_per_layer * self.config.num_layers
-        loss = compression_loss_from_sums(total_kept, model_count, self.dmc.target_cr)
+        return self._attach(output, compression_loss_from_sums(total_kept, model_count,
+                                                               self.dmc.target_cr))
+
+    def _attach(self, output, loss):
         self.dmc.cr_losses.append(loss.detach())
         return MoEAuxLossAutoScaler.apply(output, loss)
 

@@ -1,13 +1,14 @@
-"""A differentiable running sum of one scalar across pipeline stages.
+"""A differentiable running sum of one small vector across pipeline stages.
 
-The CR loss (Eq. 10) puts its hinge on the kept-slot count of the *whole* model. Under pipeline
-parallelism each stage only sees its own layers, so stage s adds its count to the running sum
-received from stage s-1 and passes the result on; the last stage applies the hinge. Backward
-runs the chain in reverse: the last stage sends d loss / d sum back, and each earlier stage
-receives it in the backward of its output. The gradient is then exactly that of the
-single-stage loss, whether or not the stages agree on the side of the hinge.
+The CR loss (Eq. 10, global prior) puts its hinge on each sequence's kept-slot count over the
+*whole* model. Under pipeline parallelism each stage only sees its own layers, so stage s adds its
+``[batch]`` counts to the running sums received from stage s-1 and passes the result on; the last
+stage applies the per-sequence hinge. Backward runs the chain in reverse: the last stage sends
+d loss / d sums back, and each earlier stage receives them in the backward of its output. The
+gradient is then exactly that of the single-stage loss, whether or not the stages agree on the
+side of each sequence's hinge.
 
-The scalars travel over a separate gloo group per pipeline group (CPU tensors), so they never
+The vectors travel over a separate gloo group per pipeline group (CPU tensors), so they never
 interleave with megatron's activation send/recv. Order of events for micro-batch m (1F1B or
 not): stage s sends its sum in forward(m) before its activations leave, and stage s+1 receives
 it in forward(m) after its activations arrived; gradients go back the same way in backward(m).
@@ -45,13 +46,14 @@ def _peer(offset: int) -> int:
 
 
 def _isend(value: torch.Tensor, peer: int) -> None:
-    buffer = value.detach().double().cpu().reshape(1)
+    buffer = value.detach().double().cpu().reshape(-1)
     _STATE["pending"] = [w for w in _STATE["pending"] if not w[0].is_completed()]
     _STATE["pending"].append((dist.isend(buffer, peer, group=_STATE["group"]), buffer))
 
 
 def _recv(peer: int, like: torch.Tensor) -> torch.Tensor:
-    buffer = torch.zeros(1, dtype=torch.float64)
+    """Receives a tensor of ``like``'s shape (both stages know it: the micro-batch size)."""
+    buffer = torch.zeros(like.numel(), dtype=torch.float64)
     dist.recv(buffer, peer, group=_STATE["group"])
     return buffer.to(device=like.device, dtype=like.dtype).reshape(like.shape)
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dmc.ops import PRIORS
+
 MODES = ("vanilla", "zero_out", "train", "eval")
 
 
@@ -15,7 +17,14 @@ class DMCConfig:
 
     window: partial-accumulation window w (None = exact scan; 12 in the paper).
     tau: Gumbel-sigmoid temperature. c: decision/importance offset.
-    hard: straight-through hard decisions in training (soft relaxation otherwise).
+    hard: straight-through hard decisions in training, in the attention (mask and accumulation)
+        and in the loss (soft relaxation otherwise, as in the paper).
+    hard_loss: straight-through hard decisions in the CR loss only, soft ones in the attention:
+        NVIDIA's released training code (``hard=False, hard_loss=True``). Off: the paper's
+        soft relaxation.
+    prior: "global" (Eq. 10: one hinge over all layers) or "local" (App. G: one per layer).
+    omega_offset: added to omega = sigmoid(q[..., -1] + c); 2^-7 reproduces NVIDIA's models
+        (see :func:`dmc.ops.importance`), 0 is the paper's.
     seed: base seed of the decision noise.
     attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense" or "flex".
     """
@@ -24,6 +33,9 @@ class DMCConfig:
     tau: float = 0.1
     c: float = 5.0
     hard: bool = False
+    hard_loss: bool = False
+    prior: str = "global"
+    omega_offset: float = 0.0
     seed: int = 1234
     attention_backend: str = "auto"
 
@@ -37,6 +49,10 @@ class DMCConfig:
                 f"dmc.attention_backend must be one of auto, dense, flex; got "
                 f"{self.attention_backend!r}"
             )
+        if self.prior not in PRIORS:
+            raise ValueError(f"dmc.prior must be one of {', '.join(PRIORS)}; got {self.prior!r}")
+        if self.omega_offset < 0:
+            raise ValueError(f"dmc.omega_offset must be >= 0, got {self.omega_offset!r}")
 
 
 @dataclass
@@ -47,6 +63,7 @@ class DMCRuntime:
         ``zero_out_scale``), "train" (Gumbel decisions, accumulation, additive mask, CR loss),
         "eval" (hard decisions: what inference with a compressed cache computes).
     target_cr: the CR of the loss (Eq. 10) at the current step.
+    zero_out_scale: the factor 1 - t / n_t of the decision channels in ``zero_out`` mode.
     step, microbatch: with ``config.seed`` and the layer number they seed the decision noise,
         so a resumed run draws the same noise (``microbatch`` should be the global micro-batch
         index: ``dp_rank * num_microbatches + i``).
@@ -74,6 +91,7 @@ class DMCRuntime:
         return torch.Generator(device=device).manual_seed(seed)
 
     def pop_cr_losses(self) -> list[torch.Tensor]:
-        """Detached CR-loss values attached since the last call (one per stage forward)."""
+        """Detached CR-loss values attached since the last call: one per forward of the last
+        pipeline stage (global prior) or of each layer (local prior); their sum is the loss."""
         losses, self.cr_losses = self.cr_losses, []
         return losses

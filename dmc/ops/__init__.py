@@ -4,16 +4,20 @@ from dmc.ops.attention import dmc_attention
 from dmc.ops.decisions import (
     DecisionChannels,
     gumbel_sigmoid,
+    importance,
     log_one_minus_gumbel_sigmoid,
     logistic_noise,
+    scale_decision_channel,
     split_decision_channels,
+    straight_through_round,
     zero_decision_channel,
 )
-from dmc.ops.loss import CRSchedule, compression_loss, compression_loss_from_sums
+from dmc.ops.loss import PRIORS, CRSchedule, compression_loss, compression_loss_from_sums
 from dmc.ops.mask import bias_from_log_keep, dmc_attention_bias, log_keep_next, log_keep_next_from_logits
 
 __all__ = [
     "CRSchedule",
+    "PRIORS",
     "DecisionChannels",
     "bias_from_log_keep",
     "compression_loss",
@@ -21,11 +25,14 @@ __all__ = [
     "compression_loss_from_sums",
     "dmc_attention_bias",
     "gumbel_sigmoid",
+    "importance",
     "log_keep_next",
     "log_keep_next_from_logits",
     "log_one_minus_gumbel_sigmoid",
     "logistic_noise",
     "partial_accumulate",
+    "scale_decision_channel",
     "split_decision_channels",
+    "straight_through_round",
     "zero_decision_channel",
 ]

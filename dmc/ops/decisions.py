@@ -2,7 +2,8 @@
 
 Each KV head gives up one key channel for the decision logit and one query channel for the
 importance logit; no parameter is added. Convention (NVIDIA's released DMC code): the **last**
-channel of the head, ``alpha_logit = k[..., -1] - c`` and ``omega = sigmoid(q[..., -1] + c)``.
+channel of the head, ``alpha_logit = k[..., -1] - c`` and
+``omega = sigmoid(q[..., -1] + c) + omega_offset`` (:func:`importance`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class DecisionChannels(NamedTuple):
     query: ``[batch, q_heads, seq, dim]`` with the decision channel zeroed.
     key: ``[batch, kv_heads, seq, dim]`` with the decision channel zeroed.
     alpha_logit: ``[batch, kv_heads, seq]``, ``k[..., -1] - c``.
-    omega: ``[batch, kv_heads, seq]``, ``sigmoid(mean over the group of q[..., -1] + c)``.
+    omega: ``[batch, kv_heads, seq]``, :func:`importance` of the group's mean ``q[..., -1]``.
     """
 
     query: torch.Tensor
@@ -67,8 +68,26 @@ def gumbel_sigmoid(
         noise = logistic_noise(logits.shape, generator=generator, device=logits.device)
     alpha = torch.sigmoid((logits.float() + noise.float()) / tau)
     if hard:
-        alpha = (alpha > 0.5).to(alpha.dtype) - alpha.detach() + alpha
+        alpha = straight_through_round(alpha)
     return alpha.to(logits.dtype)
+
+
+def straight_through_round(alpha: torch.Tensor) -> torch.Tensor:
+    """Forward value ``round(alpha)`` (``alpha > 0.5``), gradient that of ``alpha``
+    (straight-through estimator; NVIDIA's ``get_decisions``)."""
+    return (alpha > 0.5).to(alpha.dtype) - alpha.detach() + alpha
+
+
+def importance(omega_logit: torch.Tensor, c: float, offset: float = 0.0) -> torch.Tensor:
+    """``omega = sigmoid(omega_logit + c) + offset`` floored at ``OMEGA_MIN`` (Sec. 3.2: c makes
+    omega ~ 1 at initialisation).
+
+    ``offset`` is not in the paper: NVIDIA's released code adds ``torch.finfo(bfloat16).eps``
+    (2^-7) to omega in training (bf16 runs) and in its inference kernel, so their checkpoints
+    are converted with ``offset = 2**-7``; our own training uses 0. The floor keeps the running
+    weight z of Eq. 9 > 0 in float32/bf16 when ``offset`` is 0.
+    """
+    return (torch.sigmoid(omega_logit + c) + offset).clamp_min(OMEGA_MIN)
 
 
 def log_one_minus_gumbel_sigmoid(
@@ -80,7 +99,7 @@ def log_one_minus_gumbel_sigmoid(
 
 
 def split_decision_channels(
-    query: torch.Tensor, key: torch.Tensor, c: float = 5.0
+    query: torch.Tensor, key: torch.Tensor, c: float = 5.0, omega_offset: float = 0.0
 ) -> DecisionChannels:
     """Reads the decision logit and importance from the last channel and zeroes both channels.
 
@@ -90,11 +109,11 @@ def split_decision_channels(
         key: ``[batch, kv_heads, seq, dim]``.
         c: offset so that at initialisation (channel ~ 0) ``alpha ~ sigmoid(-c)`` and
             ``omega ~ sigmoid(c)`` (both ~ 0.0067 away from append-only with full weight).
+        omega_offset: added to omega (see :func:`importance`; 2^-7 for NVIDIA's checkpoints).
 
     Returns:
         :class:`DecisionChannels`. Under GQA the importance logit is the mean of the group's
-        query channels; the decision is per KV head. omega is floored at ``OMEGA_MIN`` so the
-        running weight z of Eq. 9 stays > 0 in float32/bf16.
+        query channels; the decision is per KV head.
     """
     batch, q_heads, seq, dim = query.shape
     kv_heads = key.shape[1]
@@ -110,17 +129,22 @@ def split_decision_channels(
     group = q_heads // kv_heads
     alpha_logit = key[..., DECISION_CHANNEL] - c
     omega_logit = query[..., DECISION_CHANNEL].reshape(batch, kv_heads, group, seq).mean(dim=2)
-    omega = torch.sigmoid(omega_logit + c).clamp_min(OMEGA_MIN)
     return DecisionChannels(
         query=zero_decision_channel(query),
         key=zero_decision_channel(key),
         alpha_logit=alpha_logit,
-        omega=omega,
+        omega=importance(omega_logit, c, omega_offset),
     )
+
+
+def scale_decision_channel(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Returns ``x`` with its last channel multiplied by ``scale`` (out of place,
+    differentiable): the zero-out phase's ``q[..., -1] * (1 - t / n_t)`` (Eq. 12)."""
+    factor = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    factor[DECISION_CHANNEL] = scale
+    return x * factor
 
 
 def zero_decision_channel(x: torch.Tensor) -> torch.Tensor:
     """Returns ``x`` with its last channel set to 0 (out of place, differentiable)."""
-    keep = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    keep[DECISION_CHANNEL] = 0
-    return x * keep
+    return scale_decision_channel(x, 0.0)

@@ -5,33 +5,65 @@ from dataclasses import dataclass
 
 import torch
 
+PRIORS = ("global", "local")
+
 
 def compression_loss_from_sums(
-    kept: torch.Tensor, count: float | int | torch.Tensor, target_cr: float
+    kept: torch.Tensor, count: float | int, target_cr: float, num_groups: int | None = None
 ) -> torch.Tensor:
-    """One-sided CR loss from the number of kept slots ``kept = sum(1 - alpha)`` over ``count``
-    decisions: ``max(0, kept - count / CR) / count`` (Eq. 10)."""
-    if target_cr < 1:
-        raise ValueError(f"compression_loss: target_cr must be >= 1, got {target_cr}")
-    return torch.clamp(kept - count / target_cr, min=0) / count
+    """Eq. 10 from kept-slot sums, the hinge applied per sequence and per hinge group:
+    ``mean_b sum_g max(0, kept[b, g] - count / CR) / (num_groups * count)``.
 
-
-def compression_loss(alpha: torch.Tensor, target_cr: float) -> torch.Tensor:
-    """``max(0, mean(1 - alpha) - 1 / CR)`` over every element of ``alpha`` (Eq. 10).
-
-    Summing over layers, heads and tokens of the whole model before the hinge lets DMC compress
-    some layers and heads more than others (the paper's Fig. 6).
+    A hinge group is the whole model for the paper's global prior (``kept [batch, 1]``,
+    ``count = n_l n_h n``) and one layer for App. G's local prior (``kept [batch, layers]``,
+    ``count = n_h n``, ``num_groups = n_l``).
 
     Args:
-        alpha: merge probabilities of any shape, e.g. ``[layers, batch, heads, seq]``.
+        kept: ``[batch]`` or ``[batch, groups]``, ``sum(1 - alpha)`` of each sequence within each
+            group (differentiable).
+        count: decisions per sequence in one group.
         target_cr: the current target compression ratio (>= 1).
+        num_groups: groups of the whole model (default: ``kept.shape[1]``); pass it when
+            ``kept`` holds only some of them (a pipeline stage's layers), so the partial losses
+            of all stages add up to the model's loss.
+
+    Returns:
+        A scalar tensor: the mean over the batch.
+    """
+    if target_cr < 1:
+        raise ValueError(f"compression_loss: target_cr must be >= 1, got {target_cr}")
+    kept = kept.reshape(kept.shape[0], -1)
+    groups = kept.shape[1] if num_groups is None else num_groups
+    hinge = torch.clamp(kept - count / target_cr, min=0)
+    return hinge.sum(dim=1).mean() / (groups * count)
+
+
+def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global") -> torch.Tensor:
+    """Eq. 10 per sequence, averaged over the batch.
+
+    ``prior="global"`` (the paper's default): the hinge on each sequence's kept slots summed over
+    all layers, heads and tokens, which lets DMC compress some layers and heads more than others
+    (the paper's Fig. 6). ``prior="local"`` (App. G, "Local Prior"): one hinge per layer, so every
+    layer must reach the CR on its own.
+
+    Args:
+        alpha: merge probabilities ``[batch, layers, heads, seq]``.
+        target_cr: the current target compression ratio (>= 1).
+        prior: "global" or "local".
 
     Returns:
         A scalar tensor (float32, float64 stays float64).
     """
+    if prior not in PRIORS:
+        raise ValueError(
+            f"compression_loss: prior must be one of {', '.join(PRIORS)}, got {prior!r}"
+        )
     work = torch.float64 if alpha.dtype == torch.float64 else torch.float32
-    kept = (1 - alpha.to(work)).sum()
-    return compression_loss_from_sums(kept, alpha.numel(), target_cr)
+    _, layers, heads, seq = alpha.shape
+    kept = (1 - alpha.to(work)).sum(dim=(2, 3))  # [batch, layers]
+    if prior == "global":
+        return compression_loss_from_sums(kept.sum(dim=1), layers * heads * seq, target_cr)
+    return compression_loss_from_sums(kept, heads * seq, target_cr)
 
 
 @dataclass(frozen=True)

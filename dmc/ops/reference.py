@@ -2,7 +2,7 @@
 
 Each function loops over tokens and heads in plain Python so that its correctness can be read
 off the paper: Eq. 9 (partial accumulation), App. H (mask), Algorithm 1 (inference with a
-compressed cache).
+compressed cache), Eq. 10 (the CR loss, per sequence; App. G's local prior).
 """
 from __future__ import annotations
 
@@ -85,9 +85,28 @@ def compressed_cache_reference(k, v, alpha, omega):
     return history_k, history_v, slot_of_token
 
 
-def compression_loss_reference(alpha, target_cr):
-    """Eq. 10 with a Python sum: ``max(0, sum(1 - alpha) - n / CR) / n``."""
-    values = alpha.double().flatten().tolist()
-    n = len(values)
-    kept = sum(1.0 - a for a in values)
-    return max(0.0, kept - n / target_cr) / n
+def compression_loss_reference(alpha, target_cr, prior="global"):
+    """Eq. 10 with Python sums, sequence by sequence, ``alpha [batch, layers, heads, seq]``.
+
+    global: ``loss_b = max(0, sum_{l,h,t} (1 - alpha) - n_l n_h n / CR) / (n_l n_h n)``;
+    local (App. G): ``loss_b = sum_l max(0, sum_{h,t} (1 - alpha) - n_h n / CR) / (n_l n_h n)``.
+    Returns the mean of ``loss_b`` over the batch as a Python float.
+    """
+    alpha = alpha.double()
+    batch, layers, heads, seq = alpha.shape
+    total = layers * heads * seq
+    losses = []
+    for b in range(batch):
+        kept_per_layer = []
+        for layer in range(layers):
+            kept = 0.0
+            for h in range(heads):
+                for t in range(seq):
+                    kept += 1.0 - alpha[b, layer, h, t].item()
+            kept_per_layer.append(kept)
+        if prior == "global":
+            losses.append(max(0.0, sum(kept_per_layer) - total / target_cr) / total)
+        else:
+            per_layer = heads * seq
+            losses.append(sum(max(0.0, k - per_layer / target_cr) for k in kept_per_layer) / total)
+    return sum(losses) / batch

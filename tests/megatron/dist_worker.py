@@ -1,9 +1,11 @@
-"""One tiny DMC training step under a given TP/PP layout; run by test_distributed.py through
-torchrun (gloo). Writes the LM loss, the CR loss, the measured CR and full gradients keyed by
-global parameter name to ``--out`` (rank 0 gathers)."""
+"""One tiny DMC training step under a given TP/PP layout, for each CR prior (global, local); run
+by test_distributed.py through torchrun (gloo). Writes, per prior, the LM loss, the CR loss, the
+kept slots per head and per sequence, and full gradients keyed by global parameter name to
+``--out`` (rank 0 gathers)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import warnings
 
 import torch
@@ -19,8 +21,10 @@ from dmc.megatron.attention import dmc_layers  # noqa: E402
 from dmc.megatron.model import build_gpt_model, llama_transformer_config  # noqa: E402
 from dmc.megatron.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 from dmc.megatron.runtime import DMCConfig, DMCRuntime  # noqa: E402
+from dmc.ops import PRIORS  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, MBS, MICRO = 2, 64, 4, 2, 96, 128, 24, 2, 2
+TARGET_CR = 2.125  # between the kept fractions of micro-batch 1's two sequences (0.45, 0.48)
 
 
 def column_shards(name):
@@ -75,17 +79,22 @@ def global_name(name):
     return ".".join(parts)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    initialize_parallel(args.tp, args.pp, seed=7)
-    config = llama_transformer_config(LAYERS, HIDDEN, HEADS, FFN, num_query_groups=GROUPS)
-    runtime = DMCRuntime(DMCConfig(window=4, c=0.0), mode="train", target_cr=3.0, step=5)
-    model = build_gpt_model(config, VOCAB, SEQ, dmc=runtime)
-    init_by_global_name(model)
+def run_step(model, runtime, prior):
+    """One training step (MICRO micro-batches) under ``prior``; returns the LM loss, the CR loss,
+    the kept slots per (layer, KV head) and per (micro-batch, sequence), and full gradients."""
+    runtime.config = dataclasses.replace(runtime.config, prior=prior)
+    for param in model.parameters():
+        param.grad = None
+    layers = dmc_layers(model)
+    for layer in layers:
+        layer.reset_cr_stats()
+    per_sequence = torch.zeros(MICRO, MBS, dtype=torch.float64)
+    for layer in layers:
+        def record(alpha, layer_record=type(layer)._record_kept.__get__(layer)):
+            kept = layer_record(alpha)
+            per_sequence[runtime.microbatch] += kept.detach().double()
+            return kept
+        layer._record_kept = record
 
     gen = torch.Generator().manual_seed(11)
     batches = [torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen) for _ in range(MICRO)]
@@ -114,23 +123,39 @@ def main():
     cr_loss = torch.tensor(sum(l.item() for l in runtime.pop_cr_losses()) / MICRO)
     kept = torch.zeros(LAYERS, GROUPS, dtype=torch.float64)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    for layer in dmc_layers(model):
+    for layer in layers:
         local = layer.cr_kept.numel()
         kept[layer.layer_number - 1, tp_rank * local:(tp_rank + 1) * local] = layer.cr_kept
-    for t in (lm, cr_loss, kept):
-        dist.all_reduce(t)  # LM/CR loss: replicated over TP ranks; kept: one owner
+    for t in (lm, cr_loss, kept, per_sequence):
+        dist.all_reduce(t)  # LM/CR loss: replicated over TP ranks; kept: one owner per part
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     grads = {}
     for name, param in model.named_parameters():
         grads[global_name(name)] = gather_full(name, param.grad, tp_group)
     all_grads = [None] * dist.get_world_size()
     dist.all_gather_object(all_grads, grads)
+    merged = {}
+    for part in all_grads:
+        merged.update(part)
+    return {"lm": lm / tp, "cr_loss": cr_loss / tp, "kept": kept,
+            "kept_per_sequence": per_sequence, "grads": merged}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    initialize_parallel(args.tp, args.pp, seed=7)
+    config = llama_transformer_config(LAYERS, HIDDEN, HEADS, FFN, num_query_groups=GROUPS)
+    runtime = DMCRuntime(DMCConfig(window=4, c=0.0), mode="train", target_cr=TARGET_CR, step=5)
+    model = build_gpt_model(config, VOCAB, SEQ, dmc=runtime)
+    init_by_global_name(model)
+    out = {prior: run_step(model, runtime, prior) for prior in PRIORS}
     if dist.get_rank() == 0:
-        merged = {}
-        for part in all_grads:
-            merged.update(part)
-        torch.save({"lm": lm / args.tp, "cr_loss": cr_loss / args.tp, "kept": kept,
-                    "grads": merged}, args.out)
+        torch.save(out, args.out)
     destroy_parallel()
 
 

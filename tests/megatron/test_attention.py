@@ -6,9 +6,10 @@ from dmc.megatron.attention import dmc_layers, zero_decision_rows_
 from dmc.megatron.model import build_gpt_model, llama_transformer_config
 from dmc.megatron.runtime import DMCConfig, DMCRuntime
 from dmc.ops import compression_loss_from_sums
+from dmc.ops.reference import compression_loss_reference
 
 from llama_reference import decode_with_compressed_cache
-from tiny_models import spread_decisions, tiny_config
+from tiny_models import decision_rows, spread_decisions, tiny_config
 
 VOCAB, SEQ = 96, 24
 
@@ -85,7 +86,6 @@ def test_zero_out_scales_decision_channels(parallel_1x1):
         runtime.zero_out_scale = 0.0
         scaled_to_zero = dmc(tokens, positions, None)
         assert zero_decision_rows_(dmc) == 2
-        runtime.set_mode("vanilla")
         torch.testing.assert_close(dmc(tokens, positions, None), scaled_to_zero)
         layer = dmc_layers(dmc)[0]
         query, key, _ = layer.get_query_key_value_tensors(torch.randn(5, 2, 64))
@@ -93,26 +93,103 @@ def test_zero_out_scales_decision_channels(parallel_1x1):
     assert (query[..., :-1] != 0).any()
 
 
-def test_train_mode_cr_loss_and_gradients(parallel_1x1):
-    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0))
+def _eval_and_zero_out_logits(model, runtime, tokens, positions):
+    """Float64 logits of ``model`` in eval, zero_out (scale 0) and vanilla mode."""
+    out = {}
+    with torch.no_grad():
+        for mode in ("eval", "zero_out", "vanilla"):
+            runtime.set_mode(mode)
+            runtime.zero_out_scale = 0.0
+            out[mode] = model(tokens, positions, None).double()
+    return out
+
+
+def test_end_of_zero_out_equals_dmc_eval_without_merges(parallel_1x1):
+    """At scale 0 the zero_out model is the DMC model that never merges, at head_dim 128 over
+    2048 positions: RoPE's rotate-half moves q[d/2 - 1] into the last channel (sin of the
+    slowest frequency, ~0.2 at position 2048), so the channel must be scaled after RoPE too."""
+    torch.manual_seed(0)
+    seq = 2048
+    config = llama_transformer_config(2, 256, 2, 512)
+    runtime = DMCRuntime(DMCConfig(window=12, c=5.0))
+    model = build_gpt_model(config, VOCAB, seq, dmc=runtime)
+    zero_decision_rows_(model)  # alpha logits are -c: no token merges
+    for layer in dmc_layers(model):  # a large channel d/2 - 1 in q and k, as trained models have
+        rows = [row - 64 for row in decision_rows(layer)]
+        with torch.no_grad():
+            layer.linear_qkv.weight[rows] = torch.randn(len(rows), 256) * 0.5
+    tokens, positions = _batch(batch=1, seq=seq, seed=3)
+    logits = _eval_and_zero_out_logits(model, runtime, tokens, positions)
+    after = (logits["zero_out"] - logits["eval"]).abs().max().item()
+    # megatron's own attention, what zero_out computed when it scaled before RoPE only
+    before = (logits["vanilla"] - logits["eval"])[:, 1024:].abs().max().item()
+    print(f"max |logit diff| zero_out(scale 0) vs eval, no merges: {after:.2e} "
+          f"(pre-RoPE scaling only: {before:.2e} at positions 1024-2048)")
+    assert after < 1e-4
+    assert before > 1e-2
+    assert all(layer.cr_kept.sum() == 2 * seq for layer in dmc_layers(model))  # no merge
+
+
+def _capture_alphas(model) -> list:
+    """Makes each DMC layer keep the alphas of its forwards (``[batch, kv_heads, seq]``, in layer
+    order, gradients retained)."""
+    captured = []
+    for layer in dmc_layers(model):
+        def record(alpha_logit, decide=layer._decisions):
+            alpha, log_keep = decide(alpha_logit)
+            if alpha.requires_grad:
+                alpha.retain_grad()
+            captured.append(alpha)
+            return alpha, log_keep
+        layer._decisions = record
+    return captured
+
+
+def _expected_alpha_grad(counted, target_cr, prior):
+    """d loss / d alpha of Eq. 10 (float64), ``counted [batch, layers, heads, seq]``: -1 / (batch
+    n_l n_h n) wherever the sequence's (global) or the layer's (local) hinge is active."""
+    batch, layers, heads, seq = counted.shape
+    kept = (1 - counted).sum(dim=(2, 3))  # [batch, layers]
+    if prior == "global":
+        active = (kept.sum(dim=1, keepdim=True) > layers * heads * seq / target_cr)
+        active = active.expand(batch, layers)
+    else:
+        active = kept > heads * seq / target_cr
+    grad = -active.double() / (batch * layers * heads * seq)
+    return grad[:, :, None, None].expand_as(counted)
+
+
+@pytest.mark.parametrize("prior", ["global", "local"])
+@pytest.mark.parametrize("hard_loss", [False, True])
+def test_train_mode_cr_loss_is_eq10_per_sequence(parallel_1x1, prior, hard_loss):
+    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, prior=prior, hard_loss=hard_loss))
     spread_decisions(dmc, scale=2.0)
     runtime.set_mode("train")
-    runtime.target_cr = 4.0
-    tokens, positions = _batch()
-    for layer in dmc_layers(dmc):
-        layer.reset_cr_stats()
+    tokens, positions = _batch(batch=3)
+    alphas = _capture_alphas(dmc)
+    with torch.no_grad():  # same noise as the forward below: it is keyed by step and micro-batch
+        other_logits = dmc(tokens, positions, None)
+    alpha = torch.stack(alphas, dim=1).double()  # [batch, layers, heads, seq]
+    counted = (alpha > 0.5).double() if hard_loss else alpha
+    kept_fraction = (1 - counted).mean(dim=(1, 2, 3))
+    # a target between the sequences: one keeps more than 1 / CR, another fewer
+    runtime.target_cr = 2 / (kept_fraction.min() + kept_fraction.max()).item()
+    alphas.clear()
     logits = dmc(tokens, positions, None)
-    (cr_loss,) = runtime.pop_cr_losses()
-    kept = sum(layer.cr_kept.sum() for layer in dmc_layers(dmc))
-    count = sum(layer.cr_count.item() * layer.cr_kept.numel() for layer in dmc_layers(dmc))
-    expected = compression_loss_from_sums(kept, count, 4.0)
-    assert cr_loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    assert cr_loss.item() > 0
+    cr_loss = sum(runtime.pop_cr_losses())
+    want = compression_loss_reference(counted, runtime.target_cr, prior)
+    assert cr_loss.item() == pytest.approx(want, abs=1e-6) and want > 1e-3
+    batch_sum = compression_loss_from_sums((1 - counted).sum()[None], counted.numel(),
+                                           runtime.target_cr)
+    assert prior == "local" or abs(batch_sum.item() - want) > 1e-3
     (logits.sum() * 0).backward()  # only the attached CR loss produces gradients
-    grad = dmc_layers(dmc)[0].linear_qkv.weight.grad
-    k_row = 2 * 16 + 15  # group 0: [q0, q1, k, v], 16 channels each
-    assert grad[k_row].abs().sum() > 0
-    assert torch.isfinite(grad).all()
+    # the last layer's alphas reach the loss directly only (earlier ones also through the
+    # hidden states that decide later layers' alphas)
+    expected = _expected_alpha_grad(counted, runtime.target_cr, prior)[:, -1]
+    torch.testing.assert_close(alphas[-1].grad.double(), expected, rtol=1e-5, atol=1e-9)
+    assert dmc_layers(dmc)[0].linear_qkv.weight.grad[decision_rows(dmc_layers(dmc)[0])].any()
+    # hard_loss changes the loss only, never the attention
+    torch.testing.assert_close(logits.detach(), other_logits, rtol=0, atol=0)
 
 
 def test_noise_is_keyed_by_step_and_microbatch(parallel_1x1):

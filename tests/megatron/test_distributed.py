@@ -1,4 +1,6 @@
-"""TP=2 and PP=2 (two gloo processes) reproduce the single-process DMC training step."""
+"""TP=2 and PP=2 (two gloo processes) reproduce the single-process DMC training step, with the
+per-sequence CR hinge of the global prior (carried across pipeline stages) and the per-layer
+hinge of the local prior; the single-process CR loss equals a float64 Eq. 10."""
 import os
 import socket
 import subprocess
@@ -7,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from dist_worker import GROUPS, LAYERS, MBS, SEQ, TARGET_CR
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 ROOT = WORKER.parents[2]
@@ -36,14 +40,50 @@ def single(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("single"), 1)
 
 
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """Results of the two-process layouts (both priors in one run), run on first use."""
+    runs = {}
+
+    def get(flags):
+        if flags not in runs:
+            runs[flags] = _run(tmp_path_factory.mktemp("layout"), 2, *flags)
+        return runs[flags]
+
+    return get
+
+
+def _eq10(kept_per_sequence, count, target_cr):
+    """Float64 Eq. 10 (global prior) from the kept slots of each sequence of each micro-batch:
+    the mean of the per-sequence hinges (the step's loss is the mean over micro-batches)."""
+    kept = kept_per_sequence.double().flatten().tolist()
+    return sum(max(0.0, k - count / target_cr) / count for k in kept) / len(kept)
+
+
+def test_single_process_cr_loss_is_the_per_sequence_hinge(single):
+    result = single["global"]
+    per_sequence = result["kept_per_sequence"]  # [micro-batches, sequences]
+    count = LAYERS * GROUPS * SEQ
+    above = per_sequence / count > 1 / TARGET_CR
+    assert above[1].tolist() == [False, True]  # micro-batch 1 straddles the target
+    want = _eq10(per_sequence, count, TARGET_CR)
+    assert result["cr_loss"].item() == pytest.approx(want, abs=1e-6)
+    batch_sum = sum(max(0.0, kept - MBS * count / TARGET_CR) / (MBS * count)
+                    for kept in per_sequence.sum(dim=1).tolist()) / len(per_sequence)
+    assert abs(batch_sum - want) > 1e-3
+
+
 @pytest.mark.distributed
+@pytest.mark.parametrize("prior", ["global", "local"])
 @pytest.mark.parametrize("flags", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
-def test_two_process_layout_matches_single_process(single, tmp_path, flags):
-    got = _run(tmp_path, 2, *flags)
-    assert got["lm"].item() == pytest.approx(single["lm"].item(), abs=1e-5)
-    assert got["cr_loss"].item() == pytest.approx(single["cr_loss"].item(), abs=1e-5)
-    assert single["cr_loss"].item() > 0.05
-    torch.testing.assert_close(got["kept"], single["kept"], rtol=1e-5, atol=1e-4)
-    assert set(got["grads"]) == set(single["grads"])
-    for name, grad in single["grads"].items():
+def test_two_process_layout_matches_single_process(single, layouts, flags, prior):
+    got, want = layouts(flags)[prior], single[prior]
+    assert got["lm"].item() == pytest.approx(want["lm"].item(), abs=1e-5)
+    assert got["cr_loss"].item() == pytest.approx(want["cr_loss"].item(), abs=1e-6)
+    assert want["cr_loss"].item() > 0.03
+    torch.testing.assert_close(got["kept"], want["kept"], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got["kept_per_sequence"], want["kept_per_sequence"],
+                               rtol=1e-5, atol=1e-4)
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=name)

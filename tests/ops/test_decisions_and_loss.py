@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from dmc.ops import CRSchedule, compression_loss, gumbel_sigmoid, split_decision_channels
+from dmc.ops import (
+    CRSchedule,
+    compression_loss,
+    compression_loss_from_sums,
+    gumbel_sigmoid,
+    split_decision_channels,
+    straight_through_round,
+)
 from dmc.ops.reference import compression_loss_reference
 
 
@@ -45,22 +52,85 @@ def test_split_decision_channels_mha_and_gqa():
         split_decision_channels(torch.randn(1, 5, 2, 4), torch.randn(1, 2, 2, 4))
 
 
+def test_omega_offset_is_added_after_the_sigmoid():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 6, 8)
+    out = split_decision_channels(q, k.double(), c=5.0, omega_offset=2**-7)
+    want = torch.sigmoid(q[..., -1].reshape(1, 2, 2, 6).mean(2) + 5.0) + 2**-7
+    torch.testing.assert_close(out.omega, want, rtol=0, atol=1e-15)
+
+
+def test_straight_through_round_value_and_gradient():
+    alpha = torch.tensor([0.1, 0.49, 0.51, 0.97], requires_grad=True)
+    hard = straight_through_round(alpha)
+    assert hard.tolist() == [0.0, 0.0, 1.0, 1.0]
+    (hard * torch.arange(4.0)).sum().backward()
+    torch.testing.assert_close(alpha.grad, torch.arange(4.0))
+
+
+@pytest.mark.parametrize("prior", ["global", "local"])
 @pytest.mark.parametrize("cr", [1.0, 2.0, 4.0, 8.0])
-def test_compression_loss_equals_reference(cr):
-    alpha = torch.rand(3, 2, 4, 11, generator=torch.Generator().manual_seed(int(cr)), dtype=torch.float64)
-    assert compression_loss(alpha, cr).item() == pytest.approx(compression_loss_reference(alpha, cr), abs=1e-12)
+def test_compression_loss_equals_reference(cr, prior):
+    alpha = torch.rand(3, 2, 4, 11, generator=torch.Generator().manual_seed(int(cr)),
+                       dtype=torch.float64)
+    want = compression_loss_reference(alpha, cr, prior)
+    assert compression_loss(alpha, cr, prior).item() == pytest.approx(want, abs=1e-12)
+
+
+def _two_sequences(first, second, layers=2, heads=3, seq=10):
+    """``[2, layers, heads, seq]`` float64 alphas, constant per sequence."""
+    alpha = torch.empty(2, layers, heads, seq, dtype=torch.float64)
+    alpha[0], alpha[1] = first, second
+    return alpha.requires_grad_(True)
+
+
+def test_hinge_is_per_sequence():
+    # sequence 0 keeps 90% of its tokens (above the 2x target), sequence 1 keeps 10% (below):
+    # the micro-batch as a whole keeps exactly 50%, so a hinge on the batch sum would be 0
+    alpha = _two_sequences(0.1, 0.9)
+    loss = compression_loss(alpha, 2.0)
+    assert loss.item() == pytest.approx(compression_loss_reference(alpha, 2.0), abs=1e-12)
+    assert loss.item() == pytest.approx((0.9 - 0.5) / 2, abs=1e-12)
+    kept = (1 - alpha.detach()).sum()
+    assert compression_loss_from_sums(kept[None], alpha.numel(), 2.0).item() == 0.0
+    loss.backward()
+    per_sequence = alpha[0].numel()
+    torch.testing.assert_close(alpha.grad[0], torch.full_like(alpha[0], -1 / (2 * per_sequence)))
+    assert (alpha.grad[1] == 0).all()
+
+
+def test_local_prior_hinges_each_layer():
+    alpha = _two_sequences(0.0, 0.0)
+    with torch.no_grad():
+        alpha[:, 0], alpha[:, 1] = 0.1, 0.9  # layer 0 keeps 90%, layer 1 keeps 10%
+    assert compression_loss(alpha, 2.0, "global").item() == pytest.approx(0.0, abs=1e-12)
+    local = compression_loss(alpha, 2.0, "local")
+    assert local.item() == pytest.approx((0.9 - 0.5) / 2, abs=1e-12)
+    assert local.item() == pytest.approx(compression_loss_reference(alpha, 2.0, "local"),
+                                         abs=1e-12)
+
+
+def test_partial_sums_of_a_pipeline_stage_add_up():
+    alpha = torch.rand(3, 4, 2, 9, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    kept = (1 - alpha).sum(dim=(2, 3))  # [batch, layers]
+    stages = [compression_loss_from_sums(kept[:, i:i + 2], 18, 3.0, num_groups=4)
+              for i in (0, 2)]
+    assert sum(stages).item() == pytest.approx(compression_loss(alpha, 3.0, "local").item(),
+                                               abs=1e-12)
 
 
 def test_compression_loss_is_one_sided_and_differentiable():
-    alpha = torch.full((100,), 0.9, requires_grad=True)
+    alpha = torch.full((1, 1, 1, 100), 0.9, requires_grad=True)
     assert compression_loss(alpha, 2.0).item() == 0.0
-    low = torch.full((100,), 0.1, requires_grad=True)
+    low = torch.full((1, 1, 1, 100), 0.1, requires_grad=True)
     loss = compression_loss(low, 2.0)
     assert loss.item() == pytest.approx(0.9 - 0.5)
     loss.backward()
-    torch.testing.assert_close(low.grad, torch.full((100,), -1 / 100))
+    torch.testing.assert_close(low.grad, torch.full_like(low, -1 / 100))
     with pytest.raises(ValueError, match="target_cr"):
         compression_loss(low, 0.5)
+    with pytest.raises(ValueError, match="prior"):
+        compression_loss(low, 2.0, "layer")
 
 
 def test_cr_schedule():
