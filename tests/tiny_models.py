@@ -33,14 +33,14 @@ def spread_decisions(model, scale: float = 0.4) -> None:
 
 
 def build_tiny(groups: int, window="vanilla", c: float = -1.0, *, max_seq: int = 160,
-               scale: float = 0.4, seed: int = 0, vocab: int = VOCAB):
+               scale: float = 0.4, seed: int = 0, vocab: int = VOCAB, omega_offset: float = 0.0):
     """``(model, runtime)``: a vanilla model (runtime None) when ``window == "vanilla"``, else a
     DMC model in eval mode with spread decisions (``c < 0`` merges long runs)."""
     torch.manual_seed(seed)
     config = tiny_config(groups)
     if window == "vanilla":
         return build_gpt_model(config, vocab, max_seq), None
-    runtime = DMCRuntime(DMCConfig(window=window, c=c))
+    runtime = DMCRuntime(DMCConfig(window=window, c=c, omega_offset=omega_offset))
     model = build_gpt_model(config, vocab, max_seq, dmc=runtime)
     spread_decisions(model, scale)
     runtime.set_mode("eval")

@@ -9,7 +9,8 @@ Attention is DMC in eval mode (Algorithm 1 of the paper, hard decisions), the se
 
 * decision and importance come from the **last** channel of each head (NVIDIA's convention):
   ``alpha_t = [k_t[-1] - c > 0]`` with ``alpha_0 = 0`` (1 = merge into the open slot) and
-  ``omega_t = sigmoid(mean over the query group of q_t[-1] + c)`` floored at ``1e-6``; both
+  ``omega_t = sigmoid(mean over the query group of q_t[-1] + c) + omega_offset`` floored at
+  ``1e-6`` (the offset is 2^-7 for models converted from NVIDIA's release, 0 otherwise); both
   channels are zeroed before and after RoPE;
 * a merge makes the open slot the omega-weighted mean of the pre-RoPE keys and values of its last
   ``window`` tokens (Eq. 9, window-grouped; ``window: null`` = the exact running mean);
@@ -40,6 +41,7 @@ class DMCLlamaConfig(PretrainedConfig):
     """Llama hyper-parameters plus the DMC settings.
 
     dmc_window: accumulation window w (None = exact running mean). dmc_c: decision offset c.
+    dmc_omega_offset: added to omega (2^-7 in NVIDIA's models, 0 in the paper's).
     dmc_channel: which head channel carries the decision/importance logits (only "last").
     dmc_target_cr, dmc_measured_cr: the training target and the CR measured at export (or None).
     rope_llama3_scaling: None or {factor, low_freq_factor, high_freq_factor,
@@ -52,8 +54,8 @@ class DMCLlamaConfig(PretrainedConfig):
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
                  rms_norm_eps=1e-5, rope_theta=10000.0, rope_llama3_scaling=None,
                  max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
-                 dmc_window=12, dmc_c=5.0, dmc_channel="last", dmc_target_cr=None,
-                 dmc_measured_cr=None, use_cache=True, **kwargs):
+                 dmc_window=12, dmc_c=5.0, dmc_omega_offset=0.0, dmc_channel="last",
+                 dmc_target_cr=None, dmc_measured_cr=None, use_cache=True, **kwargs):
         if dmc_channel != "last":
             raise ValueError(f"dmc_channel must be 'last', got {dmc_channel!r}")
         if dmc_window is not None and int(dmc_window) < 1:
@@ -71,6 +73,7 @@ class DMCLlamaConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.dmc_window = dmc_window
         self.dmc_c = dmc_c
+        self.dmc_omega_offset = dmc_omega_offset
         self.dmc_channel = dmc_channel
         self.dmc_target_cr = dmc_target_cr
         self.dmc_measured_cr = dmc_measured_cr
@@ -381,6 +384,7 @@ class DMCAttention(nn.Module):
         self.head_dim = config.hidden_size // self.heads
         self.scale = self.head_dim ** -0.5
         self.c = float(config.dmc_c)
+        self.omega_offset = float(config.dmc_omega_offset)
         self.window = config.dmc_window
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=False)
@@ -403,7 +407,7 @@ class DMCAttention(nn.Module):
         v = self._split(self.v_proj(hidden), self.kv_heads)
         alpha = (k[..., -1] - self.c > 0).float()  # [batch, kv, n]
         omega_logit = q[..., -1].view(batch, self.kv_heads, self.group, n).mean(2)
-        omega = torch.sigmoid(omega_logit + self.c).clamp_min(OMEGA_MIN)
+        omega = (torch.sigmoid(omega_logit + self.c) + self.omega_offset).clamp_min(OMEGA_MIN)
         q, k = zero_last_channel(q), zero_last_channel(k)
         q_rot = zero_last_channel(apply_rope(q, positions, inv_freq))
         if prefill:

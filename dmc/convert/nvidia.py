@@ -16,6 +16,14 @@ weights along dim 0, SwiGLU ``dense_h_to_4h`` per gate/up half, row-parallel alo
 vocab-parallel embeddings along dim 0), PP stages renumbered. The fused QKV layout (grouped per
 query group) and the decision channel (the last one of each head) are the same as ours, so no
 permutation is needed.
+
+Two settings of NVIDIA's code that the paper does not state are carried into the converted
+``dmc_config`` (``megatron/contrib/dmc/dmc.py`` and ``triton.py`` of their branch):
+``omega_offset = 2^-7``, since NVIDIA computes ``omega = sigmoid(q[..., -1] + c) + eps`` with
+``eps = torch.finfo(torch.bfloat16).eps`` in its inference kernel and ``finfo(query dtype).eps``
+in training (the same 2^-7 in its bf16 runs); and ``hard_loss = true``, since its CR loss counts
+straight-through rounded decisions while attention uses the soft ones (for continued training;
+inference always uses hard decisions).
 """
 from __future__ import annotations
 
@@ -62,6 +70,7 @@ _GLOBAL_NAMES = {
 }
 _LAYER = re.compile(r"^(?:language_model\.(?:encoder|transformer)|decoder)\.layers\.(\d+)\.(.+)$")
 _IGNORED = ("_extra_state", "rotary_pos_emb.inv_freq")
+NVIDIA_OMEGA_OFFSET = 2.0 ** -7  # torch.finfo(torch.bfloat16).eps
 
 
 def iteration_dir(root: Path) -> Path:
@@ -209,7 +218,8 @@ def configs_from_args(args, vocab_rows: int, dtype: torch.dtype, source: str
         "params_dtype": str(dtype).removeprefix("torch."),
     }
     dmc_config = {"window": int(args.dmc_window_size), "tau": float(_arg(args, "dmc_temp", 0.1)),
-                  "c": float(_arg(args, "dmc_init_val", 5.0)), "hard": False}
+                  "c": float(_arg(args, "dmc_init_val", 5.0)), "hard": False, "hard_loss": True,
+                  "omega_offset": NVIDIA_OMEGA_OFFSET}
     return model_config, dmc_config
 
 

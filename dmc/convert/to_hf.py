@@ -2,7 +2,8 @@
 
 Vanilla and GQA models become ``LlamaForCausalLM`` folders. DMC models (any phase after the
 decision rows were zeroed) become ``DMCLlamaForCausalLM`` folders: ``config.json`` carries
-``dmc_window``, ``dmc_c``, ``dmc_channel`` ("last"), the target CR and the CR measured at export,
+``dmc_window``, ``dmc_c``, ``dmc_omega_offset``, ``dmc_channel`` ("last"), the target CR and the
+CR measured at export,
 and an ``auto_map`` to ``modeling_dmc.py`` (a copy of :mod:`dmc.convert.hf_modeling_dmc`), so that
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads it.
 """
@@ -55,6 +56,7 @@ def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = N
         if cr_tokens is not None:
             measured = measure_cr(loaded.model, cr_tokens)
         dmc_fields = {"dmc_window": dmc_config.get("window"), "dmc_c": dmc_config.get("c", 5.0),
+                      "dmc_omega_offset": dmc_config.get("omega_offset", 0.0),
                       "dmc_channel": "last", "dmc_target_cr": loaded.state.get("target_cr"),
                       "dmc_measured_cr": measured, "auto_map": AUTO_MAP}
     out.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,10 @@ output layer) and replaces only attention, which reads and writes a
 
 DMC semantics are those of ``DMCSelfAttention`` in ``eval`` mode (whatever mode the model's runtime
 is in): ``alpha_t = [k_t[-1] - c > 0]`` (``alpha_0 = 0``), ``omega_t = sigmoid(mean over the query
-group of q_t[-1] + c)`` floored at ``OMEGA_MIN``, both channels zeroed before and after RoPE,
-window-grouped (or exact) accumulation of pre-RoPE keys and values, RoPE at the newest token's
-position, attention over slots (a slot is visible to later queries once closed; the open slot is
-visible to the current query).
+group of q_t[-1] + c) + omega_offset`` (:func:`dmc.ops.importance`), both channels zeroed before
+and after RoPE, window-grouped (or exact) accumulation of pre-RoPE keys and values, RoPE at the
+newest token's position, attention over slots (a slot is visible to later queries once closed;
+the open slot is visible to the current query).
 
 Prefill is exact and chunked: a prompt is processed ``chunk_size`` tokens at a time, each chunk
 attending to the already-compressed cache plus itself under the hard-decision mask; the chunk is
@@ -40,8 +40,8 @@ from dmc.inference.cache import CacheFullError, PagedKVCache
 from dmc.inference.kernels import apply_rope
 from dmc.inference.sampling import SamplingParams, make_generator, sample_token
 from dmc.megatron.runtime import DMCConfig, DMCRuntime
-from dmc.ops import partial_accumulate
-from dmc.ops.decisions import DECISION_CHANNEL, OMEGA_MIN
+from dmc.ops import importance, partial_accumulate, zero_decision_channel
+from dmc.ops.decisions import DECISION_CHANNEL
 from dmc.ops.mask import bias_from_log_keep, log_keep_next
 
 STATE_FORMAT = 1
@@ -209,9 +209,7 @@ class Engine:
         policy=None,
     ):
         from megatron.core import parallel_state
-        from megatron.core.transformer.attention import SelfAttention
 
-        self._get_qkv = SelfAttention.get_query_key_value_tensors  # no zero_out scaling
         if (parallel_state.get_tensor_model_parallel_world_size() != 1
                 or parallel_state.get_pipeline_model_parallel_world_size() != 1):
             raise ValueError("Engine supports tensor_parallel = pipeline_parallel = 1 only")
@@ -567,16 +565,17 @@ class Engine:
 
     def _qkv(self, layer, hidden):
         """``[seq, batch, hidden] ->`` q ``[seq, batch, heads, dim]``, k and v
-        ``[seq, batch, kv_heads, dim]`` (megatron's split, without the zero_out scaling)."""
-        return self._get_qkv(layer.self_attention, hidden)
+        ``[seq, batch, kv_heads, dim]`` (megatron's split; zero_out scaling is a forward-only
+        matter of ``DMCSelfAttention``)."""
+        return layer.self_attention.get_query_key_value_tensors(hidden)
 
     def _decisions(self, query, key):
         """Eval-mode DMC decisions of ``query [..., heads, dim]``, ``key [..., kv_heads, dim]``:
         returns zeroed q and k, ``alpha [..., kv_heads]`` in {0, 1} and ``omega`` (float32)."""
         alpha = (key[..., DECISION_CHANNEL] - self.dmc.c > 0).float()
         groups = query[..., DECISION_CHANNEL].unflatten(-1, (self.num_kv_heads, self.group))
-        omega = torch.sigmoid(groups.mean(dim=-1) + self.dmc.c).clamp_min(OMEGA_MIN).float()
-        return _zero_channel(query), _zero_channel(key), alpha, omega
+        omega = importance(groups.mean(dim=-1), self.dmc.c, self.dmc.omega_offset).float()
+        return zero_decision_channel(query), zero_decision_channel(key), alpha, omega
 
     def _finish_layer(self, layer, x, context):
         """Output projection, residual, MLP block. ``context [seq, batch, heads * dim]``."""
@@ -643,7 +642,7 @@ class Engine:
             open_state = self._open_state(ext, k_acc, v_acc, alpha, prefix[4], skip)
         q_rot = apply_rope(query.float().transpose(0, 1), positions, self.inv_freq)  # [h, n, d]
         if self.dmc is not None:
-            q_rot = _zero_channel(q_rot)
+            q_rot = zero_decision_channel(q_rot)
         context = self._chunk_attention(slot, index, lengths, visible, q_rot, keys, values,
                                         chunk_bias)
         self.cache.pack_prefill(index, slot, packed[1], packed[2], packed[0], *open_state,
@@ -800,7 +799,7 @@ class Engine:
                                  use_triton=self.use_triton)
             q_rot = apply_rope(query.float(), pos[:, None], self.inv_freq)
             if self.dmc is not None:
-                q_rot = _zero_channel(q_rot)
+                q_rot = zero_decision_channel(q_rot)
             context = None
             if self.policy is not None:
                 context = self.policy.decode_attention(index, slots, q_rot)
@@ -841,12 +840,6 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _zero_channel(x: torch.Tensor) -> torch.Tensor:
-    keep = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    keep[DECISION_CHANNEL] = 0
-    return x * keep
-
-
 def _resolve_dmc(layers, dmc) -> DMCConfig | None:
     if isinstance(dmc, str):
         if dmc != "auto":

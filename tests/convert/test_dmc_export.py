@@ -16,8 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 NEW = 16
 
 
-def export(tmp_path, groups, window):
-    model, cfg, dmc = tiny_dmc(groups, window)
+def export(tmp_path, groups, window, omega_offset=0.0):
+    model, cfg, dmc = tiny_dmc(groups, window, omega_offset=omega_offset)
     save_tiny(model, cfg, dmc, tmp_path / "mc", target_cr=2.0)
     sample = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(5)).tolist()
     info = mcore_to_hf(tmp_path / "mc", tmp_path / "hf", cr_tokens=sample)
@@ -26,11 +26,13 @@ def export(tmp_path, groups, window):
     return model, hf, info
 
 
-@pytest.mark.parametrize("groups,window", [(2, 4), (4, None)], ids=["gqa-window4", "mha-exact"])
-def test_exported_dmc_model_matches_megatron_and_engine(tmp_path, groups, window):
-    model, hf, info = export(tmp_path, groups, window)
+@pytest.mark.parametrize("groups,window,omega_offset", [(2, 4, 2**-7), (4, None, 0.0)],
+                         ids=["gqa-window4-nvidia-offset", "mha-exact"])
+def test_exported_dmc_model_matches_megatron_and_engine(tmp_path, groups, window, omega_offset):
+    model, hf, info = export(tmp_path, groups, window, omega_offset)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["dmc_window"] == window and config["dmc_c"] == -1.0
+    assert config["dmc_omega_offset"] == omega_offset
     assert config["dmc_channel"] == "last" and config["dmc_target_cr"] == 2.0
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dmc.DMCLlamaForCausalLM"
     assert info["measured_cr"] > 1.2  # decisions really merge

@@ -9,6 +9,7 @@ import torch
 from dmc.convert import nvidia_dmc_to_mcore
 from dmc.convert.mcore_io import tp_shard
 from dmc.inference.loading import load_model
+from dmc.megatron.attention import dmc_layers
 from dmc_models import VOCAB, full_state, megatron_logits, tiny_dmc
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
@@ -64,17 +65,23 @@ def write_legacy(root, model, cfg, dmc, tp=2, iteration=40):
 
 
 def test_legacy_tp2_checkpoint_converts_exactly(tmp_path):
-    model, cfg, dmc = tiny_dmc(groups=2, window=12, c=-1.0)
+    # NVIDIA's models compute omega = sigmoid(q[..., -1] + c) + 2^-7 (bf16 eps)
+    model, cfg, dmc = tiny_dmc(groups=2, window=12, c=-1.0, omega_offset=2**-7)
     write_legacy(tmp_path / "nv", model, cfg, dmc)
     info = nvidia_dmc_to_mcore(tmp_path / "nv", tmp_path / "ours", vocab_size=VOCAB)
-    assert info["dmc_config"] == {"window": 12, "tau": 0.1, "c": -1.0, "hard": False}
+    assert info["dmc_config"] == {"window": 12, "tau": 0.1, "c": -1.0, "hard": False,
+                                  "hard_loss": True, "omega_offset": 2**-7}
     loaded = load_model(tmp_path / "ours")
     assert loaded.model_config["vocab_size"] == VOCAB and loaded.state["target_cr"] == 4.0
+    assert loaded.dmc_config["omega_offset"] == 2**-7
     ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(4))
     diff = (megatron_logits(loaded.model, ids) - megatron_logits(model, ids)).abs().max().item()
     print(f"max |logit diff| NVIDIA legacy TP=2 -> ours: {diff:.2e}")
     assert diff == 0.0
     assert (tmp_path / "ours" / "model.yaml").is_file()
+    dmc_layers(loaded.model)[0].dmc.config.omega_offset = 0.0  # without it the model differs
+    unshifted = (megatron_logits(loaded.model, ids) - megatron_logits(model, ids)).abs().max()
+    assert unshifted.item() > 1e-4
 
 
 def test_legacy_errors(tmp_path):

@@ -30,8 +30,8 @@ def model_config(groups):
                 num_query_groups=groups, vocab_size=VOCAB, max_seq_length=MAX_SEQ)
 
 
-def build(groups, window="vanilla", c=-1.0, seed=0):
-    return build_tiny(groups, window, c, max_seq=MAX_SEQ, seed=seed)
+def build(groups, window="vanilla", c=-1.0, seed=0, omega_offset=0.0):
+    return build_tiny(groups, window, c, max_seq=MAX_SEQ, seed=seed, omega_offset=omega_offset)
 
 
 def prompts(lengths=PROMPT_LENGTHS, seed=1):
@@ -68,11 +68,13 @@ def check_against_model(model, results, prompt_list, dmc):
             assert result.compression.overall == 1.0
 
 
-@pytest.mark.parametrize(
-    "groups,window", [(4, None), (4, 3), (2, None), (2, 3), (2, "vanilla"), (4, "vanilla")]
-)
-def test_greedy_generation_equals_teacher_forced_model(parallel_1x1, groups, window):
-    model, runtime = build(groups, window)
+@pytest.mark.parametrize("groups,window,omega_offset", [
+    (4, None, 0.0), (4, 3, 0.0), (2, None, 0.0), (2, 3, 0.0), (2, 3, 2**-7), (2, "vanilla", 0.0),
+    (4, "vanilla", 0.0),
+])
+def test_greedy_generation_equals_teacher_forced_model(parallel_1x1, groups, window,
+                                                       omega_offset):
+    model, runtime = build(groups, window, omega_offset=omega_offset)
     engine = Engine(model, page_size=4, max_batch=4, chunk_size=5)
     assert (engine.dmc is None) == (window == "vanilla")
     prompt_list = prompts()
@@ -258,6 +260,15 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     assert out["results"][0]["compression"]["cr"] == pytest.approx(direct[0].compression.overall)
     with pytest.raises(ValueError, match="--tokenizer"):
         run_generate(parser.parse_args(["--state-dict", str(path), "--prompt", "hello"]))
+
+
+def test_files_without_newer_dmc_fields_load_with_the_paper_defaults(parallel_1x1, tmp_path):
+    model, runtime = build(2, 3)
+    old_fields = {"window": 3, "tau": 0.1, "c": -1.0, "hard": False}  # before omega_offset
+    save_inference_state(tmp_path / "old.pt", model, model_config(2), old_fields)
+    loaded = Engine.from_file(tmp_path / "old.pt", page_size=4, max_batch=1)
+    assert loaded.dmc == runtime.config
+    assert loaded.dmc.omega_offset == 0.0 and loaded.dmc.prior == "global"
 
 
 def test_default_pool_respects_the_byte_budget(parallel_1x1):
