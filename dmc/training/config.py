@@ -76,7 +76,15 @@ class ScheduleConfig:
 @dataclass
 class DMCSection:
     """DMC hyper-parameters (Sec. 4 of the paper). ``enabled: false`` makes ``dmc retrofit`` a
-    vanilla-attention up-training with the same steps and LR schedule (the GQA baseline)."""
+    vanilla-attention up-training with the same steps and LR schedule (the GQA baseline).
+
+    ``hard``: straight-through hard decisions in the attention and the loss. ``hard_loss``:
+    straight-through hard decisions in the CR loss only, as NVIDIA's released code trains (the
+    paper's soft relaxation when both are false). ``prior``: ``global`` (Eq. 10, one hinge over the
+    whole model) or ``local`` (App. G, one hinge per layer). ``omega_offset``: added to omega
+    (2^-7 = 0.0078125 in NVIDIA's models; 0 in the paper); see
+    :class:`dmc.megatron.runtime.DMCConfig`.
+    """
 
     enabled: bool = True
     target_cr: float = 2.0
@@ -84,6 +92,9 @@ class DMCSection:
     tau: float = 0.1
     c: float = 5.0
     hard: bool = False
+    hard_loss: bool = False
+    prior: str = "global"
+    omega_offset: float = 0.0
     attention_backend: str = "auto"
 
 
@@ -141,6 +152,7 @@ class RunConfig:
 CHOICES = {
     "precision": ("auto", "fp32", "bf16"),
     "dmc.attention_backend": ("auto", "dense", "flex"),
+    "dmc.prior": ("global", "local"),  # dmc.ops.PRIORS, spelled out to keep torch unimported
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
 POSITIVE = {
@@ -153,7 +165,7 @@ NON_NEGATIVE = {
     "schedule.pretrain_steps", "schedule.zero_out_steps", "schedule.retrofit_steps",
     "schedule.solidify_steps", "checkpoint.save_interval", "logging.eval_interval",
     "logging.eval_iters", "optim.weight_decay", "optim.clip_grad", "optim.warmup_steps",
-    "optim.min_lr_ratio",
+    "optim.min_lr_ratio", "dmc.omega_offset",
 }
 
 

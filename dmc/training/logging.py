@@ -69,21 +69,52 @@ class RunLogger:
             self.wandb.finish()
 
 
+ANNOTATE_MAX = 16
+
+
 def save_cr_heatmap(cr: np.ndarray, path: Path, title: str) -> Path:
-    """PNG heatmap of measured CR, ``cr [layers, kv_heads]`` (the paper's Fig. 6)."""
+    """PNG heatmap of measured CR, ``cr [layers, kv_heads]`` (the paper's Fig. 6); see
+    :func:`cr_heatmap_figure`."""
+    import matplotlib.pyplot as plt
+
+    fig = cr_heatmap_figure(cr, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def cr_heatmap_figure(cr: np.ndarray, title: str):
+    """A matplotlib figure of ``cr [layers, kv_heads]``.
+
+    The colour scale is logarithmic from 1x (the paper's Fig. 6 is linear): one layer at 120x
+    would otherwise paint every other layer the same colour. Grids of at most
+    ``ANNOTATE_MAX`` x ``ANNOTATE_MAX`` cells also print each cell's CR.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
 
     layers, heads = cr.shape
-    fig, ax = plt.subplots(figsize=(max(4, heads * 0.35 + 2), max(3, layers * 0.3 + 1.5)))
-    image = ax.imshow(cr, aspect="auto", cmap="viridis", origin="lower")
+    cr = np.maximum(cr, 1.0)
+    norm = LogNorm(vmin=1.0, vmax=max(float(cr.max()), 1.0 + 1e-6))
+    fig, ax = plt.subplots(figsize=(max(4, heads * 0.45 + 2), max(3, layers * 0.35 + 1.5)))
+    image = ax.imshow(cr, aspect="auto", cmap="viridis", origin="lower", norm=norm)
+    if layers <= ANNOTATE_MAX and heads <= ANNOTATE_MAX:
+        _annotate(ax, cr, norm)
     ax.set_xlabel("KV head")
     ax.set_ylabel("layer")
     ax.set_title(title)
-    fig.colorbar(image, ax=ax, label="compression ratio")
+    fig.colorbar(image, ax=ax, label="compression ratio (log scale)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _annotate(ax, cr: np.ndarray, norm) -> None:
+    """Writes each cell's CR in it, dark on the light (high) end of viridis, light elsewhere."""
+    for layer, row in enumerate(cr):
+        for head, value in enumerate(row):
+            colour = "black" if norm(value) > 0.6 else "white"
+            ax.text(head, layer, f"{value:.3g}", ha="center", va="center", fontsize=7,
+                    color=colour)

@@ -57,6 +57,15 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
+def cr_summary(cr: np.ndarray, prefix: str = "") -> dict:
+    """Measured CR ``[layers, kv_heads]`` (n / kept slots per head) as JSON-ready numbers:
+    ``cr`` over the whole model, ``cr_per_layer [layers]`` and ``cr_per_head`` (4 decimals).
+    A layer's (the model's) CR is its tokens over its kept slots: the harmonic mean of its heads'."""
+    return {f"{prefix}cr": float(cr.size / (1 / cr).sum()),
+            f"{prefix}cr_per_layer": (cr.shape[1] / (1 / cr).sum(axis=1)).round(4).tolist(),
+            f"{prefix}cr_per_head": cr.round(4).tolist()}
+
+
 def _precision(cfg: RunConfig) -> torch.dtype:
     if cfg.precision == "auto":
         return torch.bfloat16 if cuda_available() else torch.float32
@@ -117,9 +126,8 @@ class Trainer:
             num_query_groups=m.num_query_groups, norm_epsilon=m.norm_epsilon,
             params_dtype=dtype, init_method_std=m.init_method_std,
         )
-        d = cfg.dmc
-        self.runtime = DMCRuntime(DMCConfig(window=d.window, tau=d.tau, c=d.c, hard=d.hard,
-                                            seed=cfg.seed, attention_backend=d.attention_backend))
+        self.runtime = DMCRuntime(DMCConfig(**self._dmc_settings(), seed=cfg.seed,
+                                            attention_backend=cfg.dmc.attention_backend))
         module = build_gpt_model(self.tconfig, self.vocab_size, m.max_seq_length,
                                  dmc=self.runtime, rotary_base=m.rotary_base,
                                  share_embeddings=m.share_embeddings,
@@ -311,8 +319,7 @@ class Trainer:
                                parallel_state.is_pipeline_last_stage())
         measured = 1.0
         if plan.mode == "train":
-            cr = self.measured_cr()
-            measured = float(cr.size / (1 / cr).sum())
+            measured = cr_summary(self.measured_cr())["cr"]
         tokens = self.cfg.data.global_batch_size * self.cfg.data.seq_length
         return StepResult(
             step=step, phase=plan.phase, lm_loss=lm, cr_loss=self._cr_loss(),
@@ -337,9 +344,7 @@ class Trainer:
                                  parallel_state.is_pipeline_last_stage())
         out = {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
         if self.plan.dmc:
-            cr = self.measured_cr()
-            out["valid_cr"] = float(cr.size / (1 / cr).sum())
-            out["valid_cr_per_head"] = cr.round(4).tolist()
+            out.update(cr_summary(self.measured_cr(), prefix="valid_"))
         runtime.set_mode(previous)
         self.model.train()
         return out
@@ -361,8 +366,13 @@ class Trainer:
         are zeroed (pretraining, zero_out), since the model then computes vanilla attention."""
         if not self.plan.dmc or step <= self.plan.ranges["retrofit"][0]:
             return None
+        return self._dmc_settings()
+
+    def _dmc_settings(self) -> dict:
+        """The ``dmc`` section's model settings as :class:`DMCConfig` fields."""
         d = self.cfg.dmc
-        return {"window": d.window, "tau": d.tau, "c": d.c, "hard": d.hard}
+        return {"window": d.window, "tau": d.tau, "c": d.c, "hard": d.hard,
+                "hard_loss": d.hard_loss, "prior": d.prior, "omega_offset": d.omega_offset}
 
     def save(self, name: str, step: int, update_latest: bool = True) -> Path:
         meta = {"kind": self.kind, "step": step, "phase": self.plan.phase_of(max(step - 1, 0)),
@@ -409,9 +419,10 @@ class Trainer:
                 if self.plan.dmc and result.phase in ("retrofit", "solidify"):
                     self.last_cr = self.measured_cr()
                 record = {k: v for k, v in vars(result).items() if k != "extra"}
-                if log_cfg.eval_interval and self.step % log_cfg.eval_interval == 0:
+                evaluated = bool(log_cfg.eval_interval) and self.step % log_cfg.eval_interval == 0
+                if evaluated:
                     record.update(self.evaluate())
-                if self.step % log_cfg.log_interval == 0 or self.step == end:
+                if evaluated or self.step % log_cfg.log_interval == 0 or self.step == end:
                     logger.log(record)
                 logger.progress(self.step, {
                     "phase": result.phase, "loss": f"{result.lm_loss:.3f}",

@@ -1,7 +1,8 @@
 import pytest
 
 from dmc.cli import main
-from dmc.training.config import ConfigError, load_config, parse_override
+from dmc.ops import PRIORS
+from dmc.training.config import CHOICES, ConfigError, load_config, parse_override
 
 
 def test_presets_load_and_merge():
@@ -20,6 +21,14 @@ def test_overrides_are_typed():
     assert parse_override("model.rotary_base=5e5") == ("model.rotary_base", 500000.0)
 
 
+def test_fidelity_switches_default_to_the_paper():
+    cfg = load_config([])
+    assert (cfg.dmc.prior, cfg.dmc.hard_loss, cfg.dmc.omega_offset) == ("global", False, 0.0)
+    cfg = load_config([], ["dmc.prior=local", "dmc.hard_loss=true", "dmc.omega_offset=0.0078125"])
+    assert (cfg.dmc.prior, cfg.dmc.hard_loss, cfg.dmc.omega_offset) == ("local", True, 2**-7)
+    assert CHOICES["dmc.prior"] == PRIORS
+
+
 @pytest.mark.parametrize("override,message", [
     ("optim.lrr=1", r"unknown key optim.lrr; accepted keys under optim: .*lr"),
     ("modle.num_layers=2", r"unknown key modle; accepted keys under the top level: .*model"),
@@ -29,6 +38,8 @@ def test_overrides_are_typed():
     ("model.num_query_groups=3", r"model.num_query_groups \(3\) must divide"),
     ("schedule.zero_out_steps=-1", r"schedule.zero_out_steps: must be >= 0"),
     ("dmc.attention_backend=sdpa", r"dmc.attention_backend: 'sdpa' is not one of auto, dense, flex"),
+    ("dmc.prior=layer", r"dmc.prior: 'layer' is not one of global, local"),
+    ("dmc.omega_offset=-0.1", r"dmc.omega_offset: must be >= 0"),
     ("optim.lr", r"expected KEY=VALUE"),
 ])
 def test_bad_values_name_the_key_and_accepted_values(override, message):

@@ -20,7 +20,7 @@ def full_run(tiny_data, tmp_path_factory):
     cfg = _cfg(tiny_data, run_dir, **{
         "schedule.zero_out_steps": 3, "schedule.retrofit_steps": 12,
         "schedule.solidify_steps": 5, "dmc.target_cr": 2.0, "checkpoint.save_interval": 0,
-        "optim.lr": 1e-2, "logging.eval_interval": 10})
+        "optim.lr": 1e-2, "logging.eval_interval": 10, "logging.log_interval": 4})
     trainer = Trainer(cfg, "retrofit")
     results = trainer.run()
     return trainer, results, run_dir
@@ -51,8 +51,21 @@ def test_checkpoints_at_crossed_crs_and_phase_ends(full_run, tiny_data, tmp_path
                                                  "schedule.zero_out_steps": 0}), "retrofit")
     ckpt.load_checkpoint(root / "cr_1.5", fresh.module)
     assert fresh.evaluate()["valid_loss"] > 0
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 20 and "valid_loss" in json.loads(lines[9])
+
+
+def test_every_evaluation_logs_the_cr_per_layer_and_head(full_run):
+    _, _, run_dir = full_run
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # after 4, 8, 10 (an evaluation between two log intervals), 12, 16 and 20 steps
+    assert [r["step"] + 1 for r in records] == [4, 8, 10, 12, 16, 20]
+    for record in (records[2], records[5]):
+        per_head = record["valid_cr_per_head"]
+        assert len(per_head) == 2 and all(len(row) == 2 for row in per_head)
+        harmonic = [len(row) / sum(1 / cr for cr in row) for row in per_head]
+        assert record["valid_cr_per_layer"] == pytest.approx(harmonic, rel=1e-3)
+        overall = 4 / sum(1 / cr for row in per_head for cr in row)
+        assert record["valid_cr"] == pytest.approx(overall, rel=1e-3)
+    assert "valid_loss" not in records[1]
 
 
 def test_kill_and_resume_reproduces_losses(tiny_data, tmp_path):
