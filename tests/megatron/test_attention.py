@@ -1,6 +1,7 @@
 """DMCSelfAttention inside a tiny megatron GPTModel (single process, CPU)."""
 import pytest
 import torch
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from dmc.megatron.attention import dmc_layers, zero_decision_rows_
 from dmc.megatron.model import build_gpt_model, llama_transformer_config
@@ -182,6 +183,7 @@ def test_train_mode_cr_loss_is_eq10_per_sequence(parallel_1x1, prior, hard_loss)
     batch_sum = compression_loss_from_sums((1 - counted).sum()[None], counted.numel(),
                                            runtime.target_cr)
     assert prior == "local" or abs(batch_sum.item() - want) > 1e-3
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))  # a class attribute: other tests set it
     (logits.sum() * 0).backward()  # only the attached CR loss produces gradients
     # the last layer's alphas reach the loss directly only (earlier ones also through the
     # hidden states that decide later layers' alphas)
