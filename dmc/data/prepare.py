@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from dmc.data.corpus import Document, find_files, read_documents, split_documents
 from dmc.data.indexed import CACHE_DIRNAME, write_indexed_dataset
+from dmc.data.retrieval import RETRIEVAL_KINDS, make_retrieval_documents
 from dmc.data.shakespeare import PACKAGE, shakespeare_files
 from dmc.data.tokenizer import (
     HF_CONFIG_FILE,
@@ -70,6 +71,8 @@ def prepare_data(
     text_key: str = "text",
     split_lines: bool = False,
     quiet: bool = False,
+    retrieval_fraction: float = 0.0,
+    retrieval_doc_tokens: int = 1024,
 ) -> dict:
     """Tokenise a corpus into train/valid megatron indexed datasets in ``out_dir``; return the meta.
 
@@ -78,7 +81,13 @@ def prepare_data(
     SentencePiece BPE model of ``vocab_size`` on the train split. ``seed`` fixes the split and the
     tokenizer's training sample. Files already in ``out_dir`` with the same names are replaced,
     and megatron's index cache there (``cache/``) is removed.
+
+    ``retrieval_fraction`` > 0 adds in-context retrieval documents of ``retrieval_doc_tokens``
+    tokens (:mod:`dmc.data.retrieval`, drawn with ``seed`` from the train split's own tokens) to
+    the train split, until they are that share of its tokens; the valid split stays plain text.
     """
+    if not 0.0 <= retrieval_fraction < 1.0:
+        raise ValueError(f"retrieval_fraction must be in [0, 1), got {retrieval_fraction!r}")
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(
             f"valid_fraction must be a number in the open interval (0, 1), got {valid_fraction!r}"
@@ -93,8 +102,13 @@ def prepare_data(
     out.mkdir(parents=True, exist_ok=True)
     tok = _install_tokenizer(source_path, out, train_docs, vocab_size, seed)
     shutil.rmtree(out / CACHE_DIRNAME, ignore_errors=True)  # indices of the previous data
+    retrieval = None
+    if retrieval_fraction:
+        retrieval = {"fraction": retrieval_fraction, "doc_tokens": retrieval_doc_tokens,
+                     "seed": seed, "kinds": list(RETRIEVAL_KINDS)}
     splits = {
-        name: _write_split(out, name, split_docs, tok, quiet)
+        name: _write_split(out, name, split_docs, tok, quiet,
+                           retrieval if name == "train" else None)
         for name, split_docs in zip(SPLITS, (train_docs, valid_docs), strict=True)
     }
     meta = {
@@ -111,6 +125,7 @@ def prepare_data(
         "pad": tok.pad,
         "splits": splits,
         "source": source,
+        "retrieval": retrieval,
         "valid_fraction": valid_fraction,
         "seed": seed,
     }
@@ -169,9 +184,13 @@ def _install_tokenizer(
     return load_tokenizer(out)
 
 
-def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, quiet: bool) -> dict:
-    """Tokenise ``docs`` into the indexed dataset of split ``name``; return its counts."""
+def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, quiet: bool,
+                 retrieval: dict | None = None) -> dict:
+    """Tokenise ``docs`` into the indexed dataset of split ``name``; return its counts. With
+    ``retrieval`` (see :func:`prepare_data`), retrieval documents follow the corpus's and their
+    counts are added to it (and to ``retrieval``)."""
     prefix = split_prefix(out, name)
+    encoded_docs: list[list[int]] = []
 
     def encoded():  # the bar starts with the first document, once the writer is ready
         with tqdm(
@@ -182,11 +201,29 @@ def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, qui
             disable=quiet or not sys.stderr.isatty(),
         ) as bar:
             for doc in docs:
-                yield tok.encode(doc.text)
+                ids = tok.encode(doc.text)
+                if retrieval is not None:
+                    encoded_docs.append(ids)
+                yield ids
                 bar.update(len(doc.text))
+        if retrieval is not None:
+            yield from _retrieval_documents(encoded_docs, tok, retrieval)
 
     counts = write_indexed_dataset(prefix, encoded(), tok.vocab_size, tok.eod)
     return {"prefix": prefix.name, **counts}
+
+
+def _retrieval_documents(corpus: list[list[int]], tok: Tokenizer, retrieval: dict):
+    """The retrieval documents for a train split whose corpus documents are ``corpus``; records
+    their number and tokens in ``retrieval``."""
+    corpus_tokens = sum(len(d) + 1 for d in corpus)
+    fraction = retrieval["fraction"]
+    separators = (tok.encode(":")[-1], tok.encode("\n")[-1])  # as spelled at the end of a text
+    documents = make_retrieval_documents(
+        corpus, round(corpus_tokens * fraction / (1 - fraction)),
+        doc_tokens=retrieval["doc_tokens"], seed=retrieval["seed"], separators=separators)
+    retrieval.update(documents=len(documents), tokens=sum(len(d) + 1 for d in documents))
+    yield from documents
 
 
 def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -226,6 +263,20 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument(
         "--seed", type=int, default=1234, help="seed of the split and tokenizer sample"
     )
+    parser.add_argument(
+        "--retrieval-fraction",
+        type=float,
+        default=0.0,
+        help="share of the train split made of in-context retrieval documents (passages "
+        "repeated later, key : value lists queried later; drawn from the corpus with --seed), "
+        "in [0, 1) (default: %(default)s, none)",
+    )
+    parser.add_argument(
+        "--retrieval-doc-tokens",
+        type=int,
+        default=1024,
+        help="tokens per retrieval document (default: %(default)s)",
+    )
     parser.add_argument("--text-key", default="text", help="field holding the text in .jsonl files")
     parser.add_argument(
         "--split-lines",
@@ -253,6 +304,8 @@ def run_prepare(args: argparse.Namespace) -> int:
         text_key=args.text_key,
         split_lines=args.split_lines,
         quiet=args.quiet or args.json,
+        retrieval_fraction=args.retrieval_fraction,
+        retrieval_doc_tokens=args.retrieval_doc_tokens,
     )
     print(json.dumps(meta, indent=2) if args.json else summary(meta, args.output))
     return 0
@@ -269,6 +322,12 @@ def summary(meta: dict, out_dir: str | os.PathLike) -> str:
         f"  tokenizer  {tok['kind']} ({origin}), vocab {meta['vocab_size']}, "
         f"eod {meta['eod']} -> {tok['path']}",
     ]
+    retrieval = meta.get("retrieval")
+    if retrieval:
+        lines.append(
+            f"  retrieval  {retrieval['documents']} documents ({', '.join(retrieval['kinds'])}), "
+            f"{retrieval['tokens']:,} tokens in the train split"
+        )
     for name, split in meta["splits"].items():
         lines.append(
             f"  {name:<10} {split['documents']} documents, {split['tokens']:,} tokens "

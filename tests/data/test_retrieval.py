@@ -1,0 +1,116 @@
+"""Retrieval documents: deterministic, made of corpus spans, passages really recur, kv lines are
+queried again, and `dmc data prepare --retrieval-fraction` mixes them into the train split only."""
+import random
+
+import pytest
+
+from dmc.data.retrieval import (
+    PASSAGE_TOKENS,
+    _Stream,
+    kv_document,
+    make_retrieval_documents,
+    repeat_document,
+)
+
+SEP, END = 1000, 1001
+
+
+def corpus(n_docs=6, length=3000, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(500) for _ in range(length)] for _ in range(n_docs)]
+
+
+def occurrences(doc, span):
+    n = len(span)
+    return [i for i in range(len(doc) - n + 1) if doc[i:i + n] == span]
+
+
+def test_repeat_documents_hold_each_passage_twice():
+    docs = corpus()
+    rng = random.Random(3)
+    stream = _Stream(docs, rng)
+    for _ in range(20):
+        state = rng.getstate()
+        doc = repeat_document(stream, 512, rng)
+        assert len(doc) <= 512
+        rng.setstate(state)  # replay the draws to learn the passages
+        passages = []
+        for _ in range(rng.randint(2, 6)):
+            passage = stream.span(rng.randint(*PASSAGE_TOKENS))
+            if 2 * (len(passage) + sum(map(len, passages))) > 256:
+                break
+            passages.append(passage)
+        assert passages
+        for passage in passages:
+            found = occurrences(doc, passage)
+            if doc[-len(passage):] != passage or len(found) >= 2:  # the tail may be cut
+                assert len(found) >= 2, "a passage appears once"
+        rng.setstate(state)
+        doc2 = repeat_document(stream, 512, rng)
+        assert doc == doc2
+
+
+def test_kv_documents_query_their_own_lines():
+    rng = random.Random(1)
+    doc = kv_document(_Stream(corpus(), rng), 400, rng, (SEP, END))
+    assert len(doc) <= 400
+    lines, line = [], []
+    for t in doc:
+        line.append(t)
+        if t == END:
+            lines.append(tuple(line))
+            line = []
+    listed = []
+    for entry in lines:
+        if entry in listed:
+            break
+        listed.append(entry)
+    queried = lines[len(listed):]
+    assert queried and set(queried) <= set(listed)
+    assert all(entry.count(SEP) == 1 for entry in listed)
+
+
+def test_make_documents_is_deterministic_and_sized():
+    docs = corpus()
+    a = make_retrieval_documents(docs, 20_000, doc_tokens=512, seed=4, separators=(SEP, END))
+    b = make_retrieval_documents(docs, 20_000, doc_tokens=512, seed=4, separators=(SEP, END))
+    c = make_retrieval_documents(docs, 20_000, doc_tokens=512, seed=5, separators=(SEP, END))
+    assert a == b and a != c
+    assert 20_000 <= sum(map(len, a)) < 20_000 + 512
+    vocab = {t for d in docs for t in d} | {SEP, END}
+    assert {t for d in a for t in d} <= vocab
+    with pytest.raises(ValueError, match="separators"):
+        make_retrieval_documents(docs, 100, kinds=("kv",))
+    with pytest.raises(ValueError, match="kinds: .*choose from repeat, kv"):
+        make_retrieval_documents(docs, 100, kinds=("nope",))
+    with pytest.raises(ValueError, match="doc_tokens must be >="):
+        make_retrieval_documents(docs, 100, doc_tokens=100, kinds=("repeat",))
+
+
+def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):
+    from dmc.data.indexed import read_indexed_dataset
+    from dmc.data.prepare import prepare_data, split_prefix
+
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    words = random.Random(0)
+    for i in range(6):
+        text = "\n".join(" ".join(words.choice(["to", "be", "or", "not", "the", "king", "queen",
+                                                  "lord", "sweet", "night", "day", "love"])
+                                     for _ in range(12)) for _ in range(250))
+        (corpus_dir / f"doc{i}.txt").write_text(text)
+    plain = prepare_data([corpus_dir], tmp_path / "plain", vocab_size=300, valid_fraction=0.2,
+                         quiet=True)
+    mixed = prepare_data([corpus_dir], tmp_path / "mixed", vocab_size=300, valid_fraction=0.2,
+                         quiet=True, retrieval_fraction=0.5, retrieval_doc_tokens=512)
+    assert plain["retrieval"] is None
+    info = mixed["retrieval"]
+    assert info["fraction"] == 0.5 and info["doc_tokens"] == 512 and info["documents"] > 0
+    plain_train = plain["splits"]["train"]["tokens"]
+    assert mixed["splits"]["train"]["tokens"] == plain_train + info["tokens"]
+    assert info["tokens"] == pytest.approx(plain_train, rel=0.05)
+    assert mixed["splits"]["valid"] == plain["splits"]["valid"]
+    valid = read_indexed_dataset(split_prefix(tmp_path / "mixed", "valid"))
+    assert valid == read_indexed_dataset(split_prefix(tmp_path / "plain", "valid"))
+    with pytest.raises(ValueError, match="retrieval_fraction must be in"):
+        prepare_data([corpus_dir], tmp_path / "bad", retrieval_fraction=1.0, quiet=True)
