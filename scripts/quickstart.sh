@@ -47,10 +47,10 @@ dmc retrofit "${common[@]}" --config configs/retrofit/gqa2.yaml --json run_dir="
   checkpoint.save_interval=100 | tail -n 1 > "$QS/gqa2.json"
 
 echo "== 5/5 compare at 2x with the real caches: vanilla, DMC, GQA, H2O, TOVA, SnapKV, StreamingLLM"
-dmc eval compare --vanilla "$QS/base/checkpoints/pretrain" --dmc "$QS/dmc2/checkpoints/solidify" \
+dmc eval compare --control "$QS/base/checkpoints/pretrain" --dmc "$QS/dmc2/checkpoints/solidify" \
   --gqa "$QS/gqa2/checkpoints/solidify" --policies h2o,tova,snapkv,streamingllm --crs 2 \
-  --data "$QS/data" --seq-len 256 --num-sequences 2 --prefill-fraction 0.75 --num-needles 5 \
-  --output "$QS/compare" > "$QS/compare.log"
+  --data "$QS/data" --seq-len 256 --num-sequences 4 --prefill-fraction 0.5 \
+  --needle-lengths 64,128,256 --needles-per-cell 2 --output "$QS/compare" > "$QS/compare.log"
 
 python - "$QS" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys

@@ -1,99 +1,136 @@
-"""``dmc eval compare``: KV-cache compression methods side by side, as in Table 1 of the DMC paper
-(Nawrot et al., 2024: vanilla vs DMC vs GQA vs H2O/TOVA at 2x and 4x).
+"""``dmc eval compare``: KV-cache compression methods side by side at equal memory, as in Table 1
+of the DMC paper (Nawrot et al., 2024: vanilla vs DMC vs GQA vs H2O/TOVA at 2x and 4x).
 
-Every method runs on the same held-out sequences through :class:`dmc.inference.Engine` with its
-real cache: the vanilla model; DMC checkpoints (``--dmc``); GQA checkpoints (``--gqa``, made by
-``dmc baseline gqa`` and up-trained); and training-free KV policies (``--policies``) applied to
-the vanilla model at each ``--crs``. Two numbers per method: perplexity with the first
-``--prefill-fraction`` of each sequence prefilled and the rest decoded token by token (so a
-policy compresses during decoding as well), and needle-in-a-haystack accuracy
-(:mod:`dmc.data.needle`: the prompt prefilled, the answer decoded). The measured CR is always
-relative to the vanilla cache: KV slots the vanilla model keeps / slots the method keeps (GQA's
-fewer KV heads included).
+Every method runs on the same held-out data through :class:`dmc.inference.Engine` with its real
+cache: the **control** (``--control``, the uncompressed model every other row is measured against:
+ideally the base up-trained with the same steps, data and LR as the DMC and GQA runs, so that the
+comparison is between caches and not between training budgets), the pretrained **base**
+(``--base``, optional), **DMC** checkpoints (``--dmc``), **GQA** checkpoints (``--gqa``: ``dmc
+baseline gqa`` then up-trained) and training-free **KV policies** (``--policies``) applied to the
+control at each ``--crs``.
 
-Output: a table (rows = methods, columns = nominal CR, cells = ``ppl / needle accuracy
-(measured CR)``), ``compare.json`` and ``compare.png`` (quality vs measured CR) in ``--output``.
+Per method (:func:`evaluate_method`):
+
+* perplexity of the decoded continuation only: the first ``--prefill-fraction`` of each sequence
+  is prefilled (a policy compresses it as before generating), the rest is teacher-forced token by
+  token through the decode path and only those predictions are scored;
+* KL divergence ``KL(control || method)`` of the next-token distributions and greedy top-1
+  agreement with the control, on the same decoded tokens;
+* needle-in-a-haystack exact match (:mod:`dmc.data.needle`) at several context lengths x 5
+  depths, with a 95% Wilson interval;
+* two compression ratios against the control's cache on the same sequences: **slots** (KV slots
+  the control keeps / slots the method keeps, GQA's fewer KV heads included) and **memory** (bytes
+  the control's cache holds / bytes the method's holds: pages, block tables and lengths, DMC's
+  merge state, a policy's per-slot scores and positions; :meth:`Engine.sequence_bytes`).
+
+Output: a markdown table (one row per method and CR), ``compare.json`` and ``compare.png`` (quality
+against the memory CR) in ``--output``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from dmc.inference.cli_args import add_cache_arguments
 
 DEFAULT_POLICIES = "h2o,tova,snapkv,streamingllm"
+DEFAULT_DEPTHS = "0.1,0.3,0.5,0.7,0.9"
+KINDS = ("control", "base", "dmc", "gqa", "policy")
 
 
 @dataclass
 class Method:
-    """One row entry: ``kind`` is vanilla, dmc, gqa or policy; ``path`` the checkpoint
-    (``None`` for policies, which run on the vanilla model); ``policy`` the policy name."""
+    """One row: ``kind`` is one of :data:`KINDS`; ``path`` the checkpoint (``None`` for policies,
+    which run on the control); ``policy`` the policy name and ``cr`` its requested CR."""
 
     kind: str
     label: str
     path: str | None = None
     policy: str | None = None
-    cr: float | None = None  # requested CR of a policy
+    cr: float | None = None
+
+
+@dataclass
+class EvalData:
+    """What every method is evaluated on: perplexity ``sequences`` (token lists), the number of
+    ``prefill`` tokens of each, and needle ``needles`` (:class:`~dmc.data.needle.NeedleExample`)."""
+
+    sequences: list
+    prefill: int
+    needles: list
 
 
 # ----------------------------------------------------------------------------- arguments
 def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--vanilla", required=True, metavar="PATH",
-                        help="the uncompressed model (checkpoint folder, run folder or .pt); "
-                        "the policies run on it and measured CRs are relative to its cache")
+    parser.add_argument("--control", "--vanilla", dest="control", required=True, metavar="PATH",
+                        help="the uncompressed model every row is measured against (KL, top-1, "
+                        "compression); the policies run on it. Best: the base up-trained with "
+                        "the same steps, data and LR as the DMC and GQA runs (a retrofit with "
+                        "dmc.enabled=false)")
+    parser.add_argument("--base", metavar="PATH", help="the pretrained base model (a row)")
     parser.add_argument("--dmc", nargs="+", default=[], metavar="PATH",
                         help="DMC checkpoints (e.g. runs/dmc2/checkpoints/solidify)")
     parser.add_argument("--gqa", nargs="+", default=[], metavar="PATH",
                         help="GQA checkpoints (dmc baseline gqa, then up-trained)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
-                        help="comma-separated KV policies run on the vanilla model at every "
-                        "--crs, or 'none' (default: %(default)s)")
+                        help="comma-separated KV policies run on the control at every --crs, "
+                        "or 'none' (default: %(default)s)")
     parser.add_argument("--crs", default="2,4",
                         help="comma-separated compression ratios for the policies "
                         "(default: %(default)s)")
     parser.add_argument("--data", required=True, metavar="PATH",
                         help="held-out tokens (as for `dmc eval ppl`: a `dmc data prepare` "
                         "folder, an indexed dataset prefix or a .pt/.npy file)")
-    parser.add_argument("--seq-len", type=int, default=256,
-                        help="tokens per sequence, also per needle example (default: %(default)s)")
-    parser.add_argument("--num-sequences", type=int, default=8,
+    parser.add_argument("--seq-len", type=int, default=1024,
+                        help="tokens per perplexity sequence (default: %(default)s)")
+    parser.add_argument("--num-sequences", type=int, default=16,
                         help="perplexity sequences (default: %(default)s)")
     parser.add_argument("--prefill-fraction", type=float, default=0.5,
-                        help="share of each sequence prefilled before token-by-token decoding "
-                        "(0 < f <= 1; 1 = all prefilled; default: %(default)s)")
-    parser.add_argument("--num-needles", type=int, default=10,
-                        help="needle-in-a-haystack examples, 0 = none (default: %(default)s)")
+                        help="share of each sequence prefilled before token-by-token decoding; "
+                        "only the decoded predictions are scored (0 < f < 1; default: "
+                        "%(default)s)")
+    parser.add_argument("--needle-lengths", default=None,
+                        help="comma-separated needle context lengths in tokens, or 'none' "
+                        "(default: seq-len / 4, / 2 and seq-len)")
+    parser.add_argument("--needle-depths", default=DEFAULT_DEPTHS,
+                        help="comma-separated needle depths in [0, 1] (default: %(default)s)")
+    parser.add_argument("--needles-per-cell", type=int, default=14,
+                        help="needle examples per (length, depth); 14 x 3 x 5 = 210 examples "
+                        "keep the 95%% interval within +-7 points (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences scored together (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="needle seed (default: %(default)s)")
     add_cache_arguments(parser, dtype=False)
     parser.add_argument("--output", default="runs/compare", metavar="DIR",
-                        help="where compare.json and compare.png go (default: %(default)s)")
+                        help="where compare.json, compare.md and compare.png go "
+                        "(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     return parser
 
 
-def _parse_crs(text: str) -> list[float]:
+def parse_numbers(text: str, flag: str, low: float, high: float = math.inf,
+                  kind=float) -> list:
+    """Comma-separated numbers in ``[low, high]``; a ValueError naming ``flag`` otherwise."""
+    accepted = f"comma-separated numbers in [{low:g}, {high:g}]"
     try:
-        crs = [float(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--crs: expected comma-separated numbers >= 1, got {text!r}") from None
-    if not crs or any(cr < 1 for cr in crs):
-        raise ValueError(f"--crs: expected comma-separated numbers >= 1, got {text!r}")
-    return crs
+        raise ValueError(f"{flag}: expected {accepted}, got {text!r}") from None
+    if not values or any(not low <= v <= high for v in values):
+        raise ValueError(f"{flag}: expected {accepted}, got {text!r}")
+    return values
 
 
-def _parse_policies(text: str) -> list[str]:
-    """Policy names, checked against ``dmc.policies.POLICY_NAMES``; ``[]`` for 'none' and when
-    dmc.policies is not installed (with a message)."""
+def parse_policies(text: str) -> list[str]:
+    """Policy names, checked against ``dmc.policies.POLICY_NAMES``; ``[]`` for 'none'."""
     names = [x.strip().lower() for x in text.split(",") if x.strip()]
     if names in ([], ["none"]):
         return []
-    try:
-        from dmc.policies import POLICY_NAMES
-    except ImportError as err:
-        print(f"dmc eval compare: KV policies skipped (dmc.policies is not available: {err})")
-        return []
+    from dmc.policies import POLICY_NAMES
+
     unknown = [n for n in names if n not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"--policies: unknown {', '.join(unknown)}; accepted: "
@@ -102,92 +139,143 @@ def _parse_policies(text: str) -> list[str]:
 
 
 def methods_from_args(args: argparse.Namespace) -> list[Method]:
-    methods = [Method("vanilla", "vanilla", args.vanilla)]
+    methods = [Method("control", "control", args.control)]
+    if args.base:
+        methods.append(Method("base", "base", args.base))
     methods += [Method("dmc", "DMC", p) for p in args.dmc]
     methods += [Method("gqa", "GQA", p) for p in args.gqa]
-    crs = _parse_crs(args.crs)
+    crs = parse_numbers(args.crs, "--crs", 1.0)
     methods += [Method("policy", name.upper(), policy=name, cr=cr)
-                for name in _parse_policies(args.policies) for cr in crs]
+                for name in parse_policies(args.policies) for cr in crs]
     return methods
 
 
-def prefill_tokens(seq_len: int, fraction: float) -> int | None:
-    """Tokens prefilled before decoding (None = all)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"--prefill-fraction: expected 0 < f <= 1, got {fraction}")
-    tokens = max(1, round(fraction * seq_len))
-    return None if tokens >= seq_len else tokens
+def prefill_tokens(seq_len: int, fraction: float) -> int:
+    """Tokens prefilled before decoding: at least one, and at least one decoded prediction."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"--prefill-fraction: expected 0 < f < 1, got {fraction}")
+    return min(max(1, round(fraction * seq_len)), seq_len - 2)
 
 
 # ----------------------------------------------------------------------------- running
-def _nominal_cr(method: Method, loaded, vanilla_kv: int, measured: float) -> float:
-    """The column a result goes to: the requested CR (policies), the KV-head ratio (GQA), the
-    checkpoint's target CR (DMC; the measured one rounded to 0.5 when it records none)."""
+def kv_heads(model_config: dict) -> int:
+    return model_config.get("num_query_groups") or model_config["num_attention_heads"]
+
+
+def nominal_cr(method: Method, loaded, control_kv: int, measured: float) -> float:
+    """The CR a result is reported at: the requested CR (policies), the KV-head ratio (GQA), the
+    checkpoint's target CR (DMC; the measured one rounded to 0.5 when it records none), 1
+    (control and base)."""
     if method.kind == "policy":
         return method.cr
     if method.kind == "gqa":
-        return vanilla_kv / loaded.model_config["num_query_groups"]
+        return control_kv / kv_heads(loaded.model_config)
     if method.kind == "dmc":
         target = loaded.state.get("target_cr")
         return float(target) if target else round(measured * 2) / 2
     return 1.0
 
 
-def run_methods(methods: list[Method], sequences, needles, *, prefill: int | None,
-                chunk_size: int = 512, page_size: int = 16, log=print) -> list[dict]:
-    """Evaluate every method; returns one result dict per method (see :func:`run_compare`)."""
+def make_engine(method: Method, loaded, data: EvalData, *, batch_size: int,
+                chunk_size: int = 512, page_size: int = 16):
+    """A fresh engine (and policy: a policy serves one engine) for ``method``'s model."""
+    from dmc.inference.engine import Engine
+
+    longest = max(len(s) for s in list(data.sequences) + [n.tokens for n in data.needles])
+    kwargs = dict(max_batch=batch_size, max_seq_len=longest, chunk_size=chunk_size,
+                  page_size=page_size)
+    if method.kind == "policy":
+        from dmc.policies import get_policy
+
+        policy = get_policy(method.policy, compression_ratio=method.cr)
+        return Engine(loaded.model, dmc=None, policy=policy, **kwargs)
+    return Engine(loaded.model, dmc="auto" if method.kind == "dmc" else None, **kwargs)
+
+
+def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | None, *,
+                    batch_size: int = 8, chunk_size: int = 512, page_size: int = 16) -> dict:
+    """Scores of one method (see the module docstring). ``reference``: the control's result
+    (its ``logprobs`` kept) or None when ``method`` is the control. Returns a JSON-able dict
+    (the control's carries ``logprobs`` too, removed by :func:`run_methods`)."""
     from dmc.eval.needle import evaluate_needle
     from dmc.eval.perplexity import evaluate_perplexity
-    from dmc.inference.engine import Engine
+
+    def engine():
+        return make_engine(method, loaded, data, batch_size=batch_size, chunk_size=chunk_size,
+                           page_size=page_size)
+
+    ppl = evaluate_perplexity(engine(), data.sequences, prefill_tokens=data.prefill,
+                              reference=None if reference is None else reference["logprobs"],
+                              keep_logprobs=reference is None)
+    control_kv = kv_heads(reference["model_config"]) if reference else \
+        kv_heads(loaded.model_config)
+    slots_cr = ppl["compression"]["cr"] * control_kv / kv_heads(loaded.model_config)
+    control_bytes = (reference or ppl)["cache_bytes"]["total"]
+    result = {"method": method.kind, "label": method.label, "path": method.path,
+              "policy": method.policy, "requested_cr": method.cr,
+              "nominal_cr": nominal_cr(method, loaded, control_kv, slots_cr),
+              "slots_cr": slots_cr, "memory_cr": control_bytes / ppl["cache_bytes"]["total"],
+              "model_config": loaded.model_config,
+              "perplexity": ppl["perplexity"], "perplexity_ci": ppl["perplexity_ci"],
+              "kl": ppl.get("kl", 0.0), "kl_ci": ppl.get("kl_ci", [0.0, 0.0]),
+              "top1_agreement": ppl.get("top1_agreement", 1.0),
+              "top1_ci": ppl.get("top1_ci", [1.0, 1.0]), "ppl": ppl}
+    if reference is None:
+        result["logprobs"] = ppl.pop("logprobs")
+        result["cache_bytes"] = ppl["cache_bytes"]
+    if data.needles:
+        needle = evaluate_needle(engine(), data.needles)
+        result.update(needle_accuracy=needle["accuracy"], needle_ci=needle["accuracy_ci"],
+                      needle=needle)
+    return result
+
+
+def run_methods(methods: list[Method], data: EvalData, *, batch_size: int = 8,
+                chunk_size: int = 512, page_size: int = 16, log=print) -> list[dict]:
+    """Evaluate every method (the control first, then the others against it); returns one
+    result dict per method, in order."""
     from dmc.inference.loading import load_model
 
-    longest = max(len(s) for s in list(sequences) + [n.tokens for n in needles])
-    vanilla = load_model(methods[0].path)
-    if vanilla.dmc_config is not None:
-        raise ValueError(f"--vanilla {methods[0].path} is a DMC model; pass it with --dmc")
-    vanilla_kv = vanilla.model_config.get("num_query_groups") or \
-        vanilla.model_config["num_attention_heads"]
-    results = []
+    if methods[0].kind != "control":
+        raise ValueError("run_methods: the first method must be the control")
+    control = load_model(methods[0].path)
+    if control.dmc_config is not None:
+        raise ValueError(f"--control {methods[0].path} is a DMC model; pass it with --dmc")
+    results, reference = [], None
     for method in methods:
-        loaded = vanilla if method.kind in ("vanilla", "policy") else load_model(method.path)
+        loaded = control if method.kind in ("control", "policy") else load_model(method.path)
         if method.kind == "dmc" and loaded.dmc_config is None:
             raise ValueError(f"--dmc {method.path} is not a DMC model (no dmc_config)")
-        if method.kind == "gqa" and loaded.dmc_config is not None:
-            raise ValueError(f"--gqa {method.path} is a DMC model")
-
-        def engine():  # a fresh engine (and policy) per task: a policy serves one engine
-            kwargs = dict(max_batch=1, max_seq_len=longest, chunk_size=chunk_size,
-                          page_size=page_size)
-            if method.kind == "policy":
-                from dmc.policies import get_policy
-
-                policy = get_policy(method.policy, compression_ratio=method.cr)
-                return Engine(loaded.model, dmc=None, policy=policy, **kwargs)
-            return Engine(loaded.model, dmc="auto" if method.kind == "dmc" else None, **kwargs)
-
-        name = method.label + (f" {method.cr:g}x" if method.cr else f" {method.path}")
-        log(f"== {name}")
-        ppl = evaluate_perplexity(engine(), sequences, prefill_tokens=prefill)
-        kv = loaded.model_config.get("num_query_groups") or \
-            loaded.model_config["num_attention_heads"]
-        measured = ppl["compression"]["cr"] * vanilla_kv / kv
-        result = {"method": method.kind, "label": method.label, "path": method.path,
-                  "policy": method.policy, "requested_cr": method.cr,
-                  "nominal_cr": _nominal_cr(method, loaded, vanilla_kv, measured),
-                  "measured_cr": measured, "perplexity": ppl["perplexity"], "ppl": ppl}
-        if needles:
-            needle = evaluate_needle(engine(), needles)
-            result["needle_accuracy"] = needle["accuracy"]
-            result["needle"] = needle
+        if method.kind in ("gqa", "base") and loaded.dmc_config is not None:
+            raise ValueError(f"--{method.kind} {method.path} is a DMC model")
+        log(f"== {method.label}" + (f" {method.cr:g}x" if method.cr else f" {method.path}"))
+        result = evaluate_method(method, loaded, data, reference, batch_size=batch_size,
+                                 chunk_size=chunk_size, page_size=page_size)
+        if reference is None:
+            reference = {"logprobs": result.pop("logprobs"),
+                         "model_config": loaded.model_config,
+                         "cache_bytes": result["cache_bytes"]}
         results.append(result)
-        log(f"   ppl {result['perplexity']:.3f}, measured CR {measured:.2f}"
-            + (f", needle {result['needle_accuracy']:.0%}" if needles else ""))
+        log("   " + summary_line(result))
     return results
 
 
 # ----------------------------------------------------------------------------- reporting
+def _ci(low: float, high: float, scale: float = 1.0, digits: int = 1) -> str:
+    return f"[{low * scale:.{digits}f}, {high * scale:.{digits}f}]"
+
+
+def summary_line(r: dict) -> str:
+    text = (f"ppl {r['perplexity']:.2f} {_ci(*r['perplexity_ci'], digits=2)}, KL {r['kl']:.4f}, "
+            f"top-1 {r['top1_agreement']:.1%}, slots CR {r['slots_cr']:.2f}, memory CR "
+            f"{r['memory_cr']:.2f}")
+    if "needle_accuracy" in r:
+        text += f", needle {r['needle_accuracy']:.1%} {_ci(*r['needle_ci'], 100)}"
+    return text
+
+
 def _row_labels(results: list[dict]) -> None:
-    """Rows are labels; a second result with the same label and column gets ``#2``, ..."""
+    """A second result with the same label and CR gets ``#2``, ..."""
     seen: dict[tuple, int] = {}
     for r in results:
         key = (r["label"], round(r["nominal_cr"], 2))
@@ -196,100 +284,148 @@ def _row_labels(results: list[dict]) -> None:
 
 
 def format_table(results: list[dict]) -> str:
-    """Rows = methods, columns = nominal CR, cells ``ppl / needle accuracy (measured CR)``."""
-    columns = sorted({round(r["nominal_cr"], 2) for r in results})
-    rows = list(dict.fromkeys(r["row"] for r in results))
-    cells = {}
-    for r in results:
-        text = f"{r['perplexity']:.2f}"
-        if "needle_accuracy" in r:
-            text += f" / {r['needle_accuracy']:.0%}"
-        cells[r["row"], round(r["nominal_cr"], 2)] = text + f" ({r['measured_cr']:.2f}x)"
-    width = max([len(c) for c in cells.values()] + [8]) + 2
-    first = max(len(r) for r in rows) + 2
-    lines = [f"{'method':<{first}}" + "".join(f"{f'CR {c:g}x':>{width}}" for c in columns)]
-    for row in rows:
-        lines.append(f"{row:<{first}}" + "".join(f"{cells.get((row, c), '-'):>{width}}"
-                                                 for c in columns))
+    """A markdown table, rows sorted by nominal CR (the control first)."""
     has_needle = any("needle_accuracy" in r for r in results)
-    lines.append("cells: perplexity" + (" / needle accuracy" if has_needle else "")
-                 + " (measured CR vs the vanilla cache)")
+    head = ["method", "CR", "ppl [95% CI]", "KL vs control", "top-1 agree"]
+    head += ["needle % [95% CI]"] if has_needle else []
+    head += ["slots CR", "memory CR"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = sorted(range(len(results)),
+                   key=lambda i: (results[i]["nominal_cr"], results[i]["method"] != "control", i))
+    for i in order:
+        r = results[i]
+        cells = [r.get("row", r["label"]), f"{r['nominal_cr']:g}x",
+                 f"{r['perplexity']:.2f} {_ci(*r['perplexity_ci'], digits=2)}",
+                 f"{r['kl']:.4f}", f"{r['top1_agreement']:.1%}"]
+        if has_needle:
+            cells.append(f"{100 * r['needle_accuracy']:.1f} {_ci(*r['needle_ci'], 100)}"
+                         if "needle_accuracy" in r else "-")
+        cells += [f"{r['slots_cr']:.2f}x", f"{r['memory_cr']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_needle_table(results: list[dict]) -> str:
+    """Needle exact match per context length (markdown), with 95% Wilson intervals."""
+    rows = [r for r in results if "needle" in r]
+    if not rows:
+        return ""
+    lengths = list(rows[0]["needle"]["per_length"])
+    head = ["method", "CR"] + [f"{length} tokens" for length in lengths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["nominal_cr"], r["method"] != "control")):
+        cells = [r.get("row", r["label"]), f"{r['nominal_cr']:g}x"]
+        for length in lengths:
+            cell = r["needle"]["per_length"][length]
+            cells.append(f"{100 * cell['accuracy']:.0f} {_ci(*cell['accuracy_ci'], 100, 0)}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> None:
-    """Perplexity and needle accuracy against the measured CR, one line per method."""
+    """Decoded-token perplexity, KL and needle accuracy against the memory CR, a line per
+    method (the control as a horizontal reference)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    has_needle = any("needle_accuracy" in r for r in results)
-    fig, axes = plt.subplots(1, 2 if has_needle else 1, figsize=(11 if has_needle else 6, 4),
-                             squeeze=False)
+    panels = [("perplexity", "decoded-token perplexity (lower is better)"),
+              ("kl", "KL vs control (lower is better)")]
+    if any("needle_accuracy" in r for r in results):
+        panels.append(("needle_accuracy", "needle exact match (higher is better)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
     for label in dict.fromkeys(r["label"] for r in results):
-        group = sorted((r for r in results if r["label"] == label),
-                       key=lambda r: r["measured_cr"])
-        xs = [r["measured_cr"] for r in group]
-        axes[0, 0].plot(xs, [r["perplexity"] for r in group], marker="o", label=label)
-        if has_needle:
-            axes[0, 1].plot(xs, [r.get("needle_accuracy", float("nan")) for r in group],
-                            marker="o", label=label)
-    axes[0, 0].set(xlabel="measured CR", ylabel="perplexity", title="perplexity (lower is better)")
-    if has_needle:
-        axes[0, 1].set(xlabel="measured CR", ylabel="exact match", ylim=(-0.05, 1.05),
-                       title="needle retrieval (higher is better)")
+        group = sorted((r for r in results if r["label"] == label), key=lambda r: r["memory_cr"])
+        xs = [r["memory_cr"] for r in group]
+        for ax, (key, _) in zip(axes[0], panels):
+            ys = [r.get(key, float("nan")) for r in group]
+            if label in ("control", "base"):
+                ax.axhline(ys[0], linestyle="--", linewidth=1, label=label,
+                           color="black" if label == "control" else "grey")
+            else:
+                ax.plot(xs, ys, marker="o", label=label)
+    for ax, (key, title) in zip(axes[0], panels):
+        ax.set(xlabel="memory CR (control bytes / method bytes)", title=title)
+        ax.set_xscale("log", base=2)
+        if key == "kl":
+            ax.set_yscale("symlog", linthresh=1e-3)
     axes[0, 0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    """``dmc eval compare``: writes ``compare.json`` and ``compare.png`` under ``--output`` and
-    prints the table (or the JSON)."""
+def load_eval_data(data: str, seq_len: int, num_sequences: int, prefill_fraction: float,
+                   needle_lengths: list[int], depths: list[float], per_cell: int,
+                   seed: int = 0) -> EvalData:
+    """Perplexity sequences and needle examples from a held-out token source (needles of each
+    length are drawn from the start of the stream with seed ``seed + length``)."""
     from dmc.data.needle import make_needle_examples
     from dmc.eval.perplexity import load_token_sequences
 
-    if args.seq_len < 2:
-        raise ValueError(f"--seq-len: must be >= 2, got {args.seq_len}")
-    if args.num_sequences < 1:
-        raise ValueError(f"--num-sequences: must be >= 1, got {args.num_sequences}")
-    if args.num_needles < 0:
-        raise ValueError(f"--num-needles: must be >= 0, got {args.num_needles}")
-    prefill = prefill_tokens(args.seq_len, args.prefill_fraction)
-    methods = methods_from_args(args)
-    sequences = load_token_sequences(args.data, args.seq_len, args.num_sequences)
-    if not sequences:
-        raise ValueError(f"--data {args.data}: fewer than --seq-len={args.seq_len} tokens")
+    sequences = load_token_sequences(data, seq_len, num_sequences)
+    if len(sequences) < num_sequences:
+        raise ValueError(f"--data {data}: only {len(sequences)} sequences of --seq-len={seq_len} "
+                         f"tokens, --num-sequences={num_sequences} asked")
     needles = []
-    if args.num_needles:
-        stream = [t for s in load_token_sequences(args.data, args.seq_len) for t in s]
-        needles = make_needle_examples(stream, args.seq_len, args.num_needles, seed=args.seed,
-                                       exclude=_special_ids(args.data))
+    if needle_lengths:
+        stream = [t for s in load_token_sequences(data, max(needle_lengths)) for t in s]
+        for length in needle_lengths:
+            needles += make_needle_examples(stream, length, per_cell * len(depths),
+                                            depths=depths, seed=seed + length,
+                                            exclude=special_ids(data))
+    return EvalData(sequences, prefill_tokens(seq_len, prefill_fraction), needles)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """``dmc eval compare``: writes ``compare.json``, ``compare.md`` and ``compare.png`` under
+    ``--output`` and prints the table (or the JSON)."""
+    for flag, value, low in (("--seq-len", args.seq_len, 3), ("--num-sequences",
+                             args.num_sequences, 1), ("--needles-per-cell",
+                             args.needles_per_cell, 1), ("--batch-size", args.batch_size, 1)):
+        if value < low:
+            raise ValueError(f"{flag}: must be >= {low}, got {value}")
+    methods = methods_from_args(args)
+    lengths_text = args.needle_lengths or ",".join(
+        str(max(32, args.seq_len // d)) for d in (4, 2, 1))
+    lengths = [] if lengths_text.strip().lower() == "none" else parse_numbers(
+        lengths_text, "--needle-lengths", 32, kind=int)
+    depths = parse_numbers(args.needle_depths, "--needle-depths", 0.0, 1.0)
+    data = load_eval_data(args.data, args.seq_len, args.num_sequences, args.prefill_fraction,
+                          lengths, depths, args.needles_per_cell, args.seed)
     log = (lambda *_: None) if args.json else print
-    results = run_methods(methods, sequences, needles, prefill=prefill,
-                          chunk_size=args.chunk_size, page_size=args.page_size, log=log)
-    _row_labels(results)
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"settings": {"data": str(args.data), "seq_len": args.seq_len,
-                           "sequences": len(sequences), "prefill_tokens": prefill,
-                           "needles": len(needles), "seed": args.seed,
-                           "chunk_size": args.chunk_size, "page_size": args.page_size},
-              "table": format_table(results), "results": results}
-    (out / "compare.json").write_text(json.dumps(report, indent=1))
-    plot(results, out / "compare.png")
+    results = run_methods(methods, data, batch_size=args.batch_size, chunk_size=args.chunk_size,
+                          page_size=args.page_size, log=log)
+    report = write_report(results, Path(args.output), {
+        "data": str(args.data), "seq_len": args.seq_len, "sequences": len(data.sequences),
+        "prefill_tokens": data.prefill, "needle_lengths": lengths, "needle_depths": depths,
+        "needles": len(data.needles), "seed": args.seed, "chunk_size": args.chunk_size,
+        "page_size": args.page_size})
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print()
         print(report["table"])
-        print(f"written: {out / 'compare.json'}, {out / 'compare.png'}")
+        print()
+        print(report["needle_table"])
+        print(f"written: {Path(args.output) / 'compare.json'}, compare.md, compare.png")
     return 0
 
 
-def _special_ids(data) -> set[int]:
+def write_report(results: list[dict], out: Path, settings: dict) -> dict:
+    """``compare.json``, ``compare.md`` and ``compare.png`` in ``out``; returns the report."""
+    _row_labels(results)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"settings": settings, "table": format_table(results),
+              "needle_table": format_needle_table(results), "results": results}
+    (out / "compare.json").write_text(json.dumps(report, indent=1))
+    (out / "compare.md").write_text(report["table"] + "\n\n" + report["needle_table"] + "\n")
+    plot(results, out / "compare.png")
+    return report
+
+
+def special_ids(data) -> set[int]:
     """End-of-document, BOS and pad ids of a `dmc data prepare` folder (kept out of needles)."""
     if not Path(data).is_dir():
         return set()

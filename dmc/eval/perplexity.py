@@ -75,48 +75,111 @@ def load_token_sequences(path: str | os.PathLike, seq_len: int,
 
 
 def evaluate_perplexity(engine, sequences: Iterable[Sequence[int]], *,
-                        prefill_tokens: int | None = None, progress: bool = False) -> dict:
+                        prefill_tokens: int | None = None, reference: list | None = None,
+                        keep_logprobs: bool = False, progress: bool = False) -> dict:
     """Perplexity of ``sequences`` through ``engine`` (a :class:`dmc.inference.Engine`), with
-    its real compressed cache: the first ``prefill_tokens`` tokens of each sequence (None: all)
-    are prefilled, the rest teacher-forced one at a time through the decode path (see
-    :meth:`Engine.score`; a KV policy then evicts at every token). Returns a JSON-able dict::
+    its real compressed cache, ``engine.max_batch`` sequences at a time
+    (:meth:`Engine.score_batch`).
 
-        {"perplexity", "nll" (mean per predicted token), "tokens" (predicted), "sequences",
-         "chunk_size", "page_size", "dmc": bool, "per_sequence_nll": [...],
-         "compression": {"cr", "tokens", "slots", "per_layer", "per_head"}}
+    ``prefill_tokens=None``: each sequence is prefilled whole and every next token is scored.
+    ``prefill_tokens=P``: the first ``P`` tokens are prefilled (a policy compresses them as
+    before generating), the rest are teacher-forced one at a time through the decode path, and
+    only the predictions the decode path makes are scored (of tokens ``P + 1 .. n - 1``): the
+    prefix, where every method sees the whole context, is excluded.
+
+    ``reference``: the ``logprobs`` of another run over the same sequences and ``prefill_tokens``
+    (``keep_logprobs=True``; e.g. the uncompressed control): adds the KL divergence
+    ``KL(reference || this)`` of the next-token distributions and the greedy top-1 agreement,
+    per scored token. Returns a JSON-able dict (plus ``"logprobs"``, a list of per-sequence
+    ``[scored, vocab]`` float32 tensors, with ``keep_logprobs``)::
+
+        {"perplexity", "perplexity_ci" (95%, sequences resampled), "nll" (mean per scored
+         token), "tokens" (scored), "sequences", "prefill_tokens", "chunk_size", "page_size",
+         "dmc": bool, "per_sequence_nll",
+         "kl", "kl_ci", "top1_agreement", "top1_ci" (with a reference),
+         "compression": {"cr", "tokens", "slots", "per_layer", "per_head"},
+         "cache_bytes": {"kv", "metadata", "dmc_state", "policy_state", "total"} (summed)}
     """
+    from dmc.eval.stats import mean_interval
     from dmc.inference.engine import CompressionStats
 
     sequences = [list(s) for s in sequences]
     if not sequences:
         raise ValueError("evaluate_perplexity: no sequences")
-    iterator = sequences
+    if any(len(s) < 2 for s in sequences):
+        raise ValueError("evaluate_perplexity: every sequence needs at least two tokens")
+    if prefill_tokens is not None and any(not 1 <= prefill_tokens < len(s) - 1
+                                          for s in sequences):
+        raise ValueError(f"evaluate_perplexity: prefill_tokens={prefill_tokens} leaves no "
+                         f"decoded prediction to score in a sequence")
+    if reference is not None and len(reference) != len(sequences):
+        raise ValueError(f"evaluate_perplexity: {len(reference)} reference entries for "
+                         f"{len(sequences)} sequences")
+    first = 0 if prefill_tokens is None else prefill_tokens  # first scored prediction's position
+    nlls, counts, kls, agree, logprobs, stats, cache_bytes = [], [], [], [], [], [], []
+    groups = range(0, len(sequences), engine.max_batch)
     if progress:
         from tqdm import tqdm
 
-        iterator = tqdm(sequences, unit="seq", desc="ppl")
-    nll, count, per_sequence, stats = 0.0, 0, [], []
-    for tokens in iterator:
-        if len(tokens) < 2:
-            raise ValueError("evaluate_perplexity: every sequence needs at least two tokens")
-        result = engine.score(tokens, prefill_tokens=prefill_tokens)
-        seq_nll = -float(result.token_logprobs.sum())
-        nll += seq_nll
-        count += len(tokens) - 1
-        per_sequence.append(seq_nll / (len(tokens) - 1))
-        stats.append(result.compression)
-    mean = nll / count
-    return {
+        groups = tqdm(groups, unit="batch", desc="ppl")
+    for start in groups:
+        batch = sequences[start:start + engine.max_batch]
+        want_logits = keep_logprobs or reference is not None
+        for i, result in enumerate(engine.score_batch(batch, prefill_tokens=prefill_tokens,
+                                                      return_logits=want_logits),
+                                   start=start):
+            scored = result.token_logprobs[first:]
+            nlls.append(-float(scored.sum()))
+            counts.append(scored.numel())
+            stats.append(result.compression)
+            cache_bytes.append(result.cache_bytes)
+            if not want_logits:
+                continue
+            logp = torch.log_softmax(result.logits[first:-1].float(), dim=-1)
+            if keep_logprobs:
+                logprobs.append(logp)
+            if reference is not None:
+                kl, same = _divergence(reference[i], logp)
+                kls.append(kl)
+                agree.append(same)
+    tokens = sum(counts)
+    mean = sum(nlls) / tokens
+    per_token = [n / c for n, c in zip(nlls, counts)]
+    low, high = mean_interval(per_token, counts)
+    out = {
         "perplexity": math.exp(mean),
+        "perplexity_ci": [math.exp(low), math.exp(high)],
         "nll": mean,
-        "tokens": count,
+        "tokens": tokens,
         "sequences": len(sequences),
+        "prefill_tokens": prefill_tokens,
         "chunk_size": engine.chunk_size,
         "page_size": engine.page_size,
         "dmc": engine.dmc is not None,
-        "per_sequence_nll": per_sequence,
+        "per_sequence_nll": per_token,
         "compression": CompressionStats.combine(stats).to_dict(),
+        "cache_bytes": {k: sum(b[k] for b in cache_bytes) for k in cache_bytes[0]},
     }
+    if reference is not None:
+        out["kl"] = sum(kls) / tokens
+        out["kl_ci"] = list(mean_interval([k / c for k, c in zip(kls, counts)], counts))
+        out["top1_agreement"] = sum(agree) / tokens
+        out["top1_ci"] = list(mean_interval([a / c for a, c in zip(agree, counts)], counts))
+    if keep_logprobs:
+        out["logprobs"] = logprobs
+    return out
+
+
+def _divergence(reference: torch.Tensor, logp: torch.Tensor) -> tuple[float, int]:
+    """Summed ``KL(p_ref || p)`` over positions and the number of positions whose argmax
+    agree, for log-probabilities ``reference, logp [positions, vocab]``."""
+    if reference.shape != logp.shape:
+        raise ValueError(f"reference log-probabilities {tuple(reference.shape)} do not match "
+                         f"{tuple(logp.shape)} (same sequences and prefill_tokens?)")
+    ref = reference.double()
+    kl = (ref.exp() * (ref - logp.double())).sum()
+    same = (ref.argmax(dim=-1) == logp.argmax(dim=-1)).sum()
+    return float(kl), int(same)
 
 
 @torch.inference_mode()

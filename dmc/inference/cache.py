@@ -117,6 +117,25 @@ class PagedKVCache:
     def bytes_in_use(self) -> int:
         return self.pages_in_use * self.page_bytes
 
+    def sequence_bytes(self, seq_slot: int, dmc_state: bool = True) -> dict:
+        """Bytes held for one sequence: ``kv`` (its pages of keys and values), ``metadata`` (a
+        4-byte block-table entry per page and a 4-byte length per head) and, with
+        ``dmc_state``, ``dmc_state``: the open slot's merge state of every (layer, KV head)
+        (float32 ring of ``window`` pre-RoPE keys and values and their omegas, or the running
+        mean and ``z``, plus the int32 token count), allocated whether or not a head merges."""
+        lengths = self._lengths[seq_slot].long()
+        pages = int(_cdiv(lengths, self.page_size).sum())
+        heads = lengths.numel()
+        out = {"kv": pages * self.page_bytes,
+               "metadata": pages * self._tables.element_size() + heads * 4,
+               "dmc_state": 0}
+        if dmc_state:
+            per_head = (self.open_k[seq_slot, 0, 0].numel() * 2 * self.open_k.element_size()
+                        + self.open_omega[seq_slot, 0, 0].numel() * self.open_omega.element_size()
+                        + self.open_count.element_size())
+            out["dmc_state"] = heads * per_head
+        return out
+
     def head_lengths(self, seq_slot: int) -> torch.Tensor:
         """Slots per head of one sequence, ``[num_layers, num_kv_heads]`` (host copy)."""
         return self._lengths[seq_slot].clone()

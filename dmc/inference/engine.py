@@ -141,11 +141,14 @@ class ScoreResult:
     logits: ``[n, vocab]`` float32 when asked for, else None.
     compression: the cache after all ``n`` tokens (with a policy: the slots it kept, so CR is the
         measured one; OmniKV reports its GPU-resident slots, see :mod:`dmc.policies.omnikv`).
+    cache_bytes: what the cache held for the sequence after all ``n`` tokens (see
+        :meth:`Engine.sequence_bytes`).
     """
 
     token_logprobs: torch.Tensor
     logits: torch.Tensor | None
     compression: CompressionStats
+    cache_bytes: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -162,6 +165,39 @@ class _Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
+
+
+class _Scorer:
+    """One sequence of :meth:`Engine.score_batch`: its tokens, and the log-probabilities (and
+    logits) gathered from prefill chunks and decode steps."""
+
+    def __init__(self, tokens: list[int], prefilled: int | None, max_seq_len: int,
+                 device: torch.device, keep_logits: bool):
+        if len(tokens) < 1 or len(tokens) > max_seq_len:
+            raise ValueError(f"score: need 1..{max_seq_len} tokens, got {len(tokens)}")
+        self.prefilled = len(tokens) if prefilled is None else int(prefilled)
+        if not 1 <= self.prefilled <= len(tokens):
+            raise ValueError(f"score: prefill_tokens must be None or in [1, {len(tokens)}], got "
+                             f"{prefilled!r}")
+        self.tokens = tokens
+        self.target = torch.tensor(tokens[1:] + [0], device=device)
+        self.keep_logits = keep_logits
+        self.logprobs: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.seq: _Sequence | None = None
+
+    def consume(self, start: int, logits: torch.Tensor) -> None:
+        """``logits [n, vocab]`` of the positions ``start .. start + n - 1``."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        picked = logp.gather(-1, self.target[start:start + logits.shape[0], None])[:, 0]
+        self.logprobs.append(picked.double().cpu())
+        if self.keep_logits:
+            self.logits.append(logits.float().cpu())
+
+    def result(self, compression: CompressionStats, cache_bytes: dict) -> ScoreResult:
+        return ScoreResult(torch.cat(self.logprobs)[:-1],
+                           torch.cat(self.logits) if self.keep_logits else None,
+                           compression, cache_bytes)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -402,7 +438,6 @@ class Engine:
             bar.close()
         return [results[i] for i in ids]
 
-    @torch.inference_mode()
     def score(self, tokens: Sequence[int], *, return_logits: bool = False,
               prefill_tokens: int | None = None) -> ScoreResult:
         """Teacher forcing through the real compressed cache: the log-probability of every next
@@ -410,37 +445,64 @@ class Engine:
         others one at a time through the decode path, so that a policy evicts at every token as
         in generation (DMC and vanilla give the same result either way). Uses one sequence slot
         and its pages for the duration of the call (no preemption: :class:`CacheFullError` when
-        they do not fit)."""
-        tokens = [int(t) for t in tokens]
-        if len(tokens) < 1 or len(tokens) > self.max_seq_len:
-            raise ValueError(f"score: need 1..{self.max_seq_len} tokens, got {len(tokens)}")
-        prefilled = len(tokens) if prefill_tokens is None else int(prefill_tokens)
-        if not 1 <= prefilled <= len(tokens):
-            raise ValueError(f"score: prefill_tokens must be None or in [1, {len(tokens)}], got "
-                             f"{prefill_tokens!r}")
-        target = torch.tensor(tokens[1:] + [0], device=self.device)
-        logprobs, kept = [], []
+        they do not fit). :meth:`score_batch` scores several sequences at once."""
+        return self.score_batch([tokens], return_logits=return_logits,
+                                prefill_tokens=prefill_tokens)[0]
 
-        def consume(start, logits):
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            picked = logp.gather(-1, target[start:start + logits.shape[0], None])[:, 0]
-            logprobs.append(picked.double().cpu())
-            if return_logits:
-                kept.append(logits.float().cpu())
-
-        slot = self.cache.add_sequence()
+    @torch.inference_mode()
+    def score_batch(self, sequences: Sequence[Sequence[int]], *, return_logits: bool = False,
+                    prefill_tokens: int | Sequence[int | None] | None = None
+                    ) -> list[ScoreResult]:
+        """:meth:`score` for several sequences: each is prefilled on its own, then their
+        teacher-forced tokens are decoded as one batch (a sequence leaves the batch when its
+        tokens run out). ``prefill_tokens`` is one value for all or one per sequence. At most
+        ``max_batch`` sequences (the cache's sequence slots)."""
+        sequences = [[int(t) for t in seq] for seq in sequences]
+        if not 1 <= len(sequences) <= self.max_batch:
+            raise ValueError(f"score_batch: need 1..{self.max_batch} (max_batch) sequences, "
+                             f"got {len(sequences)}")
+        if prefill_tokens is None or isinstance(prefill_tokens, int):
+            prefill_tokens = [prefill_tokens] * len(sequences)
+        if len(prefill_tokens) != len(sequences):
+            raise ValueError(f"score_batch: {len(sequences)} sequences but "
+                             f"{len(prefill_tokens)} prefill_tokens")
+        scorers = [_Scorer(tokens, prefilled, self.max_seq_len, self.device, return_logits)
+                   for tokens, prefilled in zip(sequences, prefill_tokens)]
+        running = []
         try:
-            self._prefill(slot, tokens[:prefilled], consume, all_logits=True)
-            seq = _Sequence(-1, tokens[:prefilled], SamplingParams(), None, slot=slot)
-            for position in range(prefilled, len(tokens)):
-                _, logits = self._decode_step([seq], [tokens[position]], [position],
-                                              preempt=False)
-                consume(position, logits)
-            compression = self._compression(slot, len(tokens))
+            for scorer in scorers:
+                slot = self.cache.add_sequence()
+                scorer.seq = _Sequence(-1, scorer.tokens[:scorer.prefilled], SamplingParams(),
+                                       None, slot=slot)
+                running.append(scorer)
+                self._prefill(slot, scorer.seq.tokens, scorer.consume, all_logits=True)
+            position = min(s.prefilled for s in scorers)
+            while active := [s for s in scorers if s.prefilled <= position < len(s.tokens)]:
+                _, logits = self._decode_step([s.seq for s in active],
+                                              [s.tokens[position] for s in active],
+                                              [position] * len(active), preempt=False)
+                for scorer, row in zip(active, logits):
+                    scorer.consume(position, row[None])
+                position += 1
+            results = []
+            for scorer in scorers:
+                slot = scorer.seq.slot
+                results.append(scorer.result(self._compression(slot, len(scorer.tokens)),
+                                             self.sequence_bytes(slot)))
         finally:
-            self.cache.free_sequence(slot)
-        return ScoreResult(torch.cat(logprobs)[:-1], torch.cat(kept) if return_logits else None,
-                           compression)
+            for scorer in running:
+                self.cache.free_sequence(scorer.seq.slot)
+        return results
+
+    def sequence_bytes(self, slot: int) -> dict:
+        """Bytes the cache holds for the sequence in ``slot``: its pages (``kv``), their block
+        table entries and per-head lengths (``metadata``), the DMC merge state of every head
+        (``dmc_state``: the window ring or running mean in float32, its weights and count) and a
+        policy's per-slot and per-sequence state (``policy_state``); ``total`` sums them."""
+        out = self.cache.sequence_bytes(slot, dmc_state=self.dmc is not None)
+        out["policy_state"] = self.policy.state_bytes(slot) if self.policy is not None else 0
+        out["total"] = sum(out.values())
+        return out
 
     def reset_stats(self) -> None:
         """Zero the counters in ``self.stats``."""

@@ -106,6 +106,19 @@ class PolicyRunner:
         seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
         return attend(layer, seqs, queries, self)
 
+    def state_bytes(self, seq: int) -> int:
+        """Bytes of policy state held for sequence slot ``seq``: per kept slot, its original
+        position (int64) and the policy's per-slot state; plus the policy's per-sequence state
+        (e.g. SnapKV's observation-window queries)."""
+        slots = int(self.cache.head_lengths(seq).sum())
+        per_slot = self.positions.element_size() + sum(
+            state[0, 0, 0, 0].numel() * state.element_size()
+            for state in self.policy.slot_states())
+        per_seq = sum(getattr(self.policy, name)[seq].numel()
+                      * getattr(self.policy, name).element_size()
+                      for name in self.policy.seq_state_names)
+        return slots * per_slot + per_seq
+
     def reported_slots(self, seq: int, tokens: int) -> torch.Tensor:
         return self.policy.reported_slots(self.cache.head_lengths(seq).long(), tokens)
 

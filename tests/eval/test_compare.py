@@ -1,5 +1,6 @@
-"""`dmc eval compare`: one table for vanilla, DMC, GQA and a KV policy; numbers equal direct
-evaluate_perplexity / evaluate_needle calls on the same engines."""
+"""`dmc eval compare`: one table for the control, DMC, GQA and a KV policy; numbers equal direct
+evaluate_perplexity / evaluate_needle calls on the same engines; the control against itself has
+KL 0, top-1 agreement 1 and compression 1."""
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from dmc.inference.loading import load_model
 from tiny_models import VOCAB, build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-SEQ, PREFILL = 48, 24
+SEQ, PREFILL, NEEDLE_LENGTHS = 48, 24, (40, 48)
 CONFIG = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 96,
           "vocab_size": VOCAB, "max_seq_length": 160}
 
@@ -35,10 +36,11 @@ def setup(parallel_1x1, tmp_path_factory):
 
 
 def run(root, *extra):
-    return main(["eval", "compare", "--vanilla", str(root / "vanilla.pt"), "--data",
-                 str(root / "tokens.pt"), "--seq-len", str(SEQ), "--num-sequences", "2",
-                 "--num-needles", "3", "--prefill-fraction", "0.5", "--output",
-                 str(root / "out"), *extra])
+    return main(["eval", "compare", "--control", str(root / "vanilla.pt"), "--data",
+                 str(root / "tokens.pt"), "--seq-len", str(SEQ), "--num-sequences", "3",
+                 "--needle-lengths", ",".join(map(str, NEEDLE_LENGTHS)), "--needle-depths",
+                 "0.2,0.8", "--needles-per-cell", "2", "--batch-size", "2",
+                 "--prefill-fraction", "0.5", "--output", str(root / "out"), *extra])
 
 
 def test_table_json_png_and_numbers(setup, capsys):
@@ -48,48 +50,62 @@ def test_table_json_png_and_numbers(setup, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report == json.loads((root / "out" / "compare.json").read_text())
     assert (root / "out" / "compare.png").stat().st_size > 5000
+    assert (root / "out" / "compare.md").read_text().startswith("| method | CR |")
     rows = {r["label"]: r for r in report["results"]}
-    assert list(rows) == ["vanilla", "DMC", "GQA", "H2O"]
-    assert rows["GQA"]["nominal_cr"] == 2.0 and rows["GQA"]["measured_cr"] == 2.0
-    assert rows["vanilla"]["measured_cr"] == 1.0
-    assert rows["DMC"]["measured_cr"] > 1.2
+    assert list(rows) == ["control", "DMC", "GQA", "H2O"]
+    control = rows["control"]
+    assert (control["kl"], control["top1_agreement"]) == (0.0, 1.0)
+    assert control["slots_cr"] == control["memory_cr"] == 1.0
+    assert rows["GQA"]["nominal_cr"] == 2.0 and rows["GQA"]["slots_cr"] == 2.0
+    assert rows["GQA"]["memory_cr"] == pytest.approx(2.0)  # half the heads: pages and tables
+    assert rows["DMC"]["slots_cr"] > 1.2
+    assert rows["DMC"]["memory_cr"] < rows["DMC"]["slots_cr"]  # the merge state costs bytes
     assert rows["H2O"]["nominal_cr"] == 2.0
-    assert rows["H2O"]["measured_cr"] == pytest.approx(2.0, abs=0.15)
+    assert rows["H2O"]["slots_cr"] == pytest.approx(2.0, abs=0.15)
+    for label in ("DMC", "GQA", "H2O"):
+        assert rows[label]["kl"] > 0 and rows[label]["top1_agreement"] < 1, label
+    assert report["settings"]["prefill_tokens"] == PREFILL
+    assert rows["DMC"]["needle"]["examples"] == 2 * 2 * len(NEEDLE_LENGTHS)
+    assert list(rows["DMC"]["needle"]["per_length"]) == [str(n) for n in NEEDLE_LENGTHS]
     table = report["table"].splitlines()
-    dmc_cr = rows["DMC"]["nominal_cr"]  # an inference file records no target: measured, to 0.5
-    assert dmc_cr == round(rows["DMC"]["measured_cr"] * 2) / 2 and dmc_cr != 2.0
-    assert table[0].split() == ["method"] + " ".join(
-        f"CR {c:g}x" for c in sorted({1.0, 2.0, dmc_cr})).split()
-    assert [line.split()[0] for line in table[1:5]] == ["vanilla", "DMC", "GQA", "H2O"]
-    assert f"{rows['GQA']['perplexity']:.2f} / " in table[3]
+    assert [line.split("|")[1].strip() for line in table[2:]][0] == "control"
+    gqa_line = next(line for line in table if line.startswith("| GQA |"))
+    assert f"{rows['GQA']['perplexity']:.2f} [" in gqa_line
 
     stream = torch.load(root / "tokens.pt").tolist()
-    sequences = [stream[i * SEQ:(i + 1) * SEQ] for i in range(2)]
-    needles = make_needle_examples(stream[:len(stream) // SEQ * SEQ], SEQ, 3, seed=0)
+    sequences = [stream[i * SEQ:(i + 1) * SEQ] for i in range(3)]
+    needles = [ex for n in NEEDLE_LENGTHS for ex in make_needle_examples(
+        stream[:len(stream) // n * n], n, 4, depths=(0.2, 0.8), seed=n)]
     from dmc.policies import get_policy
 
+    def engine(path, batch, **kw):
+        return Engine(load_model(root / path).model, max_batch=batch, max_seq_len=SEQ, **kw)
+
     engines = {
-        "vanilla": lambda: Engine(load_model(root / "vanilla.pt").model, dmc=None,
-                                  max_batch=1, max_seq_len=SEQ),
-        "DMC": lambda: Engine(load_model(root / "dmc.pt").model, max_batch=1, max_seq_len=SEQ),
-        "GQA": lambda: Engine(load_model(root / "gqa").model, dmc=None, max_batch=1,
-                              max_seq_len=SEQ),
-        "H2O": lambda: Engine(load_model(root / "vanilla.pt").model, dmc=None, max_batch=1,
-                              max_seq_len=SEQ, policy=get_policy("h2o", compression_ratio=2.0)),
+        "control": lambda b: engine("vanilla.pt", b, dmc=None),
+        "DMC": lambda b: engine("dmc.pt", b),
+        "GQA": lambda b: engine("gqa", b, dmc=None),
+        "H2O": lambda b: engine("vanilla.pt", b, dmc=None,
+                                policy=get_policy("h2o", compression_ratio=2.0)),
     }
-    for label, make in engines.items():
-        direct = evaluate_perplexity(make(), sequences, prefill_tokens=PREFILL)
-        assert rows[label]["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-9), label
-        needle = evaluate_needle(make(), needles)
+    reference = evaluate_perplexity(engines["control"](1), sequences, prefill_tokens=PREFILL,
+                                    keep_logprobs=True)["logprobs"]
+    for label, make in engines.items():  # one sequence at a time: batching changes nothing
+        direct = evaluate_perplexity(make(1), sequences, prefill_tokens=PREFILL,
+                                     reference=reference)
+        for key in ("perplexity", "kl", "top1_agreement"):  # float32 sums in another order
+            assert rows[label][key] == pytest.approx(direct[key], rel=1e-6, abs=1e-7), label
+        needle = evaluate_needle(make(1), needles)
         assert rows[label]["needle"]["answer_nll"] == pytest.approx(needle["answer_nll"],
-                                                                    rel=1e-9), label
+                                                                    rel=1e-6), label
         assert rows[label]["needle_accuracy"] == needle["accuracy"]
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--policies", "h2o,nope"], "--policies: unknown nope; accepted: h2o, tova"),
-    (["--crs", "2,0.5"], "--crs: expected comma-separated numbers >= 1"),
-    (["--prefill-fraction", "0"], r"--prefill-fraction: expected 0 < f <= 1"),
+    (["--crs", "2,0.5"], "--crs: expected comma-separated numbers in [1, inf]"),
+    (["--prefill-fraction", "0"], r"--prefill-fraction: expected 0 < f < 1"),
+    (["--needle-depths", "0.5,2"], "--needle-depths: expected comma-separated numbers in [0, 1]"),
     (["--dmc", "VANILLA"], "is not a DMC model"),
 ])
 def test_bad_flags_name_the_flag(setup, capsys, flags, message):

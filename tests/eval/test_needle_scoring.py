@@ -18,12 +18,18 @@ def examples(n=4, seq_len=48):
 
 class ScriptedEngine:
     """Scores by a script: the answer's first ``right[i]`` tokens of example ``i`` get the top
-    logit, the rest a wrong one; it records the prefill length it was asked for."""
+    logit, the rest a wrong one; it records the prefill lengths it was asked for."""
+
+    max_batch = 3
 
     def __init__(self, right):
         self.right, self.calls = list(right), []
 
-    def score(self, tokens, *, prefill_tokens=None, return_logits=False):
+    def score_batch(self, sequences, *, prefill_tokens=None, return_logits=False):
+        return [self.score(tokens, prefill_tokens=p) for tokens, p in zip(sequences,
+                                                                            prefill_tokens)]
+
+    def score(self, tokens, *, prefill_tokens=None):
         self.calls.append(prefill_tokens)
         ok = self.right[len(self.calls) - 1]
         n = len(tokens)
@@ -33,7 +39,8 @@ class ScriptedEngine:
             target = tokens[row + 1] if j < ok else (tokens[row + 1] + 1) % VOCAB
             logits[row, target] = 5.0
         logp = torch.log_softmax(logits, -1)[torch.arange(n - 1), torch.tensor(tokens[1:])]
-        return ScoreResult(logp.double(), logits, CompressionStats(n, torch.full((1, 1), n)))
+        return ScoreResult(logp.double(), logits, CompressionStats(n, torch.full((1, 1), n)),
+                           {"kv": 8 * n, "total": 8 * n})
 
 
 def test_accuracy_counts_exact_and_token_hits():
@@ -42,8 +49,14 @@ def test_accuracy_counts_exact_and_token_hits():
     result = evaluate_needle(engine, exs)
     assert engine.calls == [ex.prompt_len for ex in exs]  # prompt prefilled, answer decoded
     assert result["accuracy"] == 0.5 and result["token_accuracy"] == pytest.approx(8 / 12)
-    assert result["per_depth"] == {"0.1": 1.0, "0.3": 0.0, "0.5": 0.0, "0.7": 1.0}
+    assert {d: v["accuracy"] for d, v in result["per_depth"].items()} == {
+        "0.1": 1.0, "0.3": 0.0, "0.5": 0.0, "0.7": 1.0}
+    assert result["per_length"] == {48: {"accuracy": 0.5, "accuracy_ci": result["accuracy_ci"],
+                                         "examples": 4}}
+    low, high = result["accuracy_ci"]
+    assert low == pytest.approx(0.1500, abs=1e-4) and high == pytest.approx(0.8500, abs=1e-4)
     assert result["compression"]["cr"] == 1.0
+    assert result["cache_bytes"] == {"kv": 8 * 4 * 48, "total": 8 * 4 * 48}
 
 
 @pytest.mark.parametrize("window", ["vanilla", 3])

@@ -100,3 +100,44 @@ def test_ppl_cli_json(parallel_1x1, tmp_path, capsys):
     assert out["sequences"] == 2 and out["tokens"] == 78
     assert out["nll"] == pytest.approx(out["full_forward"]["nll"], abs=1e-4)
     assert math.isfinite(out["perplexity"]) and out["compression"]["cr"] > 1.5
+
+
+def full_forward_logprobs(model, tokens):
+    """float64 log-probabilities of the eval-mode model's full forward, ``[n, vocab]``."""
+    for layer in dmc_layers(model):
+        layer.dmc.set_mode("eval")
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens)[None], torch.arange(len(tokens))[None], None)[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+@pytest.mark.parametrize("window", ["vanilla", 3])
+def test_decoded_only_perplexity_and_kl_against_float64(parallel_1x1, window):
+    """With prefill_tokens=P only the decode path's predictions (tokens P+1..n-1) count, and KL /
+    top-1 agreement against a reference equal float64 sums over the same positions."""
+    model, other = build(2, window), build_tiny(2, "vanilla", max_seq=128, seed=9)[0]
+    sequences, prefill = held_out(3, 40), 17
+    engine = Engine(model, page_size=4, max_batch=2, chunk_size=8)
+    reference = evaluate_perplexity(Engine(other, page_size=4, max_batch=2), sequences,
+                                    prefill_tokens=prefill, keep_logprobs=True)
+    result = evaluate_perplexity(engine, sequences, prefill_tokens=prefill,
+                                 reference=reference["logprobs"], keep_logprobs=True)
+    nll, kl, agree = 0.0, 0.0, 0
+    for tokens in sequences:
+        mine, theirs = full_forward_logprobs(model, tokens), full_forward_logprobs(other, tokens)
+        rows = torch.arange(prefill, len(tokens) - 1)  # decode positions predicting P+1..n-1
+        nll -= float(mine[rows, torch.tensor(tokens)[rows + 1]].sum())
+        kl += float((theirs[rows].exp() * (theirs[rows] - mine[rows])).sum())
+        agree += int((theirs[rows].argmax(-1) == mine[rows].argmax(-1)).sum())
+    count = 3 * (40 - prefill - 1)
+    assert result["tokens"] == count and result["prefill_tokens"] == prefill
+    assert result["nll"] == pytest.approx(nll / count, abs=1e-5)
+    assert result["kl"] == pytest.approx(kl / count, abs=1e-5)
+    assert result["top1_agreement"] == agree / count
+    low, high = result["perplexity_ci"]
+    assert low <= result["perplexity"] <= high
+    itself = evaluate_perplexity(Engine(model, page_size=4, max_batch=3, chunk_size=8),
+                                 sequences, prefill_tokens=prefill, reference=result["logprobs"])
+    assert itself["kl"] == pytest.approx(0.0, abs=1e-6) and itself["top1_agreement"] == 1.0
+    with pytest.raises(ValueError, match="leaves no decoded prediction"):
+        evaluate_perplexity(engine, sequences, prefill_tokens=39)

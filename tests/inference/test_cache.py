@@ -322,3 +322,21 @@ def test_sequence_slots_and_head_limit():
     assert cache.pages_in_use == 0 and cache.add_sequence() == seq
     with pytest.raises(ValueError, match="distinct and added"):
         cache.append(0, [seq, seq], torch.ones(2, 1, 4), torch.ones(2, 1, 4))
+
+
+@pytest.mark.parametrize("window,rows", [(3, 3), (None, 1)])
+def test_sequence_bytes_counts_pages_tables_and_merge_state(window, rows):
+    """kv = pages x page bytes; metadata = 4 bytes per page id and per head length; dmc_state =
+    every head's float32 ring (or running mean) of keys, values and omegas plus its int32 count."""
+    layers, heads, dim, page = 2, 3, 8, 4
+    cache = PagedKVCache(layers, heads, dim, 64, page_size=page, max_seqs=2, window=window,
+                         dtype=torch.bfloat16)
+    slot = cache.add_sequence()
+    lengths = torch.tensor([[1, 4, 9], [0, 5, 13]])
+    for layer in range(layers):
+        cache._resize(torch.tensor([slot]), layer, lengths[layer][None])
+    pages = int(((lengths + page - 1) // page).sum())
+    got = cache.sequence_bytes(slot)
+    assert got == {"kv": pages * 2 * page * dim * 2, "metadata": pages * 4 + layers * heads * 4,
+                   "dmc_state": layers * heads * ((2 * rows * dim + rows) * 4 + 4)}
+    assert cache.sequence_bytes(slot, dmc_state=False)["dmc_state"] == 0
