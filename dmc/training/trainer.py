@@ -184,7 +184,7 @@ class Trainer:
             self.resumed_from = self._describe_resume(Path(init), state)
             return
         base = self.cfg.checkpoint.load_base
-        if self.kind == "retrofit" and base:
+        if base:  # weights only: e.g. a retrofit's base, or a pretraining stage at a longer context
             self._check_base_shape(Path(base))
             ckpt.load_checkpoint(Path(base), self.module)
 

@@ -5,8 +5,10 @@ import random
 import pytest
 
 from dmc.data.retrieval import (
+    COPY_SHARE,
     PASSAGE_TOKENS,
     _Stream,
+    copy_document,
     kv_document,
     make_retrieval_documents,
     repeat_document,
@@ -25,29 +27,40 @@ def occurrences(doc, span):
     return [i for i in range(len(doc) - n + 1) if doc[i:i + n] == span]
 
 
-def test_repeat_documents_hold_each_passage_twice():
+def test_repeat_documents_hold_each_passage_two_or_three_times():
     docs = corpus()
     rng = random.Random(3)
     stream = _Stream(docs, rng)
     for _ in range(20):
         state = rng.getstate()
         doc = repeat_document(stream, 512, rng)
-        assert len(doc) <= 512
-        rng.setstate(state)  # replay the draws to learn the passages
-        passages = []
+        assert len(doc) == 512
+        rng.setstate(state)  # replay the draws to learn the passages and their copies
+        passages, room = [], int(COPY_SHARE * 512)
         for _ in range(rng.randint(2, 6)):
-            passage = stream.span(rng.randint(*PASSAGE_TOKENS))
-            if 2 * (len(passage) + sum(map(len, passages))) > 256:
+            copies = rng.randint(2, 3)
+            if room // copies < PASSAGE_TOKENS[0]:
                 break
-            passages.append(passage)
+            passage = stream.span(min(rng.randint(*PASSAGE_TOKENS), room // copies))
+            passages.append((passage, copies))
+            room -= copies * len(passage)
         assert passages
-        for passage in passages:
-            found = occurrences(doc, passage)
-            if doc[-len(passage):] != passage or len(found) >= 2:  # the tail may be cut
-                assert len(found) >= 2, "a passage appears once"
+        for passage, copies in passages:
+            assert len(occurrences(doc, passage)) >= copies
         rng.setstate(state)
-        doc2 = repeat_document(stream, 512, rng)
-        assert doc == doc2
+        assert repeat_document(stream, 512, rng) == doc
+
+
+def test_copy_documents_repeat_one_random_sequence():
+    rng = random.Random(2)
+    stream = _Stream(corpus(), rng)
+    periods = []
+    for _ in range(200):
+        doc = copy_document(stream, 512, rng)
+        period = next(p for p in range(1, 513) if doc[p:] == doc[:-p])
+        assert 4 <= period <= 256 and len(doc) == 512
+        periods.append(period)
+    assert sum(p <= 32 for p in periods) > 60  # log-uniform: short periods are common
 
 
 def test_kv_documents_query_their_own_lines():
@@ -81,10 +94,10 @@ def test_make_documents_is_deterministic_and_sized():
     assert {t for d in a for t in d} <= vocab
     with pytest.raises(ValueError, match="separators"):
         make_retrieval_documents(docs, 100, kinds=("kv",))
-    with pytest.raises(ValueError, match="kinds: .*choose from repeat, kv"):
+    with pytest.raises(ValueError, match="kinds: .*choose from repeat, kv, copy"):
         make_retrieval_documents(docs, 100, kinds=("nope",))
-    with pytest.raises(ValueError, match="doc_tokens must be >="):
-        make_retrieval_documents(docs, 100, doc_tokens=100, kinds=("repeat",))
+    with pytest.raises(ValueError, match="doc_tokens must be >= 64"):
+        make_retrieval_documents(docs, 100, doc_tokens=40, kinds=("repeat",))
 
 
 def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):

@@ -1,0 +1,390 @@
+"""A small-scale Table 1 of the DMC paper: does a retrofitted model keep its quality at equal
+memory?
+
+Driven by a YAML file (``configs/experiments/retrofit_quality.yaml``), on one machine:
+
+1. data: ``dmc data prepare`` of Shakespeare mixed with in-context retrieval documents;
+2. base: a Llama-style model pretrained on it, so that it can retrieve from its context (cached by
+   the hash of the data, model and base settings under ``$DMC_CACHE`` or ``~/.cache/dmc``, or
+   given with ``--base``: it is never retrained silently, and a missing one is announced);
+3. the **control** (the base up-trained with vanilla attention), **DMC** at every ``dmc_crs``
+   (zero-out, CR annealed from 1x, solidify) and **GQA** at every ``gqa_factors`` (KV heads
+   mean-pooled, then up-trained): all with the SAME steps, data order and LR schedule, so the
+   table compares caches, not training budgets;
+4. every method through the real engine (:mod:`dmc.eval.compare`): the control, the base, DMC, GQA
+   and every KV policy on the control at every ``policy_crs``: decoded-token perplexity, KL and
+   top-1 agreement against the control, needle accuracy at several lengths and depths with 95%
+   intervals, slots CR and memory CR (bytes held, vs the control);
+5. the DMC run with the largest CR, evaluated at its intermediate checkpoints (the paper's Fig. 4).
+
+Writes to ``OUTPUT/NAME/`` (``NAME-quick`` with ``--quick``): ``results.json``, ``table.md``,
+``compare/compare.png`` (quality against memory CR, a line per method) and
+``dmc_checkpoints.png``; prints the tables. Training runs live in ``OUTPUT/runs/<run>-<hash>``
+(the hash covers everything the run depends on) and are reused, or resumed, by any experiment
+with the same settings. ``--quick`` runs the same pipeline at smoke-test size. Several
+``--config`` files merge left to right (e.g. an ablation file over the main one).
+
+    python benchmarks/retrofit_quality.py --config configs/experiments/retrofit_quality.yaml
+    dmc bench retrofit_quality --quick
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
+CACHE_VERSION = 1  # bump when the data or base recipe changes meaning
+SECTIONS = {
+    "output": str, "data": dict, "model": str, "base": dict, "retrofit": dict, "dmc_crs": list,
+    "gqa_factors": list, "policies": list, "policy_crs": list, "intermediate_crs": list,
+    "eval": dict, "quick": dict,
+}
+OPTIONAL = {"variants": [],  # extra DMC runs: [{name, cr, overrides}] (ablations)
+            "name": "table1"}  # results go to OUTPUT/NAME (OUTPUT/NAME-quick with --quick)
+VARIANT_KEYS = {"name", "cr", "overrides"}
+DATA_KEYS = {"vocab_size", "retrieval_fraction", "retrieval_doc_tokens", "valid_fraction",
+             "seed"}
+EVAL_KEYS = {"seq_len", "num_sequences", "prefill_fraction", "needle_lengths", "needle_depths",
+             "needles_per_cell", "batch_size", "seed"}
+QUICK_KEYS = {"data", "model_overrides", "base", "retrofit", "intermediate_crs", "eval"}
+
+
+# ----------------------------------------------------------------------------- configuration
+def load_experiment(paths: list[Path], quick: bool) -> dict:
+    """The experiment YAML files merged left to right (mappings key by key), checked (a
+    ValueError names the key and what it accepts); with ``quick`` the ``quick`` section is
+    merged over the rest."""
+    exp: dict = {}
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise ValueError(f"--config {path}: no such file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config {path}: expected a mapping of {', '.join(SECTIONS)}")
+        for key, value in loaded.items():
+            both_maps = isinstance(value, dict) and isinstance(exp.get(key), dict)
+            exp[key] = {**exp[key], **value} if both_maps else value
+    for key, default in OPTIONAL.items():
+        exp.setdefault(key, default)
+    _check_keys(exp, set(SECTIONS) | set(OPTIONAL), "the top level")
+    for variant in exp["variants"]:
+        if not isinstance(variant, dict):
+            raise ValueError(f"variants: expected mappings of {', '.join(sorted(VARIANT_KEYS))}")
+        _check_keys(variant, VARIANT_KEYS, f"variant {variant.get('name', '?')}")
+    for key, kind in SECTIONS.items():
+        if not isinstance(exp[key], kind):
+            raise ValueError(f"{key}: expected a {kind.__name__}, got {exp[key]!r}")
+    _check_keys(exp["data"], DATA_KEYS, "data")
+    _check_keys(exp["eval"], EVAL_KEYS, "eval")
+    for section in ("base", "retrofit"):
+        _check_keys(exp[section], {"overrides"}, section)
+    quick_section = exp.pop("quick")
+    unknown = sorted(set(quick_section) - QUICK_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key quick.{unknown[0]}; accepted: "
+                         f"{', '.join(sorted(QUICK_KEYS))}")
+    exp["model_overrides"] = []
+    if quick:
+        for key, value in quick_section.items():
+            if isinstance(value, dict):
+                exp[key] = {**exp[key], **value}
+            else:
+                exp[key] = value
+    for key in ("dmc_crs", "gqa_factors", "policy_crs", "intermediate_crs"):
+        if any(not isinstance(v, (int, float)) or v < 1 for v in exp[key]):
+            raise ValueError(f"{key}: expected a list of numbers >= 1, got {exp[key]!r}")
+    from dmc.eval.compare import parse_policies
+
+    parse_policies(",".join(exp["policies"]) or "none")
+    if not (ROOT / exp["model"]).is_file():
+        raise ValueError(f"model: {exp['model']} is not a file under {ROOT}")
+    return exp
+
+
+def _check_keys(section: dict, accepted: set, where: str) -> None:
+    missing, unknown = sorted(accepted - set(section)), sorted(set(section) - accepted)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]} in {where}; accepted: "
+                         f"{', '.join(sorted(accepted))}")
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}")
+
+
+def _hash(*parts) -> str:
+    text = json.dumps([CACHE_VERSION, *parts], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DMC_CACHE") or Path.home() / ".cache" / "dmc") / "retrofit_quality"
+
+
+# ----------------------------------------------------------------------------- steps
+def run_dmc(args: list[str], log_path: Path) -> dict:
+    """``dmc ARGS --json`` in a subprocess (its own megatron state); returns the last JSON line
+    it printed. Output goes to ``log_path``; a failure raises with the log's tail."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    with open(log_path, "a") as log:
+        log.write(f"$ dmc {' '.join(args)}\n")
+        log.flush()
+        done = subprocess.run([sys.executable, "-m", "dmc.cli", *args, "--json"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        log.write(done.stdout)
+    if done.returncode:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-20:])
+        raise RuntimeError(f"dmc {' '.join(args[:2])} failed (exit {done.returncode}); "
+                           f"log {log_path}:\n{tail}")
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        return json.loads(lines[-1]) if lines else {}
+
+
+def ensure_data(exp: dict, log) -> Path:
+    """The prepared data folder (cached by the data settings)."""
+    d = exp["data"]
+    folder = cache_root() / f"data-{_hash(d)}"
+    if (folder / "meta.json").is_file():
+        log(f"data: reusing {folder}")
+        return folder
+    log(f"data: preparing {folder}")
+    run_dmc(["data", "prepare", "--output", str(folder), "--vocab-size", str(d["vocab_size"]),
+             "--valid-fraction", str(d["valid_fraction"]), "--seed", str(d["seed"]),
+             "--retrieval-fraction", str(d["retrieval_fraction"]),
+             "--retrieval-doc-tokens", str(d["retrieval_doc_tokens"]), "--quiet"],
+            folder.parent / f"data-{_hash(d)}.log")
+    return folder
+
+
+def model_args(exp: dict, data: Path) -> list[str]:
+    return ["--config", str(ROOT / exp["model"]), f"data.path={data}",
+            "logging.progress_bar=false", *exp["model_overrides"]]
+
+
+def ensure_base(exp: dict, data: Path, log) -> Path:
+    """The pretrained base checkpoint, trained once per (data, model, base settings)."""
+    key = _hash(exp["data"], (ROOT / exp["model"]).read_text(), exp["model_overrides"],
+                exp["base"])
+    run_dir = cache_root() / f"base-{key}"
+    final = run_dir / "checkpoints" / "pretrain"
+    if (final / "state.json").is_file():
+        log(f"base: reusing the cached base {final}")
+        return final
+    log(f"base: no cached base for these settings: PRETRAINING one now (cached at {run_dir}; "
+        f"about 40 min on 2 CPU cores for the full config). Pass --base PATH to use another.")
+    run_dmc(["pretrain", *model_args(exp, data), f"run_dir={run_dir}",
+             *exp["base"]["overrides"], "checkpoint.save_interval=100"], run_dir / "train.log")
+    return final
+
+
+def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, Path]:
+    """Under ``out/runs``: the control, DMC (and variant) and GQA runs, all with the same steps,
+    data order and LR; returns name -> final checkpoint. A run whose final checkpoint exists is
+    reused; an interrupted one resumes. The plain DMC runs share the first one's zero-out phase
+    (it does not depend on the target CR) through ``checkpoint.init_from``."""
+    common = [*model_args(exp, data), *exp["retrofit"]["overrides"],
+              "checkpoint.save_interval=0"]
+    heads = _model_kv_heads(exp)
+    plans = [("control", ["dmc.enabled=false"], base)]  # (name, overrides, start checkpoint)
+    plans += [(f"dmc{cr:g}", ["dmc.enabled=true", f"dmc.target_cr={cr}"], base)
+              for cr in exp["dmc_crs"]]
+    plans += [(v["name"], ["dmc.enabled=true", f"dmc.target_cr={v['cr']}", *v["overrides"]],
+               base) for v in exp["variants"]]
+    for factor in exp["gqa_factors"]:
+        groups = heads // int(factor)
+        if groups < 1 or heads % int(factor):
+            raise ValueError(f"gqa_factors: {factor} does not divide the {heads} KV heads")
+        init = out / "gqa_init" / f"kv{groups}-{_hash(str(base))}"
+        if not (init / "state.json").is_file():
+            run_dmc(["baseline", "gqa", "--checkpoint", str(base), "--num-query-groups",
+                     str(groups), "--output", str(init)], out / "gqa_init" / "convert.log")
+        plans.append((f"gqa{factor:g}", ["dmc.enabled=false", f"model.num_query_groups={groups}"],
+                      init))
+    plain_dmc = {f"dmc{cr:g}" for cr in exp["dmc_crs"]}
+    finals, shared_zero_out = {}, None
+    for name, extra, start in plans:
+        run_dir = out / "runs" / f"{name}-{_hash(common, extra, str(start))}"
+        finals[name] = run_dir / "checkpoints" / "solidify"
+        if (finals[name] / "state.json").is_file():
+            log(f"{name}: reusing {finals[name]}")
+        else:
+            shared = [f"checkpoint.init_from={shared_zero_out}"] if (
+                name in plain_dmc and shared_zero_out) else []
+            log(f"{name}: training {run_dir}")
+            started = time.time()
+            run_dmc(["retrofit", *common, *extra, f"run_dir={run_dir}",
+                     f"checkpoint.load_base={start}", *shared], run_dir / "train.log")
+            log(f"{name}: {time.time() - started:.0f} s")
+        if name in plain_dmc and shared_zero_out is None:
+            shared_zero_out = run_dir / "checkpoints" / "zero_out"
+    return finals
+
+
+def _model_kv_heads(exp: dict) -> int:
+    from dmc.training.config import load_config
+
+    cfg = load_config([ROOT / exp["model"]], exp["model_overrides"])
+    return cfg.model.num_query_groups or cfg.model.num_attention_heads
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate(exp: dict, data: Path, base: Path, finals: dict, out: Path, log) -> list[dict]:
+    """Every method through the engine; the intermediate DMC checkpoints get the label
+    ``DMC path``. Returns :func:`dmc.eval.compare.run_methods`'s results."""
+    from dmc.eval.compare import Method, load_eval_data, run_methods
+
+    e = exp["eval"]
+    eval_data = load_eval_data(str(data), e["seq_len"], e["num_sequences"],
+                               e["prefill_fraction"], e["needle_lengths"], e["needle_depths"],
+                               e["needles_per_cell"], e["seed"])
+    methods = [Method("control", "control", str(finals["control"])),
+               Method("base", "base", str(base))]
+    methods += [Method("dmc", "DMC", str(finals[f"dmc{cr:g}"])) for cr in exp["dmc_crs"]]
+    methods += [Method("dmc", v["name"], str(finals[v["name"]])) for v in exp["variants"]]
+    methods += [Method("gqa", "GQA", str(finals[f"gqa{f:g}"])) for f in exp["gqa_factors"]]
+    methods += [Method("policy", name.upper(), policy=name, cr=float(cr))
+                for name in exp["policies"] for cr in exp["policy_crs"]]
+    if exp["dmc_crs"]:
+        largest = finals[f"dmc{max(exp['dmc_crs']):g}"].parent
+        for cr in exp["intermediate_crs"]:
+            checkpoint = largest / f"cr_{float(cr):.1f}"
+            if (checkpoint / "state.json").is_file():
+                methods.append(Method("dmc", "DMC path", str(checkpoint)))
+            else:
+                log(f"no intermediate checkpoint {checkpoint}")
+    return run_methods(methods, eval_data, batch_size=e["batch_size"], log=log)
+
+
+def plot_checkpoints(path_results: list[dict], final: dict | None, path: Path) -> None:
+    """Decoded-token perplexity and needle accuracy of the DMC run's checkpoints against their
+    measured CR (the paper's Fig. 4), the final (solidified) model marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(path_results, key=lambda r: r["slots_cr"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "perplexity", "decoded-token perplexity"),
+                           (axes[1], "needle_accuracy", "needle exact match")):
+        ax.plot([r["slots_cr"] for r in rows], [r.get(key, float("nan")) for r in rows],
+                marker="o", label="during retrofit (cr_X checkpoints)")
+        if final is not None:
+            ax.scatter([final["slots_cr"]], [final.get(key, float("nan"))], marker="*", s=150,
+                       color="red", label="after solidify", zorder=3)
+        ax.set(xlabel="measured CR (slots)", title=title)
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def checkpoint_table(rows: list[dict]) -> str:
+    from dmc.eval.compare import _ci
+
+    lines = ["| checkpoint | target CR | slots CR | memory CR | ppl [95% CI] | KL | "
+             "needle % [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["nominal_cr"]):
+        needle = (f"{100 * r['needle_accuracy']:.1f} {_ci(*r['needle_ci'], 100)}"
+                  if "needle_accuracy" in r else "-")
+        lines.append(f"| {Path(r['path']).name} | {r['nominal_cr']:g}x | {r['slots_cr']:.2f}x | "
+                     f"{r['memory_cr']:.2f}x | {r['perplexity']:.2f} "
+                     f"{_ci(*r['perplexity_ci'], digits=2)} | {r['kl']:.4f} | {needle} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", metavar="FILE.yaml",
+                        help=f"experiment file; repeat to merge several, later ones win "
+                        f"(default: {DEFAULT_CONFIG.relative_to(ROOT)})")
+    parser.add_argument("--quick", action="store_true",
+                        help="the same pipeline at smoke-test size (the file's quick section)")
+    parser.add_argument("--base", metavar="PATH",
+                        help="a pretrained base checkpoint to use instead of the cached one")
+    parser.add_argument("--output", metavar="DIR", help="default: the file's output")
+    parser.add_argument("--out", metavar="FILE.json", help="also copy results.json here")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, log=print) -> dict:
+    exp = load_experiment(args.config or [DEFAULT_CONFIG], args.quick)
+    root = Path(args.output or ROOT / exp["output"])
+    out = root / (exp["name"] + ("-quick" if args.quick else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    timings, started = {}, time.time()
+
+    def stage(name, fn, *a):
+        t = time.time()
+        value = fn(*a)
+        timings[name] = round(time.time() - t, 1)
+        return value
+
+    data = stage("data", ensure_data, exp, log)
+    if args.base:
+        base = Path(args.base)
+        if not (base / "state.json").is_file():
+            raise ValueError(f"--base {base}: not a checkpoint folder (no state.json)")
+        log(f"base: {base} (given)")
+    else:
+        base = stage("base", ensure_base, exp, data, log)
+    finals = stage("train", train_runs, exp, data, base, root, log)
+    results = stage("evaluate", evaluate, exp, data, base, finals, out, log)
+    from dmc.eval.compare import write_report
+
+    path_rows = [r for r in results if r["label"] == "DMC path"]
+    main_rows = [r for r in results if r["label"] != "DMC path"]
+    report = write_report(main_rows, out / "compare", {"experiment": exp, "data": str(data),
+                                                       "base": str(base)})
+    final = next((r for r in main_rows if r["method"] == "dmc"
+                  and r["path"] == str(finals.get(f"dmc{max(exp['dmc_crs'], default=0):g}"))),
+                 None)
+    if path_rows:
+        plot_checkpoints(path_rows, final, out / "dmc_checkpoints.png")
+    timings["total"] = round(time.time() - started, 1)
+    summary = {"experiment": exp, "quick": args.quick, "data": str(data), "base": str(base),
+               "runs": {k: str(v) for k, v in finals.items()}, "timings_s": timings,
+               "table": report["table"], "needle_table": report["needle_table"],
+               "checkpoint_table": checkpoint_table(path_rows) if path_rows else "",
+               "results": main_rows, "checkpoints": path_rows}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    (out / "table.md").write_text("\n\n".join(
+        t for t in (report["table"], report["needle_table"], summary["checkpoint_table"]) if t)
+        + "\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"retrofit_quality: error: {err}", file=sys.stderr)
+        return 2
+    print()
+    print(summary["table"])
+    print()
+    print(summary["needle_table"])
+    if summary["checkpoint_table"]:
+        print()
+        print(summary["checkpoint_table"])
+    print(f"\ntimings (s): {summary['timings_s']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""benchmarks/retrofit_quality.py: the experiment file is checked (bad keys fail naming the key),
+and --quick runs the whole pipeline end to end (slow: about 10 minutes on 2 cores)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "retrofit_quality", ROOT / "benchmarks" / "retrofit_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_experiment_files_load_and_merge():
+    bench = load_benchmark()
+    main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
+    full = bench.load_experiment([main], quick=False)
+    assert full["dmc_crs"] == [2, 4, 8] and full["gqa_factors"] == [2, 4]
+    assert len(full["policies"]) == 9 and full["policy_crs"] == [2, 4, 8]
+    e = full["eval"]
+    assert len(e["needle_lengths"]) >= 3 and len(e["needle_depths"]) == 5
+    assert e["needles_per_cell"] * len(e["needle_lengths"]) * 5 >= 196  # +-7 points at p = 0.5
+    quick = bench.load_experiment([main], quick=True)
+    assert quick["eval"]["seq_len"] < full["eval"]["seq_len"] and quick["model_overrides"]
+    assert quick["eval"]["prefill_fraction"] == full["eval"]["prefill_fraction"]
+    ablation = bench.load_experiment(
+        [main, ROOT / "configs" / "experiments" / "uneven_layers.yaml"], quick=False)
+    assert ablation["name"] == "uneven_layers" and ablation["data"] == full["data"]
+    assert [v["cr"] for v in ablation["variants"]] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"extra": 1}, "unknown key extra in the top level"),
+    ({"eval": {"seq_len": 8}}, "eval lacks"),
+    ({"dmc_crs": [0.5]}, "dmc_crs: expected a list of numbers >= 1"),
+    ({"policies": ["h2o", "nope"]}, "--policies: unknown nope"),
+    ({"variants": [{"name": "x", "cr": 2}]}, "variant x lacks overrides"),
+])
+def test_bad_experiment_files_name_the_key(tmp_path, change, message):
+    bench = load_benchmark()
+    main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
+    full = yaml.safe_load(main.read_text())
+    if "eval" in change:
+        full["eval"] = change["eval"]
+        change = {}
+    path = write(tmp_path, "exp.yaml", {**full, **change})
+    with pytest.raises(ValueError, match=message):
+        bench.load_experiment([path], quick=False)
+    assert bench.main(["--config", str(path), "--output", str(tmp_path / "out")]) == 2
+
+
+@pytest.mark.slow
+def test_quick_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DMC_CACHE", str(tmp_path / "cache"))
+    bench = load_benchmark()
+    assert bench.main(["--quick", "--output", str(tmp_path / "out"),
+                       "--out", str(tmp_path / "r.json")]) == 0
+    out = tmp_path / "out" / "table1-quick"
+    summary = json.loads((out / "results.json").read_text())
+    assert summary == json.loads((tmp_path / "r.json").read_text())
+    rows = summary["results"]
+    labels = [r["label"] for r in rows]
+    assert labels[:2] == ["control", "base"] and labels.count("DMC") == 3
+    assert labels.count("GQA") == 2 and len(rows) == 2 + 3 + 2 + 9 * 3
+    assert all(r["memory_cr"] > 0 and "needle_ci" in r for r in rows)
+    assert (out / "compare" / "compare.png").is_file() and (out / "table.md").is_file()
+    assert (out / "dmc_checkpoints.png").is_file() and summary["checkpoints"]
+    assert summary["timings_s"]["total"] < 900
+    assert "| control | 1x |" in capsys.readouterr().out
+    # a second run reuses the cached data and base and the finished training runs
+    assert bench.main(["--quick", "--output", str(tmp_path / "out")]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["timings_s"]["base"] < 5 and again["timings_s"]["train"] < 30
+    assert [r["perplexity"] for r in again["results"]] == [r["perplexity"] for r in rows]
