@@ -51,8 +51,9 @@ SECTIONS = {
 OPTIONAL = {"variants": [],  # extra DMC runs: [{name, cr, overrides}] (ablations)
             "name": "table1"}  # results go to OUTPUT/NAME (OUTPUT/NAME-quick with --quick)
 VARIANT_KEYS = {"name", "cr", "overrides"}
-DATA_KEYS = {"vocab_size", "retrieval_fraction", "retrieval_doc_tokens", "valid_fraction",
-             "seed"}
+DATA_KEYS = {"vocab_size", "retrieval_fraction", "retrieval_doc_tokens", "retrieval_kinds",
+             "valid_fraction", "seed"}
+STAGE_KEYS = {"data", "overrides"}
 EVAL_KEYS = {"seq_len", "num_sequences", "prefill_fraction", "needle_lengths", "needle_depths",
              "needles_per_cell", "batch_size", "seed"}
 QUICK_KEYS = {"data", "model_overrides", "base", "retrofit", "intermediate_crs", "eval"}
@@ -85,8 +86,16 @@ def load_experiment(paths: list[Path], quick: bool) -> dict:
             raise ValueError(f"{key}: expected a {kind.__name__}, got {exp[key]!r}")
     _check_keys(exp["data"], DATA_KEYS, "data")
     _check_keys(exp["eval"], EVAL_KEYS, "eval")
-    for section in ("base", "retrofit"):
-        _check_keys(exp[section], {"overrides"}, section)
+    _check_keys(exp["retrofit"], {"overrides"}, "retrofit")
+    _check_keys(exp["base"], {"stages"}, "base")
+    if not isinstance(exp["base"]["stages"], list) or not exp["base"]["stages"]:
+        raise ValueError("base.stages: expected a non-empty list of {data, overrides}")
+    for i, stage in enumerate(exp["base"]["stages"]):
+        _check_keys(stage, STAGE_KEYS, f"base.stages[{i}]")
+        unknown = sorted(set(stage["data"]) - DATA_KEYS)
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]} in base.stages[{i}].data; accepted: "
+                             f"{', '.join(sorted(DATA_KEYS))}")
     quick_section = exp.pop("quick")
     unknown = sorted(set(quick_section) - QUICK_KEYS)
     if unknown:
@@ -151,9 +160,8 @@ def run_dmc(args: list[str], log_path: Path) -> dict:
         return json.loads(lines[-1]) if lines else {}
 
 
-def ensure_data(exp: dict, log) -> Path:
-    """The prepared data folder (cached by the data settings)."""
-    d = exp["data"]
+def ensure_data(d: dict, log) -> Path:
+    """The folder ``dmc data prepare`` makes for the data settings ``d`` (cached by them)."""
     folder = cache_root() / f"data-{_hash(d)}"
     if (folder / "meta.json").is_file():
         log(f"data: reusing {folder}")
@@ -162,7 +170,8 @@ def ensure_data(exp: dict, log) -> Path:
     run_dmc(["data", "prepare", "--output", str(folder), "--vocab-size", str(d["vocab_size"]),
              "--valid-fraction", str(d["valid_fraction"]), "--seed", str(d["seed"]),
              "--retrieval-fraction", str(d["retrieval_fraction"]),
-             "--retrieval-doc-tokens", str(d["retrieval_doc_tokens"]), "--quiet"],
+             "--retrieval-doc-tokens", str(d["retrieval_doc_tokens"]),
+             "--retrieval-kinds", ",".join(d["retrieval_kinds"]), "--quiet"],
             folder.parent / f"data-{_hash(d)}.log")
     return folder
 
@@ -172,20 +181,30 @@ def model_args(exp: dict, data: Path) -> list[str]:
             "logging.progress_bar=false", *exp["model_overrides"]]
 
 
-def ensure_base(exp: dict, data: Path, log) -> Path:
-    """The pretrained base checkpoint, trained once per (data, model, base settings)."""
+def ensure_base(exp: dict, log) -> Path:
+    """The pretrained base checkpoint, trained once per (data, model, base settings): each stage
+    of ``base.stages`` pretrains on its data (the experiment's, with the stage's changes) from the
+    previous stage's weights."""
     key = _hash(exp["data"], (ROOT / exp["model"]).read_text(), exp["model_overrides"],
                 exp["base"])
-    run_dir = cache_root() / f"base-{key}"
-    final = run_dir / "checkpoints" / "pretrain"
-    if (final / "state.json").is_file():
-        log(f"base: reusing the cached base {final}")
-        return final
-    log(f"base: no cached base for these settings: PRETRAINING one now (cached at {run_dir}; "
+    root = cache_root() / f"base-{key}"
+    finals = [root / f"stage{i}" / "checkpoints" / "pretrain"
+              for i in range(len(exp["base"]["stages"]))]
+    if (finals[-1] / "state.json").is_file():
+        log(f"base: reusing the cached base {finals[-1]}")
+        return finals[-1]
+    log(f"base: no cached base for these settings: PRETRAINING one now (cached at {root}; "
         f"about 40 min on 2 CPU cores for the full config). Pass --base PATH to use another.")
-    run_dmc(["pretrain", *model_args(exp, data), f"run_dir={run_dir}",
-             *exp["base"]["overrides"], "checkpoint.save_interval=100"], run_dir / "train.log")
-    return final
+    previous = []
+    for i, (stage, final) in enumerate(zip(exp["base"]["stages"], finals)):
+        data = ensure_data({**exp["data"], **stage["data"]}, log)
+        if not (final / "state.json").is_file():
+            log(f"base: stage {i + 1}/{len(finals)}")
+            run_dmc(["pretrain", *model_args(exp, data), f"run_dir={final.parents[1]}",
+                     *stage["overrides"], "checkpoint.save_interval=250", *previous],
+                    final.parents[1] / "train.log")
+        previous = [f"checkpoint.load_base={final}"]
+    return finals[-1]
 
 
 def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, Path]:
@@ -332,14 +351,14 @@ def run(args: argparse.Namespace, log=print) -> dict:
         timings[name] = round(time.time() - t, 1)
         return value
 
-    data = stage("data", ensure_data, exp, log)
+    data = stage("data", ensure_data, exp["data"], log)
     if args.base:
         base = Path(args.base)
         if not (base / "state.json").is_file():
             raise ValueError(f"--base {base}: not a checkpoint folder (no state.json)")
         log(f"base: {base} (given)")
     else:
-        base = stage("base", ensure_base, exp, data, log)
+        base = stage("base", ensure_base, exp, log)
     finals = stage("train", train_runs, exp, data, base, root, log)
     results = stage("evaluate", evaluate, exp, data, base, finals, out, log)
     from dmc.eval.compare import write_report

@@ -73,6 +73,7 @@ def prepare_data(
     quiet: bool = False,
     retrieval_fraction: float = 0.0,
     retrieval_doc_tokens: int = 1024,
+    retrieval_kinds: Sequence[str] = RETRIEVAL_KINDS,
 ) -> dict:
     """Tokenise a corpus into train/valid megatron indexed datasets in ``out_dir``; return the meta.
 
@@ -84,10 +85,15 @@ def prepare_data(
 
     ``retrieval_fraction`` > 0 adds in-context retrieval documents of ``retrieval_doc_tokens``
     tokens (:mod:`dmc.data.retrieval`, drawn with ``seed`` from the train split's own tokens) to
-    the train split, until they are that share of its tokens; the valid split stays plain text.
+    the train split, until they are that share of its tokens, cycling over ``retrieval_kinds``
+    (a kind listed twice gets twice the documents); the valid split stays plain text.
     """
     if not 0.0 <= retrieval_fraction < 1.0:
         raise ValueError(f"retrieval_fraction must be in [0, 1), got {retrieval_fraction!r}")
+    unknown = sorted(set(retrieval_kinds) - set(RETRIEVAL_KINDS))
+    if unknown or not retrieval_kinds:
+        raise ValueError(f"retrieval_kinds: {', '.join(unknown) or 'none given'} not accepted; "
+                         f"choose from {', '.join(RETRIEVAL_KINDS)}")
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(
             f"valid_fraction must be a number in the open interval (0, 1), got {valid_fraction!r}"
@@ -105,7 +111,7 @@ def prepare_data(
     retrieval = None
     if retrieval_fraction:
         retrieval = {"fraction": retrieval_fraction, "doc_tokens": retrieval_doc_tokens,
-                     "seed": seed, "kinds": list(RETRIEVAL_KINDS)}
+                     "seed": seed, "kinds": list(retrieval_kinds)}
     splits = {
         name: _write_split(out, name, split_docs, tok, quiet,
                            retrieval if name == "train" else None)
@@ -221,7 +227,8 @@ def _retrieval_documents(corpus: list[list[int]], tok: Tokenizer, retrieval: dic
     separators = (tok.encode(":")[-1], tok.encode("\n")[-1])  # as spelled at the end of a text
     documents = make_retrieval_documents(
         corpus, round(corpus_tokens * fraction / (1 - fraction)),
-        doc_tokens=retrieval["doc_tokens"], seed=retrieval["seed"], separators=separators)
+        doc_tokens=retrieval["doc_tokens"], seed=retrieval["seed"], separators=separators,
+        kinds=retrieval["kinds"])
     retrieval.update(documents=len(documents), tokens=sum(len(d) + 1 for d in documents))
     yield from documents
 
@@ -277,6 +284,12 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         default=1024,
         help="tokens per retrieval document (default: %(default)s)",
     )
+    parser.add_argument(
+        "--retrieval-kinds",
+        default=",".join(RETRIEVAL_KINDS),
+        help="comma-separated kinds the retrieval documents cycle over (a kind listed twice gets "
+        f"twice the documents); accepted: {', '.join(RETRIEVAL_KINDS)} (default: %(default)s)",
+    )
     parser.add_argument("--text-key", default="text", help="field holding the text in .jsonl files")
     parser.add_argument(
         "--split-lines",
@@ -306,6 +319,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         quiet=args.quiet or args.json,
         retrieval_fraction=args.retrieval_fraction,
         retrieval_doc_tokens=args.retrieval_doc_tokens,
+        retrieval_kinds=[k.strip() for k in args.retrieval_kinds.split(",") if k.strip()],
     )
     print(json.dumps(meta, indent=2) if args.json else summary(meta, args.output))
     return 0

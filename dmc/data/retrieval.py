@@ -21,6 +21,7 @@ Generation is deterministic: the same token documents, sizes and seed give the s
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -43,11 +44,11 @@ class _Stream:
         if not self.docs:
             raise ValueError(f"retrieval documents need corpus documents of at least "
                              f"{PASSAGE_TOKENS[1]} tokens")
-        self.weights = [len(d) for d in self.docs]
+        self.cum_weights = list(itertools.accumulate(len(d) for d in self.docs))
         self.rng = rng
 
     def span(self, length: int) -> list[int]:
-        doc = self.rng.choices(self.docs, weights=self.weights)[0]
+        doc = self.rng.choices(self.docs, cum_weights=self.cum_weights)[0]
         length = min(length, len(doc))
         start = self.rng.randrange(len(doc) - length + 1)
         return doc[start:start + length]

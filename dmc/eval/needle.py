@@ -1,11 +1,11 @@
 """Needle-in-a-haystack retrieval scored through the real compressed cache.
 
 Each :class:`~dmc.data.needle.NeedleExample` is teacher-forced with
-``Engine.score_batch(tokens, prefill_tokens=prompt_len)``: the prompt (haystack, needle, query key) is
-prefilled, so a KV policy compresses it as it would before generating, and the answer tokens go
-one at a time through the decode path. Greedy generation returns the answer exactly when every
-answer token is the argmax given the answer tokens before it, so exact-match accuracy of greedy
-generation is read off the same pass, with the per-token accuracy and the answer's NLL.
+``Engine.score_batch(tokens, prefill_tokens=prompt_len)``: the prompt (haystack, needle, query
+key) is prefilled, so a KV policy compresses it as it would before generating, and the answer
+tokens go one at a time through the decode path. Greedy generation returns the answer exactly
+when every answer token is the argmax given the answer tokens before it, so exact-match accuracy
+of greedy generation is read off the same pass, with the per-token accuracy and the answer's NLL.
 """
 from __future__ import annotations
 

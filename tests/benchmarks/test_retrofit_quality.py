@@ -48,6 +48,9 @@ def test_experiment_files_load_and_merge():
     ({"dmc_crs": [0.5]}, "dmc_crs: expected a list of numbers >= 1"),
     ({"policies": ["h2o", "nope"]}, "--policies: unknown nope"),
     ({"variants": [{"name": "x", "cr": 2}]}, "variant x lacks overrides"),
+    ({"base": {"stages": [{"data": {"vocab": 1}, "overrides": []}]}},
+     r"unknown key vocab in base.stages\[0\].data"),
+    ({"base": {"overrides": []}}, "unknown key overrides in base"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, change, message):
     bench = load_benchmark()

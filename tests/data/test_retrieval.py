@@ -102,7 +102,7 @@ def test_make_documents_is_deterministic_and_sized():
 
 def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):
     from dmc.data.indexed import read_indexed_dataset
-    from dmc.data.prepare import prepare_data, split_prefix
+    from dmc.data.prepare import load_meta, prepare_data, split_prefix
 
     corpus_dir = tmp_path / "corpus"
     corpus_dir.mkdir()
@@ -127,3 +127,22 @@ def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):
     assert valid == read_indexed_dataset(split_prefix(tmp_path / "plain", "valid"))
     with pytest.raises(ValueError, match="retrieval_fraction must be in"):
         prepare_data([corpus_dir], tmp_path / "bad", retrieval_fraction=1.0, quiet=True)
+    with pytest.raises(ValueError, match="retrieval_kinds: nope not accepted; choose from"):
+        prepare_data([corpus_dir], tmp_path / "bad", retrieval_fraction=0.5,
+                     retrieval_kinds=["copy", "nope"], quiet=True)
+    assert not (tmp_path / "bad").exists()
+    copy_only = prepare_data([corpus_dir], tmp_path / "copy", vocab_size=300, valid_fraction=0.2,
+                             quiet=True, retrieval_fraction=0.5, retrieval_doc_tokens=64,
+                             retrieval_kinds=["copy"])
+    assert copy_only["retrieval"]["kinds"] == ["copy"]
+    assert copy_only["retrieval"]["tokens"] == pytest.approx(plain_train, rel=0.05)
+
+    import argparse
+
+    from dmc.data.prepare import add_prepare_arguments, run_prepare
+    args = add_prepare_arguments(argparse.ArgumentParser()).parse_args(
+        ["--input", str(corpus_dir), "--output", str(tmp_path / "cli"), "--vocab-size", "300",
+         "--retrieval-fraction", "0.5", "--retrieval-doc-tokens", "64",
+         "--retrieval-kinds", "copy, kv", "--quiet"])
+    assert run_prepare(args) == 0
+    assert load_meta(tmp_path / "cli")["retrieval"]["kinds"] == ["copy", "kv"]
