@@ -1,6 +1,6 @@
 """This project's checkpoint folders from and to full (TP = 1) megatron state dicts.
 
-A converted checkpoint is what :func:`dmc.training.checkpoint.save_checkpoint` writes, without
+A converted checkpoint is what :func:`dmc.megatron.checkpoint.save_checkpoint` writes, without
 optimizer or RNG state: ``state.json`` (``kind: "converted"``, ``model_config``, ``dmc_config``)
 plus a megatron distributed checkpoint of ``{"model": model.sharded_state_dict()}``. It is saved
 from a ``tp x pp`` layout (``torchrun`` with gloo for more than one rank); megatron reshards it on
@@ -69,13 +69,19 @@ def load_full_state(model, full: dict) -> None:
 
 
 def save_model_checkpoint(model, folder: Path, meta: dict) -> None:
-    """Writes ``{"model": model.sharded_state_dict()}`` and (rank 0) ``state.json``."""
+    """Writes ``{"model": model.sharded_state_dict()}`` and (rank 0) ``state.json`` and the
+    manifest that loading verifies."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from dmc.megatron.checkpoint import write_manifest
+
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(folder))
+    if dist.is_initialized():
+        dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
         (Path(folder) / "state.json").write_text(json.dumps(meta, indent=1))
+        write_manifest(Path(folder))
 
 
 def write_checkpoint(folder: Path, full: dict, model_config: dict, dmc_config: dict | None,

@@ -32,7 +32,7 @@ class LoadedModel:
 
 def resolve_checkpoint(path) -> Path:
     """The checkpoint folder ``path`` names (itself, its ``latest`` or ``checkpoints/latest``)."""
-    from dmc.training.checkpoint import STATE, latest_checkpoint
+    from dmc.megatron.checkpoint import STATE, latest_checkpoint
 
     path = Path(path)
     if not path.exists():
@@ -72,7 +72,7 @@ def load_model(path, *, dtype: torch.dtype | None = None) -> LoadedModel:
         _load_plain(model, saved["state_dict"], path)
         return LoadedModel(model, model_config, saved["dmc_config"], path, {})
 
-    from dmc.training.checkpoint import load_checkpoint, read_state
+    from dmc.megatron.checkpoint import load_checkpoint, read_state
 
     source = resolve_checkpoint(path)
     model_config, dmc_config = checkpoint_model_config(read_state(source), source)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dmc.slurm.spec import SweepError, SweepSpec
-from dmc.training.checkpoint import INIT_FROM_SAME, _flat
+from dmc.training.resume import INIT_FROM_SAME, flat_dict
 from dmc.training.config import ConfigError, load_config, to_dict
 
 
@@ -91,7 +91,7 @@ class _Planner:
     def zero_out_job(self, model, name, seed, files, keys, cfg):
         """The zero_out job that ``cfg`` can continue from: one per distinct (seed, model,
         schedule, optimizer, batch shape), i.e. what ``checkpoint.init_from`` requires equal."""
-        flat = _flat(to_dict(cfg))
+        flat = flat_dict(to_dict(cfg))
         key = (name, seed, json.dumps({k: v for k, v in flat.items() if any(
             k == s or k.startswith(s + ".") for s in INIT_FROM_SAME)}, sort_keys=True))
         if key not in self.zero_out:

@@ -1,7 +1,8 @@
 """``dmc pretrain`` and ``dmc retrofit``: training runs from YAML configs plus dotted overrides.
 
-Exit codes: 0 finished (the run or the ``--phase``), 2 bad input, ``EXIT_PREEMPTED`` (99) stopped
-by SIGUSR1/SIGTERM after saving a checkpoint that the next launch resumes from."""
+Exit codes: 0 finished (the run or the ``--phase``), 2 bad input (a config that differs from the
+checkpoint being resumed included, see :mod:`dmc.training.resume`), ``EXIT_PREEMPTED`` (99)
+stopped by SIGUSR1/SIGTERM after saving a checkpoint that the next launch resumes from."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate and print the resolved config, then exit")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume even though fields that define the run (model, data, "
+                             "seed, optimizer, schedule, dmc) differ from its checkpoint's; "
+                             "the change is recorded in <run_dir>/config_history.jsonl")
     parser.add_argument("--nproc", type=int, default=1, metavar="N",
                         help="processes on this node (re-executes under torchrun; data "
                              "parallel size = N / (parallel.tensor x parallel.pipeline))")
@@ -38,7 +43,7 @@ def run_training(args: argparse.Namespace) -> int:
         launch.relaunch(args.nproc, args)
     from dmc.training.trainer import Trainer
 
-    trainer = Trainer(cfg, args.command)
+    trainer = Trainer(cfg, args.command, allow_config_change=args.allow_config_change)
     trainer.run(phase=getattr(args, "phase", None))
     if trainer.preempted:
         return EXIT_PREEMPTED

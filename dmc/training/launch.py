@@ -28,6 +28,8 @@ def dmc_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--phase", args.phase]
     if args.json:
         argv.append("--json")
+    if getattr(args, "allow_config_change", False):
+        argv.append("--allow-config-change")
     return argv + list(args.overrides)
 
 

@@ -10,8 +10,8 @@ uninterrupted one. SIGUSR1/SIGTERM end a run cleanly after a checkpoint
 from __future__ import annotations
 
 import math
-import shutil
 import time
+import warnings
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,16 +31,17 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from dmc.data import build_gpt_dataset, load_meta, load_tokenizer, split_prefix
+from dmc.megatron import checkpoint as ckpt
 from dmc.megatron.attention import dmc_layers, zero_decision_rows_
 from dmc.megatron.compat import cuda_available
 from dmc.megatron.model import build_gpt_model, llama_transformer_config
 from dmc.megatron.parallel import initialize_parallel
 from dmc.megatron.runtime import DMCConfig, DMCRuntime
-from dmc.training import checkpoint as ckpt
 from dmc.training.config import RunConfig, dump_config, to_dict
 from dmc.training.logging import RunLogger, save_cr_heatmap
 from dmc.training.phases import PhasePlan
 from dmc.training.preemption import StopSignal
+from dmc.training.resume import check_init_from, check_resume_config
 
 
 @dataclass
@@ -75,15 +76,15 @@ def _precision(cfg: RunConfig) -> torch.dtype:
 class Trainer:
     """One pretrain or retrofit run in ``cfg.run_dir``; call :meth:`run`."""
 
-    def __init__(self, cfg: RunConfig, kind: str):
+    def __init__(self, cfg: RunConfig, kind: str, allow_config_change: bool = False):
         self.cfg, self.kind = cfg, kind
+        self.allow_config_change = allow_config_change
         initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.seed)
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         if self.rank == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.plan = PhasePlan(cfg, kind)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -98,6 +99,8 @@ class Trainer:
         self._build_model()
         self.step = 0
         self._resume_or_load_base()
+        if self.rank == 0:
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
 
     # ------------------------------------------------------------------ set-up
     def _build_data(self):
@@ -167,18 +170,23 @@ class Trainer:
                                        **common)
 
     def _resume_or_load_base(self):
-        latest = ckpt.latest_checkpoint(self.ckpt_dir)
+        latest = ckpt.resumable_checkpoint(self.ckpt_dir, fallback=self.cfg.checkpoint.fallback)
         if latest is not None:
+            saved = ckpt.read_state(latest)
+            if saved["kind"] != self.kind:
+                raise ValueError(f"{latest} belongs to a {saved['kind']} run, not {self.kind}")
+            check_resume_config(saved.get("config", {}), to_dict(self.cfg), latest,
+                                self.run_dir, saved["step"], self.allow_config_change,
+                                write=self.rank == 0)
             state = ckpt.load_checkpoint(latest, self.module, self.optimizer, self.scheduler)
-            if state["kind"] != self.kind:
-                raise ValueError(f"{latest} belongs to a {state['kind']} run, not {self.kind}")
             self.step = state["step"]
             self.resumed_from = self._describe_resume(latest, state)
+            self._complete_phase_folders()
             return
         self.resumed_from = None
         init = self.cfg.checkpoint.init_from
         if init:
-            ckpt.check_init_from(Path(init), to_dict(self.cfg), self.kind)
+            check_init_from(Path(init), to_dict(self.cfg), self.kind)
             state = ckpt.load_checkpoint(Path(init), self.module, self.optimizer, self.scheduler)
             self.step = state["step"]
             self.resumed_from = self._describe_resume(Path(init), state)
@@ -445,15 +453,31 @@ class Trainer:
         regular = ckpt_cfg.save_interval and self.step % ckpt_cfg.save_interval == 0
         if phase_done or regular or self.step == end:
             self.save(f"step_{self.step:07d}", self.step)
+            if phase_done and self.rank == 0:
+                phase = self.plan.phase_of(step)
+                final = ckpt.copy_checkpoint(self.ckpt_dir / f"step_{self.step:07d}",
+                                             self.ckpt_dir / phase)
+                logger.write(f"phase {phase} finished at step {self.step}: {final}")
             ckpt.prune_checkpoints(self.ckpt_dir, ckpt_cfg.keep_last + (1 if phase_done else 0))
-        if phase_done and self.rank == 0:
-            phase = self.plan.phase_of(step)
-            final = self.ckpt_dir / phase
-            src = self.ckpt_dir / f"step_{self.step:07d}"
-            shutil.rmtree(final, ignore_errors=True)
-            shutil.copytree(src, final)
-            logger.write(f"phase {phase} finished at step {self.step}: {final}")
         return bool(phase_done or regular or self.step == end)
+
+    def _complete_phase_folders(self) -> None:
+        """On resume: every phase that ended at or before the resumed step gets its phase folder,
+        copied again from the step checkpoint of its end when a kill interrupted the copy
+        (checkpoints are pruned only after the copy, so the source is still there)."""
+        if self.rank != 0:
+            return
+        for phase, (start, end) in self.plan.ranges.items():
+            final = self.ckpt_dir / phase
+            if end <= start or end > self.step or ckpt.is_complete(final):
+                continue
+            src = self.ckpt_dir / f"step_{end:07d}"
+            if not ckpt.is_complete(src):
+                warnings.warn(f"{final} is missing or incomplete and {src}, the checkpoint it "
+                              f"is copied from, is gone: the {phase} phase folder cannot be "
+                              f"recreated", stacklevel=2)
+                continue
+            ckpt.copy_checkpoint(src, final)
 
     def _stop_on_signal(self, stop: StopSignal, saved: bool, logger) -> None:
         """After SIGUSR1/SIGTERM: a regular checkpoint (unless this step just wrote one), then

@@ -9,7 +9,7 @@ from dmc.cli import main
 from dmc.inference import Engine, save_inference_state
 from dmc.inference.loading import load_model
 from dmc.megatron.model import build_gpt_model
-from dmc.training import checkpoint as ckpt
+from dmc.megatron import checkpoint as ckpt
 from dmc.training.config import load_config
 from dmc.training.trainer import Trainer
 from tiny_models import VOCAB, build_tiny, tiny_config

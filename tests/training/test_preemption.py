@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dmc.training import checkpoint as ckpt
+from dmc.megatron import checkpoint as ckpt
 from dmc.training.config import load_config
 from dmc.training.preemption import EXIT_PREEMPTED
 from dmc.training.trainer import Trainer

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dmc.training import checkpoint as ckpt
+from dmc.megatron import checkpoint as ckpt
 from dmc.training.config import load_config
 from dmc.training.trainer import Trainer
 

@@ -1,0 +1,88 @@
+"""What a run may continue from: ``checkpoint.init_from`` compatibility, and the config drift
+check when a run is resumed.
+
+A resumed run must be the run its checkpoints were trained as. The fields that define it (the
+model, data, seed, optimizer, schedule, DMC settings, precision, global batch) must equal the
+checkpoint's, or the launch fails listing each difference; ``--allow-config-change`` accepts
+them on purpose. Fields that only change how the run is carried out (logging, save intervals,
+output paths, the parallel layout that megatron reshards, the micro-batch split of the same
+global batch, the attention backend computing the same math) may change between launches.
+Every accepted change is appended to ``<run_dir>/config_history.jsonl``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dmc.megatron.checkpoint import read_state
+from dmc.training.config import ConfigError
+
+INIT_FROM_SAME = ("seed", "model", "schedule", "optim", "data.seq_length",
+                  "data.global_batch_size")
+MAY_CHANGE_ON_RESUME = ("run_dir", "logging", "checkpoint", "parallel", "data.micro_batch_size",
+                        "dmc.attention_backend")
+HISTORY = "config_history.jsonl"
+
+
+def flat_dict(tree: dict, prefix: str = "") -> dict:
+    """``{"model": {"num_layers": 4}}`` -> ``{"model.num_layers": 4}``."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat_dict(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _under(key: str, sections) -> bool:
+    return any(key == s or key.startswith(s + ".") for s in sections)
+
+
+def check_init_from(path: Path, config: dict, kind: str) -> None:
+    """Raises ValueError unless ``path`` (``checkpoint.init_from``) was written by a ``kind``
+    run whose seed, model, schedule, optimizer and batch shape equal ``config``'s (a nested
+    dict), so continuing from it is the same as having run those steps here."""
+    state = read_state(path)
+    if state.get("kind") != kind:
+        raise ValueError(f"checkpoint.init_from {path} belongs to a {state.get('kind')} run, "
+                         f"not {kind}")
+    ours, theirs = flat_dict(config), flat_dict(state.get("config", {}))
+    wrong = sorted(k for k in ours
+                   if _under(k, INIT_FROM_SAME) and theirs.get(k, ours[k]) != ours[k])
+    if wrong:
+        raise ValueError(
+            f"checkpoint.init_from {path} was written by a different run: "
+            + ", ".join(f"{k} is {ours[k]!r} here but {theirs[k]!r} there" for k in wrong))
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, tuple]:
+    """``{key: (saved value, current value)}`` for every field that differs (nested dicts).
+    Keys the saved config lacks (fields added by a later dmc) are not changes."""
+    old, new = flat_dict(saved), flat_dict(current)
+    return {k: (old[k], new.get(k)) for k in sorted(old) if old[k] != new.get(k)}
+
+
+def check_resume_config(saved: dict, current: dict, checkpoint: Path, run_dir: Path,
+                        step: int, allow_change: bool, write: bool = True) -> dict:
+    """Compares the config a run resumes with (``current``) against the one its checkpoint was
+    trained with (``saved``). Raises :class:`ConfigError` (exit code 2) listing every changed
+    field that defines the run unless ``allow_change``; records accepted changes in
+    ``run_dir/config_history.jsonl`` when ``write``. Returns the changes."""
+    changes = config_changes(saved, current)
+    defining = {k: v for k, v in changes.items() if not _under(k, MAY_CHANGE_ON_RESUME)}
+    if defining and not allow_change:
+        listed = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, (a, b) in defining.items())
+        raise ConfigError(
+            f"the config differs from the one {checkpoint} was trained with: {listed}. "
+            f"Resume with the run's own config ({Path(run_dir) / 'config.yaml'}), start a new "
+            f"run_dir, or pass --allow-config-change to continue with the change (recorded in "
+            f"{Path(run_dir) / HISTORY})")
+    if changes and write:
+        record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": step,
+                  "checkpoint": str(checkpoint), "allowed_by_flag": bool(defining),
+                  "changes": {k: list(v) for k, v in changes.items()}}
+        with open(Path(run_dir) / HISTORY, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+    return changes

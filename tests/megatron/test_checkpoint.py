@@ -1,0 +1,110 @@
+"""Checkpoint folders: manifests, verification naming the damaged file, the resume fallback and
+atomic copies (folders built from plain files: no model needed)."""
+import json
+import shutil
+
+import pytest
+
+from dmc.megatron import checkpoint as ckpt
+
+
+def _folder(root, name, step, latest=True):
+    """A checkpoint-shaped folder: state.json, a shard, an RNG file and the manifest."""
+    folder = root / name
+    (folder / "shards").mkdir(parents=True)
+    (folder / ckpt.STATE).write_text(json.dumps({"kind": "retrofit", "step": step}))
+    (folder / "shards" / "0.distcp").write_bytes(bytes(range(256)) * 64)
+    (folder / "rng_rank0.pt").write_bytes(b"rng" * 100)
+    ckpt.write_manifest(folder)
+    if latest:
+        (root / ckpt.LATEST).write_text(name)
+    return folder
+
+
+def _flip(path, at=100):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
+    folder = _folder(tmp_path, "step_0000003", 3)
+    files = json.loads((folder / ckpt.MANIFEST).read_text())["files"]
+    assert sorted(files) == ["rng_rank0.pt", "shards/0.distcp", "state.json"]
+    assert files["shards/0.distcp"]["size"] == 256 * 64
+    assert ckpt.verify_checkpoint(folder) is True
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: _flip(f / "shards" / "0.distcp"), "shards/0.distcp: contents changed"),
+    (lambda f: (f / "rng_rank0.pt").write_bytes(b"rng"), "rng_rank0.pt: 3 bytes, 300"),
+    (lambda f: (f / "shards" / "0.distcp").unlink(), "shards/0.distcp: missing"),
+    (lambda f: (f / ckpt.MANIFEST).write_text("{trunc"), "manifest.json: unreadable"),
+])
+def test_damage_is_an_error_naming_the_file(tmp_path, damage, message):
+    folder = _folder(tmp_path, "step_0000003", 3)
+    damage(folder)
+    with pytest.raises(ckpt.CheckpointError, match=message):
+        ckpt.verify_checkpoint(folder)
+    assert not ckpt.is_complete(folder)
+
+
+def test_truncated_state_is_named(tmp_path):
+    folder = _folder(tmp_path, "step_0000003", 3)
+    (folder / ckpt.STATE).write_text('{"kind": "retro')
+    with pytest.raises(ckpt.CheckpointError, match="state.json: not valid JSON"):
+        ckpt.read_state(folder)
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path):
+    older = _folder(tmp_path, "step_0000003", 3)
+    _folder(tmp_path, "cr_1.5", 5, latest=False)
+    newest = _folder(tmp_path, "step_0000006", 6)
+    assert ckpt.resumable_checkpoint(tmp_path) == newest
+    _flip(newest / "shards" / "0.distcp")
+    with pytest.warns(UserWarning, match=r"step_0000006/shards/0.distcp.*resuming from .*cr_1.5"):
+        assert ckpt.resumable_checkpoint(tmp_path) == tmp_path / "cr_1.5"
+    _flip(tmp_path / "cr_1.5" / "rng_rank0.pt")
+    with pytest.warns(UserWarning, match="resuming from .*step_0000003"):
+        assert ckpt.resumable_checkpoint(tmp_path) == older
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint.fallback is false"):
+        ckpt.resumable_checkpoint(tmp_path, fallback=False)
+    _flip(older / "shards" / "0.distcp")
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint verifies"):
+        ckpt.resumable_checkpoint(tmp_path)
+
+
+def test_a_fresh_run_and_a_dangling_pointer(tmp_path):
+    assert ckpt.resumable_checkpoint(tmp_path / "none") is None
+    older = _folder(tmp_path, "step_0000003", 3)
+    (tmp_path / ckpt.LATEST).write_text("step_0000009")  # killed between rename and pointer
+    with pytest.warns(UserWarning, match="'step_0000009'.*resuming from .*step_0000003"):
+        assert ckpt.resumable_checkpoint(tmp_path) == older
+
+
+def test_folders_without_a_manifest_load_with_a_warning(tmp_path):
+    folder = _folder(tmp_path, "step_0000003", 3)
+    (folder / ckpt.MANIFEST).unlink()
+    with pytest.warns(UserWarning, match="no manifest.json"):
+        assert ckpt.verify_checkpoint(folder) is False
+    assert ckpt.resumable_checkpoint(tmp_path) == folder
+
+
+def test_copy_is_atomic_and_redone_after_a_kill(tmp_path, monkeypatch):
+    src = _folder(tmp_path, "step_0000006", 6)
+    dst = tmp_path / "retrofit"
+    real_copytree = shutil.copytree
+
+    def killed_midway(a, b, **kw):
+        (b / "shards").mkdir(parents=True)
+        shutil.copy(a / "shards" / "0.distcp", b / "shards" / "0.distcp")
+        raise KeyboardInterrupt("killed during the copy")
+
+    monkeypatch.setattr(shutil, "copytree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.copy_checkpoint(src, dst)
+    assert not dst.exists() and not ckpt.is_complete(tmp_path / "retrofit.tmp")
+    monkeypatch.setattr(shutil, "copytree", real_copytree)
+    ckpt.copy_checkpoint(src, dst)
+    assert ckpt.verify_checkpoint(dst) and not (tmp_path / "retrofit.tmp").exists()
+    assert ckpt.read_state(dst)["step"] == 6
