@@ -10,7 +10,11 @@ from tqdm import tqdm
 
 
 class RunLogger:
-    """Writes ``metrics.jsonl`` in the run folder and shows a progress bar on rank 0."""
+    """Writes ``metrics.jsonl`` in the run folder and shows a progress bar on rank 0.
+
+    A run resumed at ``start_step`` first drops the records of steps ``>= start_step`` (logged
+    after the checkpoint it resumes from, before a kill): they are logged again as the steps
+    re-run, so every step appears once."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, cfg, enabled: bool):
         self.enabled = enabled
@@ -20,6 +24,7 @@ class RunLogger:
         if not enabled:
             return
         self.total_steps = total_steps
+        self._drop_records_from(start_step)
         self.interactive = cfg.logging.progress_bar and sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True,
                         disable=not self.interactive, file=sys.stderr, unit="step")
@@ -33,6 +38,16 @@ class RunLogger:
             self.wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(run_dir),
                                     mode=cfg.logging.wandb_mode, resume="allow",
                                     name=Path(run_dir).name)
+
+    def _drop_records_from(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if _record_step(line) < step]
+        if len(kept) < len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -67,6 +82,14 @@ class RunLogger:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _record_step(line: str) -> float:
+    """The ``step`` of one metrics line; a line cut short by a kill counts as the last step."""
+    try:
+        return json.loads(line).get("step", -1)
+    except ValueError:
+        return float("inf")
 
 
 ANNOTATE_MAX = 16

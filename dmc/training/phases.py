@@ -9,7 +9,6 @@ vanilla attention for the same steps: ``uptrain`` [0, Z+R) at constant LR, then 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from dmc.ops import CRSchedule
@@ -77,12 +76,3 @@ class PhasePlan:
         if phase not in self.ranges:
             raise ValueError(f"phase must be one of {', '.join(self.ranges)}, got {phase!r}")
         return self.ranges[phase][1]
-
-    def crossed_half_cr(self, step: int) -> float | None:
-        """The integer or half-integer CR first reached at ``step``, if any (so checkpoints
-        exist at 1.5x, 2x, 2.5x, ...)."""
-        if not self.dmc or self.phase_of(step) != "retrofit":
-            return None
-        before = math.floor(2 * self.target_cr(step - 1) + 1e-9)
-        after = math.floor(2 * self.target_cr(step) + 1e-9)
-        return after / 2 if after > before and after >= 3 else None

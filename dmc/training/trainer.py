@@ -98,6 +98,7 @@ class Trainer:
         self._build_data()
         self._build_model()
         self.step = 0
+        self.last_cr = None  # [layers, kv_heads] CR measured at the last retrofit/solidify step
         self._resume_or_load_base()
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -385,6 +386,8 @@ class Trainer:
     def save(self, name: str, step: int, update_latest: bool = True) -> Path:
         meta = {"kind": self.kind, "step": step, "phase": self.plan.phase_of(max(step - 1, 0)),
                 "target_cr": self.plan.target_cr(step - 1) if step else 1.0,
+                "measured_cr": (cr_summary(self.last_cr)["cr"]
+                                if self.last_cr is not None else None),
                 "config": to_dict(self.cfg), "model_config": self.model_config(),
                 "dmc_config": self.dmc_config_for(step),
                 "tp": parallel_state.get_tensor_model_parallel_world_size(),
@@ -445,10 +448,10 @@ class Trainer:
         return ran
 
     def _checkpoint_after(self, step, end, logger, ckpt_cfg):
-        crossed = self.plan.crossed_half_cr(step) if ckpt_cfg.save_at_cr_crossings else None
+        crossed = self._crossed_cr(step) if ckpt_cfg.save_at_cr_crossings else None
         if crossed is not None:
             path = self.save(f"cr_{crossed:.1f}", self.step, update_latest=False)
-            logger.write(f"CR {crossed:.1f}x reached: {path}")
+            logger.write(f"measured CR {crossed:.1f}x reached: {path}")
         phase_done = self.step in {e for _, e in self.plan.ranges.values()}
         regular = ckpt_cfg.save_interval and self.step % ckpt_cfg.save_interval == 0
         if phase_done or regular or self.step == end:
@@ -460,6 +463,18 @@ class Trainer:
                 logger.write(f"phase {phase} finished at step {self.step}: {final}")
             ckpt.prune_checkpoints(self.ckpt_dir, ckpt_cfg.keep_last + (1 if phase_done else 0))
         return bool(phase_done or regular or self.step == end)
+
+    def _crossed_cr(self, step: int) -> float | None:
+        """The highest half-integer CR (1.5, 2, 2.5, ...) that the CR measured at ``step``
+        (retrofit or solidify, over the global batch) reaches and that has no ``cr_*``
+        checkpoint yet: checkpoints are named by the compression the model achieves, not by
+        the target it is annealed towards. A replay after a resume finds its folder saved."""
+        if self.last_cr is None or self.plan.phase_of(step) not in ("retrofit", "solidify"):
+            return None
+        half = math.floor(2 * cr_summary(self.last_cr)["cr"] + 1e-9) / 2
+        if half < 1.5 or (self.ckpt_dir / f"cr_{half:.1f}").is_dir():
+            return None
+        return half
 
     def _complete_phase_folders(self) -> None:
         """On resume: every phase that ended at or before the resumed step gets its phase folder,
