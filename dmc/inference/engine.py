@@ -24,8 +24,9 @@ finish independently (stop tokens, ``max_new_tokens``) and free their pages at o
 Out of pages, the engine **preempts**: when a decode step's layer needs more pages than are free,
 the youngest running sequence (latest arrival) is freed and re-queued at the front; it restarts
 later by re-prefilling its prompt plus the tokens it already generated (its sampler state is kept,
-so its output is the same as without preemption). :class:`CacheFullError` is raised only when a
-single sequence cannot fit in the whole pool on its own (the request is then dropped).
+so its output is the same as without preemption). A sequence that cannot fit in the whole pool on
+its own ends with ``finish_reason="cache_full"`` (and the tokens it generated); the other
+requests complete.
 """
 from __future__ import annotations
 
@@ -108,7 +109,9 @@ class GenerationResult:
     """A finished request.
 
     tokens: generated ids (the stop token included when one ended the request).
-    finish_reason: ``"stop"`` (a stop token) or ``"length"`` (``max_new_tokens``).
+    finish_reason: ``"stop"`` (a stop token), ``"length"`` (``max_new_tokens``) or
+        ``"cache_full"`` (the request alone outgrew the whole page pool: ``tokens`` holds what
+        it generated before, ``error`` says why; the other requests are not affected).
     logprobs: log-probability of each generated token under the model (before temperature,
         top-k, top-p).
     compression: the cache at the end (prompt + generated tokens but the last, which was never
@@ -126,6 +129,7 @@ class GenerationResult:
     kv_pages: int
     kv_bytes: int
     preemptions: int = 0
+    error: str | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -294,6 +298,7 @@ class Engine:
         self._waiting: list[_Sequence] = []
         self._running: list[_Sequence] = []
         self._unclaimed: list[GenerationResult] = []
+        self._dropped: list[GenerationResult] = []  # cache_full results of the decode step
         self._blocked_at: int | None = None  # free pages when a prefill last ran out
         self._seen = [0, 0]  # token-head entries and slots of prefilled sequences (CR estimate)
         self.reset_stats()
@@ -529,15 +534,15 @@ class Engine:
             started = time.perf_counter()
             try:
                 self._prefill(seq.slot, seq.tokens, lambda start, logits: last.append(logits))
-            except CacheFullError as error:
+            except CacheFullError:
+                if not self._running:
+                    finished.append(self._fail(
+                        seq, f"request {seq.request_id}: {len(seq.tokens)} tokens do not fit "
+                             f"in the whole pool ({self.cache.num_pages} pages of "
+                             f"{self.page_size} slots)"))
+                    continue
                 self.cache.free_sequence(seq.slot)
                 seq.slot = None
-                if not self._running:
-                    raise CacheFullError(
-                        f"request {seq.request_id}: {len(seq.tokens)} tokens do not fit in the "
-                        f"whole pool ({self.cache.num_pages} pages of {self.page_size} slots); "
-                        f"the request was dropped"
-                    ) from error
                 self._waiting.insert(0, seq)
                 self._blocked_at = self.cache.free_pages
                 return
@@ -596,6 +601,18 @@ class Engine:
         return GenerationResult(
             seq.request_id, seq.prompt, list(seq.generated), reason, list(seq.logprobs),
             compression, pages, pages * self.cache.page_bytes, seq.preemptions,
+        )
+
+    def _fail(self, seq: _Sequence, error: str) -> GenerationResult:
+        """Ends ``seq`` (running or being admitted) with ``finish_reason="cache_full"``."""
+        zero = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.long)
+        self.cache.free_sequence(seq.slot)
+        seq.slot = None
+        if seq in self._running:
+            self._running.remove(seq)
+        return GenerationResult(
+            seq.request_id, seq.prompt, list(seq.generated), "cache_full", list(seq.logprobs),
+            CompressionStats(0, zero), 0, 0, seq.preemptions, error,
         )
 
     def _compression(self, slot: int, tokens: int) -> CompressionStats:
@@ -820,6 +837,10 @@ class Engine:
         """One token for every sequence of ``batch`` (each feeds its newest token)."""
         batch, logits = self._decode_step(batch, [s.tokens[-1] for s in batch],
                                           [len(s.tokens) - 1 for s in batch])
+        finished.extend(self._dropped)
+        self._dropped.clear()
+        if not batch:
+            return
         self._note_usage()
         self.stats["decode_tokens"] += len(batch)
         self._accept(batch, logits, finished)
@@ -843,6 +864,8 @@ class Engine:
                 query, key, alpha, omega = self._decisions(query, key)
                 appends = alpha.cpu() <= 0.5
             keep = self._make_room(batch, lengths[:, index], appends) if preempt else None
+            if keep == []:  # a lone sequence outgrew the pool and was dropped
+                return [], None
             if keep is not None:  # some sequences were preempted
                 batch = [batch[i] for i in keep]
                 rows = torch.tensor(keep)
@@ -879,8 +902,8 @@ class Engine:
         """Preempt the youngest sequences of ``batch`` until one layer's writes fit.
 
         ``lengths [batch, kv]`` are the heads' slots before the write, ``appends [batch, kv]``
-        which heads open a slot. Returns None when all fit, else the kept batch indices (never
-        empty: a lone sequence that does not fit is dropped with :class:`CacheFullError`)."""
+        which heads open a slot. Returns None when all fit, else the kept batch indices (empty
+        when a lone sequence does not fit: it ends with ``finish_reason="cache_full"``)."""
         new_page = (appends | (lengths == 0)) & (lengths % self.page_size == 0)
         needed = new_page.sum(dim=1)
         keep = list(range(len(batch)))
@@ -889,12 +912,11 @@ class Engine:
         while int(needed[keep].sum()) > self.cache.free_pages:
             if len(keep) == 1:
                 seq = batch[keep[0]]
-                self.cache.free_sequence(seq.slot)
-                self._running.remove(seq)
-                raise CacheFullError(
-                    f"request {seq.request_id} alone needs more than the whole pool "
-                    f"({self.cache.num_pages} pages of {self.page_size} slots); it was dropped"
-                )
+                self._dropped.append(self._fail(
+                    seq, f"request {seq.request_id} alone needs more than the whole pool "
+                         f"({self.cache.num_pages} pages of {self.page_size} slots) after "
+                         f"{len(seq.tokens)} tokens"))
+                return []
             youngest = max(keep, key=lambda i: batch[i].request_id)
             keep.remove(youngest)
             self._preempt(batch[youngest])

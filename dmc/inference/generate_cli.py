@@ -15,13 +15,20 @@ plain dict, read with ``weights_only=True``)::
 Prompts are token ids (``--prompt-ids "1 2 3"``) or text (``--prompt "..."`` with
 ``--tokenizer``). ``--model`` may also name a training checkpoint (see
 :func:`dmc.inference.loading.load_model`). megatron-core is imported only when the command runs.
+
+Exit codes: 0 every request finished, 2 bad input, 3 (:data:`EXIT_REQUEST_FAILED`) some request
+outgrew the page pool on its own (its result says so; the others are printed).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from dmc.inference.cli_args import add_cache_arguments, add_model_argument, cache_dtype
+
+
+EXIT_REQUEST_FAILED = 3  # some request ended with finish_reason "cache_full"
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,7 +70,9 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Run ``dmc generate`` from parsed arguments; prints each completion (or JSON); returns 0.
+    """Run ``dmc generate`` from parsed arguments; prints each completion (or JSON). Returns 0,
+    or :data:`EXIT_REQUEST_FAILED` when some request could not finish (``cache_full``: it
+    outgrew the page pool alone); the others are printed all the same.
 
     Bad arguments raise ValueError / FileNotFoundError naming the flag."""
     from dmc.inference.engine import Engine
@@ -102,22 +111,25 @@ def run_generate(args: argparse.Namespace) -> int:
         if tokenizer is not None:
             record["text"] = tokenizer.decode(result.tokens)
         records.append(record)
+    status = EXIT_REQUEST_FAILED if any(r.error for r in results) else 0
     if args.json:
         print(json.dumps({"results": records, "stats": engine.stats}, indent=2))
-        return 0
+        return status
     for i, (record, result) in enumerate(zip(records, results)):
         comp = result.compression
         print(f"[{i}] {len(result.prompt)} prompt + {len(result.tokens)} new tokens, "
               f"{result.finish_reason}; measured CR {comp.overall:.2f} "
               f"(per layer {' '.join(f'{x:.2f}' for x in comp.per_layer)}), "
               f"{result.kv_pages} KV pages")
+        if result.error:
+            print(f"[{i}] failed: {result.error}", file=sys.stderr)
         print(record.get("text", " ".join(map(str, result.tokens))))
     stats = engine.stats
     if stats["decode_seconds"]:
         print(f"decode {stats['decode_tokens'] / stats['decode_seconds']:.1f} tok/s, "
               f"prefill {stats['prefill_tokens'] / max(stats['prefill_seconds'], 1e-9):.1f} tok/s,"
               f" preemptions {stats['preemptions']}")
-    return 0
+    return status
 
 
 def register(sub) -> None:

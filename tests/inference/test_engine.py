@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from dmc.inference import (
-    CacheFullError,
     Engine,
     SamplingParams,
     load_inference_state,
@@ -218,23 +217,29 @@ def test_out_of_pages_preempts_the_youngest_and_restarts_it(parallel_1x1, window
     assert tight.cache.pages_in_use == 0 and tight.cache.free_pages == pages
 
 
-def test_a_sequence_larger_than_the_pool_raises_cache_full(parallel_1x1):
+def test_a_sequence_larger_than_the_pool_fails_alone(parallel_1x1):
     model, _ = build(2)
-    engine = Engine(model, page_size=4, max_batch=2, num_pages=12)  # 3 pages per head
-    with pytest.raises(CacheFullError, match="do not fit in the whole pool"):
-        engine.generate([list(range(20))], SamplingParams(max_new_tokens=2))
+    engine = Engine(model, page_size=4, max_batch=3, num_pages=12)  # 3 pages per head
+    alone = engine.generate([list(range(6))], SamplingParams(max_new_tokens=4))
+    prompts = [list(range(20)), list(range(6)), list(range(10))]
+    params = [SamplingParams(max_new_tokens=n) for n in (2, 4, 8)]
+    too_long, ok, outgrown = engine.generate(prompts, params)
+    assert (too_long.finish_reason, too_long.tokens) == ("cache_full", [])
+    assert "20 tokens do not fit in the whole pool" in too_long.error
+    assert ok.finish_reason == "length" and ok.tokens == alone[0].tokens and ok.error is None
+    assert outgrown.finish_reason == "cache_full" and 0 < len(outgrown.tokens) < 8
+    assert "alone needs more than the whole pool" in outgrown.error
     assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
-    with pytest.raises(CacheFullError, match="alone needs more than the whole pool"):
-        engine.generate([list(range(10))], SamplingParams(max_new_tokens=8))
-    assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
-    ok = engine.generate([list(range(6))], SamplingParams(max_new_tokens=4))  # still usable
-    assert len(ok[0].tokens) == 4
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.add_request(list(range(150)), SamplingParams(max_new_tokens=20))
 
 
 def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
-    from dmc.inference.generate_cli import add_generate_arguments, run_generate
+    from dmc.inference.generate_cli import (
+        EXIT_REQUEST_FAILED,
+        add_generate_arguments,
+        run_generate,
+    )
 
     model, runtime = build(2, 3)
     path = tmp_path / "model.pt"
@@ -260,6 +265,15 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     assert out["results"][0]["compression"]["cr"] == pytest.approx(direct[0].compression.overall)
     with pytest.raises(ValueError, match="--tokenizer"):
         run_generate(parser.parse_args(["--state-dict", str(path), "--prompt", "hello"]))
+    long_prompt = " ".join(map(str, (prompt_list[0] * 3)[:20]))
+    args = parser.parse_args([
+        "--state-dict", str(path), "--prompt-ids", long_prompt, "--prompt-ids",
+        " ".join(map(str, prompt_list[1])), "--max-new-tokens", "6", "--page-size", "4",
+        "--num-pages", "12", "--json"])
+    assert run_generate(args) == EXIT_REQUEST_FAILED  # 20 tokens: up to 20 pages
+    failed, done = json.loads(capsys.readouterr().out)["results"]
+    assert failed["finish_reason"] == "cache_full" and "whole pool" in failed["error"]
+    assert done["tokens"] == direct[1].tokens and done["error"] is None
 
 
 def test_files_without_newer_dmc_fields_load_with_the_paper_defaults(parallel_1x1, tmp_path):
