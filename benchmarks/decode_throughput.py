@@ -149,6 +149,9 @@ def run_mode(name, model, target_cr, args, budget_pages):
     started = time.perf_counter()
     timed = engine.generate(prompts(batch), params)
     wall = time.perf_counter() - started
+    failed = [r.error for r in results + timed if r.error]
+    if failed:
+        raise RuntimeError(f"{name}: {len(failed)} requests did not finish: {failed[0]}")
     stats = engine.stats
     comp = CompressionStats.combine([r.compression for r in results + timed])
     return {
