@@ -7,6 +7,7 @@ key or a bad value raises :class:`ConfigError` naming the key and the accepted v
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,6 +200,8 @@ def _check_type(key: str, value, hint):
             except ValueError:
                 raise ConfigError(f"{key}: expected a number, got {value!r}") from None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
             return float(value)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if hint is str:
@@ -319,7 +322,11 @@ def parse_override(text: str) -> tuple[str, object]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optim.lr=1e-5")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: the value is not a YAML scalar "
+                          f"({str(err).splitlines()[0]})") from None
     if isinstance(value, str) and raw.strip().lower() in {"none", "null", "~"}:
         value = None
     if isinstance(value, str):
@@ -337,7 +344,11 @@ def load_config(paths=(), overrides=(), base: dict | None = None) -> RunConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"--config {path}: no such file")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(err).split())})"
+                              ) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: expected a YAML mapping at the top level")
         _merge(tree, loaded)

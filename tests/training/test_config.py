@@ -41,6 +41,9 @@ def test_fidelity_switches_default_to_the_paper():
     ("dmc.prior=layer", r"dmc.prior: 'layer' is not one of global, local"),
     ("dmc.omega_offset=-0.1", r"dmc.omega_offset: must be >= 0"),
     ("optim.lr", r"expected KEY=VALUE"),
+    ("dmc.target_cr=inf", r"dmc.target_cr: expected a finite number, got inf"),
+    ("optim.lr=.nan", r"optim.lr: expected a finite number"),
+    ("dmc.c=[1", r"override 'dmc.c=\[1': the value is not a YAML scalar"),
 ])
 def test_bad_values_name_the_key_and_accepted_values(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -50,6 +53,15 @@ def test_bad_values_name_the_key_and_accepted_values(override, message):
 def test_missing_file():
     with pytest.raises(ConfigError, match="no such file"):
         load_config(["nope.yaml"])
+
+
+def test_malformed_yaml_exits_2_naming_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layers: [2\n")
+    with pytest.raises(ConfigError, match=f"--config {bad}: not valid YAML"):
+        load_config([bad])
+    assert main(["retrofit", "--config", str(bad), "--dry-run"]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
 
 
 def test_cli_dry_run_and_errors(capsys):
