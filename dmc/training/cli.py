@@ -9,7 +9,7 @@ import argparse
 import json
 
 from dmc.training import launch
-from dmc.training.preemption import EXIT_PREEMPTED
+from dmc.training.preemption import EXIT_PREEMPTED, StopSignal
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_training(args: argparse.Namespace) -> int:
+    with StopSignal() as stop:  # SIGTERM / SIGUSR1 during start-up: exit 99 too, not 143
+        return _run_training(args, stop)
+
+
+def _run_training(args: argparse.Namespace, stop: StopSignal) -> int:
     from dmc.training.config import dump_config, load_config, to_dict
 
     cfg = load_config(args.config, args.overrides)
@@ -44,7 +49,7 @@ def run_training(args: argparse.Namespace) -> int:
     from dmc.training.trainer import Trainer
 
     trainer = Trainer(cfg, args.command, allow_config_change=args.allow_config_change)
-    trainer.run(phase=getattr(args, "phase", None))
+    trainer.run(phase=getattr(args, "phase", None), stop=stop)
     if trainer.preempted:
         return EXIT_PREEMPTED
     summary = {"run_dir": cfg.run_dir, "step": trainer.step, **trainer.evaluate()}

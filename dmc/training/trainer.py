@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from contextlib import closing
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -402,9 +402,13 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------------ main loop
-    def run(self, phase: str | None = None, stop_after: int | None = None) -> list[StepResult]:
+    def run(self, phase: str | None = None, stop_after: int | None = None,
+            stop: StopSignal | None = None) -> list[StepResult]:
         """Trains to the end of the run (or of ``phase``); ``stop_after`` ends early after
-        that many steps, as a kill would (tests). Returns the steps it ran."""
+        that many steps, as a kill would (tests). ``stop``: a :class:`StopSignal` already
+        installed by the caller (the CLI installs one before start-up, so a signal that arrives
+        while the model is built stops the run before its first step); by default one is
+        installed for the loop. Returns the steps it ran."""
         end = self.plan.total_steps if phase is None else self.plan.phase_end(phase)
         if phase is not None and self.step < self.plan.ranges[phase][0]:
             raise ValueError(
@@ -419,8 +423,13 @@ class Trainer:
         self.preempted = None
         ran: list[StepResult] = []
         log_cfg, ckpt_cfg = self.cfg.logging, self.cfg.checkpoint
-        with StopSignal() as stop, closing(logger):
-            while self.step < end:
+        signals = nullcontext(stop) if stop is not None else StopSignal()
+        with signals as stop, closing(logger):
+            if self.step < end and stop.requested():  # arrived during start-up: nothing to save
+                self.preempted = stop.received or "a stop signal on another rank"
+                logger.write(f"{self.preempted} received during start-up: stopping at step "
+                             f"{self.step}, nothing new to save")
+            while self.step < end and self.preempted is None:
                 step = self.step
                 if self.plan.dmc and step == self.plan.ranges["retrofit"][0] and step > 0:
                     zero_decision_rows_(self.module)

@@ -12,7 +12,7 @@ import pytest
 
 from dmc.megatron import checkpoint as ckpt
 from dmc.training.config import load_config
-from dmc.training.preemption import EXIT_PREEMPTED
+from dmc.training.preemption import EXIT_PREEMPTED, StopSignal
 from dmc.training.trainer import Trainer
 
 from conftest import tiny_overrides
@@ -93,3 +93,15 @@ def test_cli_exits_preempted_on_sigusr1_and_restart_finishes(tiny_data, tmp_path
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     got = [(r["step"], r["lm_loss"], r["cr_loss"]) for r in records]
     _assert_same(got, straight)
+
+
+def test_a_signal_during_start_up_stops_before_the_first_step(tiny_data, tmp_path):
+    """The CLI installs the handler before building the trainer: a SIGTERM that arrives while
+    the model and data are built stops the run (exit 99) instead of killing it (143)."""
+    cfg = load_config([], _overrides(tiny_data, tmp_path))
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        trainer = Trainer(cfg, "retrofit")
+        assert trainer.run(stop=stop) == []
+    assert trainer.preempted == "SIGTERM" and trainer.step == 0
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoints") is None
