@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from dmc.inference.cli_args import add_cache_arguments, add_model_argument, cache_dtype
+from dmc.inference.cli_args import (
+    add_cache_arguments,
+    add_model_argument,
+    cache_dtype,
+    check_tokens_fit,
+)
 
 DEFAULT_SEQ_LEN = 256
 
@@ -249,6 +254,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         args.model, max_batch=1, page_size=args.page_size, chunk_size=args.chunk_size,
         max_seq_len=longest, cache_dtype=cache_dtype(args.cache_dtype),
     )
+    check_tokens_fit(engine, sequences, f"--data {args.data} with --seq-len {args.seq_len}")
     result = evaluate_perplexity(engine, sequences, progress=not (args.quiet or args.json))
     if args.compare_full_forward:
         result["full_forward"] = model_perplexity(engine.model, sequences)

@@ -32,3 +32,17 @@ def cache_dtype(name: str):
     import torch
 
     return None if name == "auto" else getattr(torch, name)
+
+
+def check_tokens_fit(engine, sequences, what: str, new_tokens: int = 0) -> None:
+    """Raises ValueError naming ``what`` (the flags the tokens came from) when a sequence plus
+    the ``new_tokens`` it will generate (the last never fed back) is longer than the model's
+    ``max_seq_length``, or holds an id outside its vocabulary."""
+    limit, vocab = engine.model.max_sequence_length, engine.model.vocab_size
+    longest = max(len(s) for s in sequences) + max(new_tokens - 1, 0)
+    if longest > limit:
+        raise ValueError(f"{what}: {longest} tokens exceed the model's max_seq_length ({limit})")
+    bad = [int(t) for s in sequences for t in s if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"{what}: token id {bad[0]} is outside the model's vocabulary "
+                         f"[0, {vocab})")

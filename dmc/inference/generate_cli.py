@@ -25,7 +25,12 @@ import argparse
 import json
 import sys
 
-from dmc.inference.cli_args import add_cache_arguments, add_model_argument, cache_dtype
+from dmc.inference.cli_args import (
+    add_cache_arguments,
+    add_model_argument,
+    cache_dtype,
+    check_tokens_fit,
+)
 
 
 EXIT_REQUEST_FAILED = 3  # some request ended with finish_reason "cache_full"
@@ -104,6 +109,7 @@ def run_generate(args: argparse.Namespace) -> int:
         max_batch=min(args.max_batch, len(prompts)), max_seq_len=longest,
         chunk_size=args.chunk_size, cache_dtype=cache_dtype(args.cache_dtype), seed=args.seed,
     )
+    check_tokens_fit(engine, prompts, "prompt + --max-new-tokens", args.max_new_tokens)
     results = engine.generate(prompts, params, progress=not (args.quiet or args.json))
     records = []
     for result in results:

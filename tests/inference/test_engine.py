@@ -274,6 +274,13 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     failed, done = json.loads(capsys.readouterr().out)["results"]
     assert failed["finish_reason"] == "cache_full" and "whole pool" in failed["error"]
     assert done["tokens"] == direct[1].tokens and done["error"] is None
+    limit = loaded.model.max_sequence_length
+    with pytest.raises(ValueError, match=f"exceed the model's max_seq_length \\({limit}\\)"):
+        run_generate(parser.parse_args(["--state-dict", str(path), "--prompt-ids", "1 2 3",
+                                        "--max-new-tokens", str(limit)]))
+    vocab = loaded.model.vocab_size
+    with pytest.raises(ValueError, match=f"token id {vocab} is outside the model's vocabulary"):
+        run_generate(parser.parse_args(["--state-dict", str(path), "--prompt-ids", f"1 {vocab}"]))
 
 
 def test_files_without_newer_dmc_fields_load_with_the_paper_defaults(parallel_1x1, tmp_path):
