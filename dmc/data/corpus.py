@@ -167,12 +167,14 @@ def split_single_document(doc: Document, valid_fraction: float) -> tuple[Documen
 def split_documents(
     docs: Sequence[Document], valid_fraction: float, seed: int
 ) -> tuple[list[Document], list[Document]]:
-    """Deterministic train/valid split by whole documents, sized by characters.
+    """Deterministic train/valid split, sized by characters (the tokenizer is trained on the
+    train split, so tokens cannot size it; characters are their proxy).
 
-    Documents are visited in a ``random.Random(seed)`` order and go to valid until valid holds at
-    least ``valid_fraction`` of the corpus characters: at least one document, never all of them.
-    Both lists keep corpus order. A corpus of one document is cut at a line boundary instead
-    (:func:`split_single_document`).
+    Documents are visited in a ``random.Random(seed)`` order and go to valid whole until valid
+    holds at least ``valid_fraction`` of the corpus characters: at least one document, never all
+    of them. A document that would take valid past twice its share is cut at a line boundary
+    instead (:func:`split_single_document`: its last lines to valid, the rest stays in train),
+    so a corpus of a few large files is not mostly valid. Both lists keep corpus order.
     """
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(
@@ -183,13 +185,20 @@ def split_documents(
         return [train], [valid]
     order = random.Random(seed).sample(range(len(docs)), len(docs))
     target = valid_fraction * sum(len(doc.text) for doc in docs)
-    valid_ids, size = set(), 0
+    parts: dict[int, tuple[Document | None, Document]] = {}  # index -> (train part, valid part)
+    size = 0
     for i in order[: len(docs) - 1]:
-        if valid_ids and size >= target:
+        if parts and size >= target:
             break
-        valid_ids.add(i)
-        size += len(docs[i].text)
-    return (
-        [doc for i, doc in enumerate(docs) if i not in valid_ids],
-        [doc for i, doc in enumerate(docs) if i in valid_ids],
-    )
+        doc = docs[i]
+        if size + len(doc.text) > 2 * target and _cuttable(doc):
+            parts[i] = split_single_document(doc, (target - size) / len(doc.text))
+            break
+        parts[i] = (None, doc)
+        size += len(doc.text)
+    train = [parts[i][0] if i in parts else doc for i, doc in enumerate(docs)]
+    return [d for d in train if d is not None], [parts[i][1] for i in sorted(parts)]
+
+
+def _cuttable(doc: Document) -> bool:
+    return sum(1 for line in doc.text.split("\n") if line.strip()) >= 2

@@ -113,6 +113,19 @@ def test_split_is_sized_by_characters():
         assert size >= 0.05 * 2000 and (docs[0] in valid or size < 0.05 * 2000 + 10)
 
 
+def test_a_few_large_documents_are_cut_not_moved_whole():
+    """Two plays at valid_fraction 0.02 once put one whole play (half the corpus) in valid."""
+    docs = [Document("\n".join(f"{name} line {i}" for i in range(1000)), name)
+            for name in ("a.txt", "b.txt")]
+    total = sum(len(d.text) for d in docs)
+    train, valid = split_documents(docs, 0.02, seed=0)
+    assert len(train) == 2 and len(valid) == 1
+    share = sum(len(d.text) for d in valid) / total
+    assert 0.015 < share < 0.025
+    cut = next(d for d in docs if valid[0].text in d.text)
+    assert any(t.text + "\n" + valid[0].text == cut.text for t in train)
+
+
 def test_single_document_is_cut_at_a_line_boundary():
     doc = Document("\n".join(f"line {i}" for i in range(100)), "one.txt")
     train, valid = split_documents([doc], 0.1, seed=0)

@@ -121,7 +121,10 @@ def test_given_tokenizer_is_copied_and_replaces_another_kind(prepared, tmp_path)
     assert got["tokenizer"]["trained"] is False and got["tokenizer"]["source"] == str(
         out / "tokenizer.model"
     )
-    assert [got["splits"][s]["documents"] for s in ("train", "valid")] == [1, 1]
+    # two files at valid_fraction 0.02: the tail of one goes to valid, not a whole file
+    assert [got["splits"][s]["documents"] for s in ("train", "valid")] == [2, 1]
+    tokens = [got["splits"][s]["tokens"] for s in ("train", "valid")]
+    assert tokens[1] / sum(tokens) < 0.06
 
 
 def test_single_file_corpus_is_split_by_lines(prepared, tmp_path):
