@@ -40,12 +40,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """A folder written by ``dmc data prepare`` and the batch shape."""
+    """A folder written by ``dmc data prepare`` and the batch shape. ``cache_dir``: where
+    megatron writes its sample-index cache (null = ``cache/`` inside ``path``; set it when the
+    data folder is read-only)."""
 
     path: str = "data/shakespeare"
     seq_length: int = 256
     micro_batch_size: int = 8
     global_batch_size: int = 8
+    cache_dir: str | None = None
 
 
 @dataclass

@@ -117,10 +117,11 @@ class Trainer:
         seq = cfg.data.seq_length
         total = max(self.plan.total_steps, 1) * cfg.data.global_batch_size
         self.train_data = build_gpt_dataset(split_prefix(cfg.data.path, "train"), seq, total,
-                                            cfg.seed, self.tokenizer)
+                                            cfg.seed, self.tokenizer, cfg.data.cache_dir)
         eval_samples = max(cfg.logging.eval_iters, 1) * cfg.data.micro_batch_size * self.dp_size
         self.valid_data = build_gpt_dataset(split_prefix(cfg.data.path, "valid"), seq,
-                                            eval_samples, cfg.seed, self.tokenizer)
+                                            eval_samples, cfg.seed, self.tokenizer,
+                                            cfg.data.cache_dir)
 
     def _build_model(self):
         cfg, m = self.cfg, self.cfg.model

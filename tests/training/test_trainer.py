@@ -127,3 +127,10 @@ def test_engine_loads_run_checkpoints(full_run, capsys):
     assert '"results"' in capsys.readouterr().out
     assert main(["generate", "--model", str(run_dir / "nowhere"), "--prompt-ids", "3"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_data_cache_dir_holds_megatron_sample_indices(tiny_data, tmp_path):
+    """For a read-only data folder: megatron's index cache goes where data.cache_dir says."""
+    Trainer(_cfg(tiny_data, tmp_path / "run", **{"data.cache_dir": str(tmp_path / "idx"),
+                                                 "schedule.retrofit_steps": 1}), "retrofit")
+    assert list((tmp_path / "idx").glob("*.npy"))
