@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
 from dmc.convert.hf_config import hf_config_from_model_config
 from dmc.convert.hf_io import copy_tokenizer, has_tokenizer, write_safetensors
+from dmc.convert.hf_tokenizer import sentencepiece_to_tokenizer_json
 from dmc.convert.mapping import mcore_to_hf_state
 
 MODELING_FILE = "modeling_dmc.py"
@@ -30,8 +32,8 @@ def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = N
     """Exports ``checkpoint`` (a checkpoint, checkpoints or run folder, any TP/PP) to
     ``out_folder`` (must not exist or be empty).
 
-    tokenizer: tokenizer file or folder to copy; default: the checkpoint folder's own, else the
-        tokenizer of the run's prepared data (``state.json`` config ``data.path``).
+    tokenizer: tokenizer file or folder to copy; default: :func:`find_tokenizer` (the
+        checkpoint folder's own, else the run's prepared data).
     dtype: "float32", "bfloat16" or "float16" (default: the checkpoint's parameter dtype).
     cr_tokens: token ids on which to measure the DMC compression ratio with
         :class:`dmc.inference.Engine` (stored as ``dmc_measured_cr``); None = not measured.
@@ -82,26 +84,60 @@ def measure_cr(model, tokens) -> float:
 
 
 def _export_tokenizer(tokenizer, loaded, out: Path) -> list[str]:
-    source = Path(tokenizer) if tokenizer is not None else _find_tokenizer(loaded)
+    """Copies the tokenizer (``tokenizer``, else :func:`find_tokenizer`'s) into ``out``; a bare
+    SentencePiece model gets a ``tokenizer.json`` beside it (so ``AutoTokenizer`` needs no
+    protobuf) and a ``tokenizer_config.json`` naming its special tokens. No tokenizer found:
+    a warning, and the export has none."""
+    source = Path(tokenizer) if tokenizer is not None else find_tokenizer(loaded.source,
+                                                                          loaded.state)
     if source is None:
+        warnings.warn(f"no tokenizer found for {loaded.source} (neither in the checkpoint "
+                      f"folder nor in the run's data.path): the export has none; pass "
+                      f"--tokenizer", stacklevel=3)
         return []
     if not source.exists():
         raise FileNotFoundError(f"tokenizer {source} does not exist")
     copied = copy_tokenizer(source, out)
     if not copied:
         raise FileNotFoundError(f"{source} holds no tokenizer.model or tokenizer.json")
+    if "tokenizer.model" in copied and "tokenizer.json" not in copied:
+        try:
+            sentencepiece_to_tokenizer_json(out / "tokenizer.model", out / "tokenizer.json")
+            copied.append("tokenizer.json")
+        except ValueError as err:
+            warnings.warn(f"{err}: the export carries tokenizer.model only (loading it with "
+                          f"AutoTokenizer then needs protobuf)", stacklevel=3)
     if "tokenizer_config.json" not in copied:
-        kind = "LlamaTokenizerFast" if "tokenizer.json" in copied else "LlamaTokenizer"
-        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": kind}))
+        (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(out, copied)))
         copied.append("tokenizer_config.json")
     return copied
 
 
-def _find_tokenizer(loaded) -> Path | None:
-    """The checkpoint folder itself (converted checkpoints), else the run's prepared data."""
-    if has_tokenizer(loaded.source):
-        return Path(loaded.source)
-    data_path = ((loaded.state.get("config") or {}).get("data") or {}).get("path")
-    if data_path and has_tokenizer(Path(data_path)):
-        return Path(data_path)
-    return None
+def _tokenizer_config(out: Path, copied: list[str]) -> dict:
+    if "tokenizer.model" not in copied:
+        return {"tokenizer_class": "LlamaTokenizerFast"}
+    if "tokenizer.json" not in copied:
+        return {"tokenizer_class": "LlamaTokenizer"}
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    ids = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(),
+           "pad_token": sp.pad_id()}
+    return {"tokenizer_class": "PreTrainedTokenizerFast",
+            **{name: sp.id_to_piece(i) for name, i in ids.items() if i >= 0}}
+
+
+def find_tokenizer(checkpoint: Path, state: dict) -> Path | None:
+    """The tokenizer of a checkpoint: the checkpoint folder itself (converted checkpoints), else
+    the run's prepared data (``data.path`` of its config; a relative path is tried from the
+    working directory, then from each folder above the checkpoint, as the run was launched from
+    one of them). None when neither holds one."""
+    if has_tokenizer(checkpoint):
+        return Path(checkpoint)
+    data_path = ((state.get("config") or {}).get("data") or {}).get("path")
+    if not data_path:
+        return None
+    data_path = Path(data_path)
+    places = [data_path] if data_path.is_absolute() else (
+        [data_path] + [above / data_path for above in Path(checkpoint).resolve().parents])
+    return next((p for p in places if has_tokenizer(p)), None)

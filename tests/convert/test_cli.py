@@ -40,3 +40,37 @@ def test_convert_cli_and_model_yaml(tmp_path, capsys):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg_json))
     assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mc3")]) == 2
     assert "high_freq_factor=4.0" in capsys.readouterr().err
+
+
+def test_readme_export_step_with_a_relative_data_path(tiny_data, tmp_path, monkeypatch, capsys):
+    """README step 3 as written (no --tokenizer) on a run whose data.path is relative, converted
+    from another directory: the tokenizer is found, tokenizer.json written, AutoTokenizer loads
+    it without protobuf and encodes as the SentencePiece model does."""
+    import shutil
+
+    import sentencepiece
+
+    from conftest import tiny_overrides
+    from dmc.training.config import load_config
+    from dmc.training.trainer import Trainer
+
+    shutil.copytree(tiny_data, tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    Trainer(load_config([], tiny_overrides("data", "runs/tiny", **{
+        "schedule.zero_out_steps": 1, "schedule.retrofit_steps": 2,
+        "schedule.solidify_steps": 1})), "retrofit").run()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    (tmp_path / "held.txt").write_text("To be, or not to be, that is the question.\n" * 3)
+    assert main(["convert", "mcore-to-hf", "../runs/tiny", "../hf", "--cr-text",
+                 "../held.txt", "--json"]) == 0, capsys.readouterr().err
+    summary = json.loads(capsys.readouterr().out)
+    assert {"tokenizer.model", "tokenizer.json", "tokenizer_config.json"} <= set(
+        summary["tokenizer"])
+    assert summary["measured_cr"] >= 1.0
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "data" /
+                                                             "tokenizer.model"))
+    text = "Whether 'tis nobler  in the mind\tto suffer 1601 slings"
+    assert tok(text)["input_ids"] == sp.encode(text)
+    assert tok.decode(sp.encode(text)) == text
