@@ -79,6 +79,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, kind: str, allow_config_change: bool = False):
         self.cfg, self.kind = cfg, kind
         self.allow_config_change = allow_config_change
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # unwritable: fail before megatron
         initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.seed)
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.run_dir)

@@ -80,3 +80,10 @@ def test_cli_overrides_may_follow_options(capsys):
     assert '"seed": 5' in out and '"lr": 0.002' in out
     with pytest.raises(SystemExit):
         main(["pretrain", "--dry-run", "--bogus"])
+
+
+def test_an_unwritable_run_dir_exits_2_naming_it(tiny_data, capsys):
+    from conftest import tiny_overrides
+
+    assert main(["retrofit", *tiny_overrides(tiny_data, "/sys/dmc-run")]) == 2
+    assert "cannot use '/sys/dmc-run'" in capsys.readouterr().err
