@@ -39,17 +39,35 @@ def _losses(run_dir):
     return [(r["step"], r["lm_loss"], r["cr_loss"]) for r in records]
 
 
+def _lines(path):
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _wait_for_progress(proc, metrics, before, timeout=300):
+    """Until ``metrics`` has more than ``before`` lines (training runs) or ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while _lines(metrics) <= before and proc.poll() is None:
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_twenty_random_kills_lose_nothing(tiny_data, tmp_path):
-    started = time.monotonic()
     straight = _launch(tiny_data, tmp_path / "straight")
+    _wait_for_progress(straight, tmp_path / "straight" / "metrics.jsonl", 0)
+    started = time.monotonic()
     assert straight.wait(timeout=300) == 0, straight.stderr.read()[-3000:]
-    duration = time.monotonic() - started
+    training = time.monotonic() - started  # from the first step to the exit
 
     run_dir, rng, kills, finished = tmp_path / "killed0", random.Random(0), 0, []
     while kills < KILLS:
+        metrics = run_dir / "metrics.jsonl"
         proc = _launch(tiny_data, run_dir)
-        time.sleep(rng.uniform(0.3, 1.0) * duration)
+        if rng.random() < 0.2:  # during start-up (imports, model, data, checkpoint loading)
+            time.sleep(rng.uniform(0.5, 3.0))
+        else:  # during training: steps, saves, CR checkpoints, phase copies, the final save
+            _wait_for_progress(proc, metrics, _lines(metrics))
+            time.sleep(rng.uniform(0, training))
         if proc.poll() is not None:  # finished before the kill: go on in a fresh run
             assert proc.returncode == 0, proc.stderr.read()[-3000:]
             finished.append(run_dir)
