@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dmc.slurm.spec import SweepError, SweepSpec
-from dmc.training.resume import INIT_FROM_SAME, flat_dict
+from dmc.training.resume import INIT_FROM_SAME, flat_dict, under
 from dmc.training.config import ConfigError, load_config, to_dict
 
 
@@ -92,8 +92,8 @@ class _Planner:
         """The zero_out job that ``cfg`` can continue from: one per distinct (seed, model,
         schedule, optimizer, batch shape), i.e. what ``checkpoint.init_from`` requires equal."""
         flat = flat_dict(to_dict(cfg))
-        key = (name, seed, json.dumps({k: v for k, v in flat.items() if any(
-            k == s or k.startswith(s + ".") for s in INIT_FROM_SAME)}, sort_keys=True))
+        key = (name, seed, json.dumps({k: v for k, v in flat.items() if under(k, INIT_FROM_SAME)},
+                                     sort_keys=True))
         if key not in self.zero_out:
             twins = sum(k[:2] == (name, seed) for k in self.zero_out)
             job = f"{name}-s{seed}-zero_out" + (f"-{twins + 1}" if twins else "")

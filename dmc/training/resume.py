@@ -36,7 +36,8 @@ def flat_dict(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _under(key: str, sections) -> bool:
+def under(key: str, sections) -> bool:
+    """Whether dotted ``key`` is one of ``sections`` or inside one."""
     return any(key == s or key.startswith(s + ".") for s in sections)
 
 
@@ -50,7 +51,7 @@ def check_init_from(path: Path, config: dict, kind: str) -> None:
                          f"not {kind}")
     ours, theirs = flat_dict(config), flat_dict(state.get("config", {}))
     wrong = sorted(k for k in ours
-                   if _under(k, INIT_FROM_SAME) and theirs.get(k, ours[k]) != ours[k])
+                   if under(k, INIT_FROM_SAME) and theirs.get(k, ours[k]) != ours[k])
     if wrong:
         raise ValueError(
             f"checkpoint.init_from {path} was written by a different run: "
@@ -71,7 +72,7 @@ def check_resume_config(saved: dict, current: dict, checkpoint: Path, run_dir: P
     field that defines the run unless ``allow_change``; records accepted changes in
     ``run_dir/config_history.jsonl`` when ``write``. Returns the changes."""
     changes = config_changes(saved, current)
-    defining = {k: v for k, v in changes.items() if not _under(k, MAY_CHANGE_ON_RESUME)}
+    defining = {k: v for k, v in changes.items() if not under(k, MAY_CHANGE_ON_RESUME)}
     if defining and not allow_change:
         listed = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, (a, b) in defining.items())
         raise ConfigError(
