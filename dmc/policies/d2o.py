@@ -1,20 +1,37 @@
-"""D2O, Dynamic Discriminative Operations (Wan et al., ICLR 2025).
+"""D2O, Dynamic Discriminative Operations (Wan et al., ICLR 2025), ``papers/d2o.txt``.
 
-Layer level (Sec. 3.2): layers whose prompt attention is dense (low variance) should evict less.
-The variance ``sigma_l^2`` of layer ``l``'s prompt attention weights (every visible
-(query, key) entry of every query head) sets the layer's share of the total budget,
-``softmax(-sigma^2)_l``; the total is ``m ceil(n / CR)`` slots per head over ``m`` layers
-(integers summing to the total, see :func:`~dmc.policies.base.layer_budgets`). The variance
-is accumulated over the prompt's chunks and frozen during generation.
+Layer level (Sec. 4.1, Eq. 4-5): the density of layer ``l`` is the variance of its accumulated
+prompt attention, ``F_v^l = Var(sum_i A_p^l[i, :])``: the column sums ``s_j`` of the causal
+prompt attention (what each prompt token received from every prompt query), their population
+variance over the prompt tokens ``j``, taken per query head (App. A.9, Eq. 20) and averaged over
+the layer's query heads. Denser (lower-variance) layers get more: ``alpha_l = L rho
+softmax(-F_v)_l``, i.e. layer ``l`` holds ``L b softmax(-F_v)_l`` of the ``L b`` slots per head
+over ``L`` layers, ``b = ceil(n / CR)`` (integers summing to the total, see
+:func:`~dmc.policies.base.layer_budgets`).
 
-Token level (Sec. 3.3): H2O-style eviction (accumulated attention) that always keeps the first
-``sinks`` tokens and the most recent ``ceil((b - sinks) / 2)``. Each evicted key ``k_e`` finds its
-most cosine-similar kept key ``k_r`` (``u_e = max_r cos(k_e, k_r)``); it is merged only when
-``u_e >= tau_t``, an exponential moving average of the mean similarity of the evicted tokens of
-each eviction (``tau_t = momentum tau_{t-1} + (1 - momentum) mean_e u_e``, ``tau_0`` the first
-mean), per (sequence, layer, KV head). The merge is similarity-weighted:
-``k_r <- (e k_r + sum_e exp(u_e) k_e) / (e + sum_e exp(u_e))`` (the kept key's own weight is
-``exp(cos(k_r, k_r)) = e``), and the same weights merge the values.
+Normalisation (the paper gives none): the column sums have mean 1 whatever the prompt (every
+query's row sums to 1), but their variance grows with the prompt length (about 1 for uniform
+causal attention, about ``n`` for a layer that puts everything on one sink), so the raw
+``softmax(-F_v)`` would hand one layer everything on long prompts and depend on ``n``. We use
+``F_v^l / mean_l' F_v^l'``: the paper's order of layers, shares invariant to a common scale of the
+variances, uniform shares when every layer is alike (or before any prompt).
+
+With the prompt in several chunks, a token evicted after an early chunk keeps the column sum it
+had then; with the whole prompt in one chunk the variance is the paper's. The variance is frozen
+after the prompt (Eq. 4 uses the prompt encoding only).
+
+Token level (Sec. 4.2.1, Eq. 6-8): H2O-style eviction (accumulated attention) that keeps the
+first ``T = sinks`` tokens, the most recent ``M`` and the ``N`` best-scored others,
+``b = T + N + M`` with ``N:M = heavy_ratio:1`` (paper 3:1, App. A.3 Table 10), so
+``M = ceil((b - T) / (1 + heavy_ratio))``. The paper does not fix ``T``; 4 as StreamingLLM.
+
+Merging (Sec. 4.2.2, Eq. 9-12): each evicted key ``k_e`` finds its most cosine-similar kept key
+``k_r`` (``u_e = max_r cos(k_e, k_r)``); it is merged only when ``u_e >= tau_t``, the EMA threshold
+of Eq. 10 per (sequence, layer, KV head): ``tau_0`` the mean of the ``u_e`` of the first eviction,
+then ``tau_t = beta mean_e u_e + (1 - beta) tau_{t-1}`` (paper: one evicted token per decode step;
+a prompt chunk evicting several uses their mean), beta = 0.7 (App. A.3). The merge is
+similarity-weighted: ``k_r <- (e k_r + sum_e exp(u_e) k_e) / (e + sum_e exp(u_e))`` (the kept
+key's own weight is ``exp(cos(k_r, k_r)) = e``), and the same weights merge the values.
 
 GQA: accumulated attention sums the group's query heads (as :mod:`.h2o`); keys are per KV head.
 """
@@ -33,27 +50,35 @@ class D2O(H2O):
     """Variance-based layer budgets, H2O eviction with sinks, EMA-threshold similarity merges.
 
     Args:
-        sinks: first tokens always kept.
-        momentum: weight of the previous threshold in the EMA, in [0, 1).
+        sinks: first tokens always kept (``T``).
+        heavy_ratio: ``N:M``, heavy hitters per recent token (paper 3).
+        beta: EMA weight of the newest similarity, in (0, 1] (paper 0.7).
     """
 
     name = "d2o"
-    seq_state_names = ("attention_moments", "threshold", "has_threshold")
+    slot_state_names = ("accumulated", "prompt_columns", "prompt_slot")
+    seq_state_names = ("folded", "threshold", "has_threshold")
 
-    def __init__(self, compression_ratio: float = 2.0, *, sinks: int = 4, momentum: float = 0.9):
+    def __init__(self, compression_ratio: float = 2.0, *, sinks: int = 4,
+                 heavy_ratio: float = 3.0, beta: float = 0.7):
         super().__init__(compression_ratio)
         if int(sinks) != sinks or sinks < 0:
             raise ValueError(f"sinks must be an integer >= 0, got {sinks!r}")
-        if not 0.0 <= float(momentum) < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        self.sinks, self.momentum = int(sinks), float(momentum)
+        if not float(heavy_ratio) >= 0.0:
+            raise ValueError(f"heavy_ratio must be >= 0, got {heavy_ratio!r}")
+        if not 0.0 < float(beta) <= 1.0:
+            raise ValueError(f"beta must be in (0, 1], got {beta!r}")
+        self.sinks, self.heavy_ratio, self.beta = int(sinks), float(heavy_ratio), float(beta)
 
     def bind(self, shape) -> None:
         super().bind(shape)
         s = shape
-        # per (sequence, layer): count, sum and sum of squares of the prompt attention weights
-        self.attention_moments = torch.zeros(s.max_seqs, s.num_layers, 3, dtype=torch.float64,
-                                             device=s.device)
+        # column sums of the prompt attention per query head: [seqs, layers, kv, slots, group]
+        self.prompt_columns = self._slot_tensor()[..., None].repeat(1, 1, 1, 1, s.group)
+        self.prompt_slot = self._slot_tensor(torch.bool)  # the slot holds a prompt token
+        # count, sum, sum of squares of the column sums of evicted prompt tokens
+        self.folded = torch.zeros(s.max_seqs, s.num_layers, s.num_kv_heads, s.group, 3,
+                                  dtype=torch.float64, device=s.device)
         self.threshold = torch.zeros(s.max_seqs, s.num_layers, s.num_kv_heads, device=s.device)
         self.has_threshold = torch.zeros(s.max_seqs, s.num_layers, s.num_kv_heads,
                                          dtype=torch.bool, device=s.device)
@@ -62,31 +87,40 @@ class D2O(H2O):
         super().observe(view, queries, q_positions, probs, prefill)
         if not prefill:
             return
-        visible = (view.valid[:, :, None, :]
-                   & (view.positions[:, :, None, :] <= q_positions[:, None, :, None])
-                   & (q_positions >= 0)[:, None, :, None])  # [batch, kv, n, L]
-        count = visible.sum(dim=(1, 2, 3)).double() * self.shape.group
-        p = probs.double()
-        moments = torch.stack([count, p.sum(dim=(1, 2, 3, 4)), (p * p).sum(dim=(1, 2, 3, 4))], 1)
-        self.attention_moments[view.seqs.to(probs.device), view.layer] += moments
+        rows = view.seqs.to(probs.device)
+        width = probs.shape[-1]
+        self.prompt_columns[rows, view.layer, :, :width] += probs.sum(dim=3).transpose(2, 3)
+        self.prompt_slot[rows, view.layer, :, :width] = view.valid
 
     def layer_variance(self, seqs: torch.Tensor) -> torch.Tensor:
-        """``sigma_l^2`` of the prompt attention, ``[batch, layers]`` (0 before any prompt)."""
-        count, total, squares = self.attention_moments[seqs.to(self.shape.device)].unbind(-1)
+        """``F_v^l`` of Eq. 4, ``[batch, layers]``: the variance of each query head's prompt
+        column sums (the held prompt tokens' and the evicted ones'), averaged over the heads
+        (0 before any prompt)."""
+        rows = seqs.to(self.shape.device)
+        columns = self.prompt_columns[rows].double()  # [batch, layers, kv, slots, group]
+        live = moments(self.prompt_slot[rows], columns, dim=3)
+        count, total, squares = (live + self.folded[rows]).unbind(-1)
         mean = total / count.clamp(min=1)
-        return (squares / count.clamp(min=1) - mean * mean).clamp(min=0)
+        variance = (squares / count.clamp(min=1) - mean * mean).clamp(min=0)
+        return variance.mean(dim=(2, 3))
+
+    def layer_shares(self, seqs: torch.Tensor) -> torch.Tensor:
+        """``softmax(-F_v / mean_l F_v)`` over the layers, ``[batch, layers]`` (they sum to 1)."""
+        variance = self.layer_variance(seqs)
+        scale = variance.mean(dim=-1, keepdim=True)
+        return torch.softmax(-variance / torch.where(scale > 0, scale, 1.0), dim=-1)
 
     def budgets(self, view_seqs, tokens):
-        shares = torch.softmax(-self.layer_variance(view_seqs), dim=-1)
-        return layer_budgets(self.budget(tokens), tokens, shares.tolist())
+        return layer_budgets(self.budget(tokens), tokens, self.layer_shares(view_seqs).tolist())
 
     def protected(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         sinks = budget.clamp(max=self.sinks)
-        recent = torch.div(budget - sinks + 1, 2, rounding_mode="floor")
+        recent = torch.ceil((budget - sinks).double() / (1 + self.heavy_ratio)).long()
         return first_mask(view, sinks) | recent_mask(view, recent)
 
     def merge(self, view: LayerView, keep: torch.Tensor):
         evicted = view.valid & ~keep
+        self._fold(view, evicted)
         unit = F.normalize(view.keys, dim=-1)
         cosine = torch.einsum("bhid,bhjd->bhij", unit, unit)
         cosine = cosine.masked_fill(~keep[:, :, None, :], float("-inf"))
@@ -97,7 +131,7 @@ class D2O(H2O):
         rows = view.seqs.to(view.keys.device)
         previous = self.threshold[rows, view.layer]
         known = self.has_threshold[rows, view.layer]
-        tau = torch.where(known, self.momentum * previous + (1 - self.momentum) * mean, mean)
+        tau = torch.where(known, self.beta * mean + (1 - self.beta) * previous, mean)
         tau = torch.where(count > 0, tau, previous)
         self.threshold[rows, view.layer] = tau
         self.has_threshold[rows, view.layer] = known | (count > 0)
@@ -111,3 +145,19 @@ class D2O(H2O):
             summed = (own[..., None] * x).scatter_add(2, index, weight[..., None] * x)
             out.append(torch.where(keep[..., None], summed / total.clamp(min=1e-30)[..., None], x))
         return out[0], out[1]
+
+    def _fold(self, view: LayerView, evicted: torch.Tensor) -> None:
+        """Add the column sums of the evicted prompt tokens to ``folded`` (their slots go)."""
+        rows = view.seqs.to(view.keys.device)
+        width = evicted.shape[-1]
+        gone = evicted & self.prompt_slot[rows, view.layer, :, :width]
+        columns = self.prompt_columns[rows, view.layer, :, :width].double()
+        self.folded[rows, view.layer] += moments(gone, columns, dim=2)
+
+
+def moments(mask: torch.Tensor, columns: torch.Tensor, dim: int) -> torch.Tensor:
+    """Count, sum and sum of squares of ``columns [..., slots, group]`` over the slots
+    ``mask [..., slots]`` (``dim``: the slot axis), ``[..., group, 3]`` float64."""
+    weight = mask[..., None].double()
+    return torch.stack([weight.expand_as(columns).sum(dim), (weight * columns).sum(dim),
+                        (weight * columns * columns).sum(dim)], dim=-1)

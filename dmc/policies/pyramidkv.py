@@ -1,21 +1,31 @@
 """PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
-Information Funneling").
+Information Funneling"), ``papers/pyramidkv.txt``.
 
-SnapKV's selection (observation window, pooled votes, window kept) with per-layer budgets on an
-arithmetic sequence (Sec. 3.3): with ``m`` layers and a total of ``T`` slots per head summed over
-layers, the top layer gets ``k_{m-1} = T / (beta m)``, the bottom one ``k_0 = 2T/m - k_{m-1}``, and
-``k_l = k_0 - (k_0 - k_{m-1}) l / (m - 1)`` in between (``beta = 20``). Here
-``T = m ceil(n / CR)``, rounded to integers that sum exactly to ``T`` (largest remainders; a layer
-rounded down to 0 gets 1 slot from the largest, see :func:`~dmc.policies.base.layer_budgets`).
+Budget allocation (Sec. 4.2.1): the KV of the last ``alpha`` tokens (the "instruction tokens",
+SnapKV's observation window; paper alpha = 8) is kept in every layer; the pyramid is built over
+the budget that remains. With ``m`` layers and ``b = ceil(n / CR)`` slots per head per layer, the
+remaining total is ``k_total = m (b - alpha)``; the top layer gets ``k^{m-1} = k_total / (beta m)``,
+the bottom one ``k^0 = 2 k_total / m - k^{m-1}``, and ``k^l = k^0 - (k^0 - k^{m-1}) l / (m - 1)``
+in between (Eq. 1, beta = 20, Sec. 5.1). Layer ``l`` holds ``alpha + k^l`` slots, rounded to
+integers that sum exactly to ``m b`` (largest remainders; a layer's ``k^l`` is capped at the
+``n - alpha`` tokens it can hold, the excess going to the others, see
+:func:`~dmc.policies.base.split_budget`).
+
+When ``b <= alpha`` nothing is left to shape (a layer's budget would be below the window) and
+every layer gets ``b`` (uniform), the window shrinking to the budget as in :class:`SnapKV`.
+
+Selection (Sec. 4.2.2, Eq. 2-3): SnapKV's, with the last ``alpha`` queries voting.
 """
 from __future__ import annotations
 
-from .base import layer_budgets
+import torch
+
+from .base import split_budget
 from .snapkv import SnapKV
 
 
 def pyramid_weights(num_layers: int, beta: float) -> list[float]:
-    """``k_l`` of Sec. 3.3 in units of the mean budget (they sum to ``num_layers``)."""
+    """``k^l`` of Eq. 1 in units of the mean (they sum to ``num_layers``)."""
     if num_layers == 1:
         return [1.0]
     top = 1.0 / beta
@@ -24,16 +34,17 @@ def pyramid_weights(num_layers: int, beta: float) -> list[float]:
 
 
 class PyramidKV(SnapKV):
-    """SnapKV selection under pyramidal (arithmetic) per-layer budgets.
+    """SnapKV selection under pyramidal (arithmetic) per-layer budgets above the window.
 
     Args:
-        beta: ratio of the mean budget to the top layer's (paper: 20), > 1.
-        window, kernel_size, pooling: as :class:`SnapKV`.
+        beta: ratio of the mean remaining budget to the top layer's (paper: 20), > 1.
+        window: ``alpha``, instruction tokens kept in every layer and voting (paper: 8).
+        kernel_size, pooling: as :class:`SnapKV`.
     """
 
     name = "pyramidkv"
 
-    def __init__(self, compression_ratio: float = 2.0, *, beta: float = 20.0, window: int = 32,
+    def __init__(self, compression_ratio: float = 2.0, *, beta: float = 20.0, window: int = 8,
                  kernel_size: int = 5, pooling: str = "avgpool"):
         super().__init__(compression_ratio, window=window, kernel_size=kernel_size,
                          pooling=pooling)
@@ -42,5 +53,15 @@ class PyramidKV(SnapKV):
         self.beta = float(beta)
 
     def budgets(self, view_seqs, tokens):
-        weights = pyramid_weights(self.shape.num_layers, self.beta)
-        return layer_budgets(self.budget(tokens), tokens, [weights] * len(tokens))
+        """``alpha + k^l`` slots per head of every layer, ``[batch, layers]``."""
+        layers = self.shape.num_layers
+        weights = pyramid_weights(layers, self.beta)
+        rows = []
+        for b, n in zip(self.budget(tokens).tolist(), tokens.tolist()):
+            rest = b - self.window
+            if rest <= 0:
+                rows.append([b] * layers)
+                continue
+            shaped = split_budget(layers * rest, weights, int(n) - self.window)
+            rows.append([self.window + k for k in shaped])
+        return torch.tensor(rows, dtype=torch.long, device=tokens.device)

@@ -45,7 +45,8 @@ class Head:
         return torch.stack([self.key[j] for j in (positions or self.kept)])
 
 
-def run(name, q, k, v, prompt, cr, scale, **kw):
+def run(name, q, k, v, prompt, cr, scale, budgets=None, **kw):
+    """``budgets(n)``: the slots per head after ``n`` tokens (default ``ceil(n / cr)``)."""
     heads, total, _ = q.shape
     kv = k.shape[0]
     group = heads // kv
@@ -58,7 +59,7 @@ def run(name, q, k, v, prompt, cr, scale, **kw):
             for t in range(start, end):
                 state[h].kept.append(t)
                 state[h].key[t], state[h].value[t] = k[h, t].double(), v[h, t].double()
-        b = budget(end, cr)
+        b = budgets(end) if budgets else budget(end, cr)
         # attention of the new queries over what each head holds (causal by position)
         probs = {}
         for h in range(kv):
@@ -94,9 +95,9 @@ def run(name, q, k, v, prompt, cr, scale, **kw):
             if name in ("h2o", "caote-h2o"):
                 recent = head.kept[len(head.kept) - (b - b // 2):]
                 guard = recent
-            elif name == "d2o":
+            elif name == "d2o":  # b = T + N + M, N:M = 3:1 (Eq. 7, App. A.3)
                 sinks = min(kw["sinks"], b)
-                recent = (b - sinks + 1) // 2
+                recent = math.ceil((b - sinks) / 4)
                 guard = head.kept[:sinks] + head.kept[len(head.kept) - recent:]
             elif name == "snapkv":
                 guard = head.kept[len(head.kept) - min(kw["window"], b):]
@@ -105,7 +106,7 @@ def run(name, q, k, v, prompt, cr, scale, **kw):
             others = [j for j in head.kept if j not in guard]
             keep = sorted(set(guard) | set(ranked(others, score, b - len(guard))))
             if name == "d2o":
-                d2o_merge(head, keep, extra["tau"], h, kw["momentum"])
+                d2o_merge(head, keep, extra["tau"], h, kw["beta"])
             head.kept = keep
         steps.append(([list(s.kept) for s in state], step_scores))
     return steps
@@ -147,9 +148,10 @@ def caote_scores(head, score, fast=False):
             for j in head.kept}
 
 
-def d2o_merge(head, keep, tau, h, momentum):
-    """D2O Sec. 3.3: evicted keys go to their most cosine-similar kept key when the similarity
-    reaches the EMA threshold; similarity-weighted average of keys and values."""
+def d2o_merge(head, keep, tau, h, beta):
+    """D2O Sec. 4.2.2: evicted keys go to their most cosine-similar kept key when the similarity
+    reaches the EMA threshold (Eq. 10: ``tau = beta u + (1 - beta) tau``); similarity-weighted
+    average of keys and values (Eq. 11-12)."""
     evicted = [j for j in head.kept if j not in keep]
     best = {}
     for e in evicted:
@@ -158,7 +160,7 @@ def d2o_merge(head, keep, tau, h, momentum):
         target = max(keep, key=lambda r: (sims[r], -r))
         best[e] = (sims[target], target)
     mean = sum(s for s, _ in best.values()) / len(best)
-    tau[h] = mean if tau[h] is None else momentum * tau[h] + (1 - momentum) * mean
+    tau[h] = mean if tau[h] is None else beta * mean + (1 - beta) * tau[h]
     groups = {r: [] for r in keep}
     for e, (s, r) in best.items():
         if s >= tau[h]:
@@ -171,9 +173,38 @@ def d2o_merge(head, keep, tau, h, momentum):
             table[r] = (math.e * table[r] + sum(w * table[e] for w, e in members)) / weight
 
 
-def pyramid_budgets(layers, per_head, beta):
-    """PyramidKV Sec. 3.3 arithmetic budgets (real-valued), summing to ``layers * per_head``."""
-    total = layers * per_head
+def pyramid_budgets(layers, per_head, beta, alpha):
+    """PyramidKV Sec. 4.2.1 budgets (real-valued): ``alpha`` in every layer plus Eq. 1's
+    arithmetic sequence over the remaining ``layers (per_head - alpha)``; ``per_head`` in every
+    layer when nothing remains."""
+    total = layers * (per_head - alpha)
+    if total <= 0:
+        return [float(per_head)] * layers
     top = total / (beta * layers)
     bottom = 2 * total / layers - top
-    return [bottom - (bottom - top) * i / (layers - 1) for i in range(layers)]
+    return [alpha + bottom - (bottom - top) * i / (layers - 1) for i in range(layers)]
+
+
+def d2o_layer_shares(q, k, prompt, scale):
+    """D2O Eq. 4-5 over ``q [layers, heads, T, d]``, ``k [layers, kv, T, d]``: per query head the
+    population variance of the column sums of its causal prompt attention, averaged over the
+    heads (``F_v^l``), divided by the mean over layers (the stated normalisation), then
+    ``softmax(-F)``."""
+    layers, heads = q.shape[:2]
+    group = heads // k.shape[1]
+    variance = []
+    for layer in range(layers):
+        per_head = []
+        for head in range(heads):
+            columns = [0.0] * prompt
+            for i in range(prompt):
+                p = attention(q[layer, head, i].double(), k[layer, head // group, :i + 1].double(),
+                              scale)
+                for j in range(i + 1):
+                    columns[j] += float(p[j])
+            mean = sum(columns) / prompt
+            per_head.append(sum((c - mean) ** 2 for c in columns) / prompt)
+        variance.append(sum(per_head) / heads)
+    scale_f = sum(variance) / layers
+    weights = [math.exp(-f / scale_f) for f in variance]
+    return [w / sum(weights) for w in weights], variance

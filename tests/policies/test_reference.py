@@ -61,9 +61,14 @@ def drive(policy, q, k, v, prompt=PROMPT, batch_seqs=None):
     return out
 
 
+# the papers' values, which are the policies' defaults
+PAPER = {"d2o": {"sinks": 4, "beta": 0.7}, "pyramidkv": {"window": 8, "kernel_size": 5}}
+
+
 def check(name, ref_name, seed=0, **kw):
-    ref_kw = {key: val for key, val in kw.items() if key in ("window", "kernel_size", "sinks",
-                                                                "momentum")}
+    ref_kw = dict(PAPER.get(name, {}))
+    ref_kw.update({key: val for key, val in kw.items() if key in ("window", "kernel_size",
+                                                                  "sinks", "beta")})
     q, k, v = inputs(seed)
     got = drive(get_policy(name, 2.0, **kw), q, k, v)
     want = reference.run(ref_name, q[0], k[0], v[0], PROMPT, 2.0, SCALE,
@@ -109,11 +114,16 @@ def test_caote_changes_the_kept_set():
     assert any(a[0] != b[0] for a, b in zip(h2o, caote))
 
 
+def test_d2o_at_its_defaults_matches_reference():
+    """Sinks 4, N:M = 3:1, beta 0.7 (App. A.3)."""
+    check("d2o", "d2o")
+
+
 def test_d2o_single_layer_matches_reference():
-    got, want = check("d2o", "d2o", sinks=2, momentum=0.5)
+    got, want = check("d2o", "d2o", sinks=2, beta=0.5)
     # merged keys and values equal the reference's, slot by slot
     q, k, v = inputs(0)
-    ref = reference.run("d2o", q[0], k[0], v[0], PROMPT, 2.0, SCALE, sinks=2, momentum=0.5)
+    ref = reference.run("d2o", q[0], k[0], v[0], PROMPT, 2.0, SCALE, sinks=2, beta=0.5)
     assert ref == want
     cache = got[-1][2]
     keys, values, lengths = cache.read(0, [0])
@@ -134,13 +144,13 @@ def _final_heads(q, k, v):
     captured = {}
     original = reference.d2o_merge
 
-    def spy(head, keep, tau, h, momentum):
+    def spy(head, keep, tau, h, beta):
         captured[h] = head
-        original(head, keep, tau, h, momentum)
+        original(head, keep, tau, h, beta)
 
     reference.d2o_merge = spy
     try:
-        reference.run("d2o", q, k, v, PROMPT, 2.0, SCALE, sinks=2, momentum=0.5)
+        reference.run("d2o", q, k, v, PROMPT, 2.0, SCALE, sinks=2, beta=0.5)
     finally:
         reference.d2o_merge = original
     return captured
@@ -177,63 +187,86 @@ def test_streamingllm_keeps_sinks_and_recent_with_cache_positions(prompt):
                                        ideal @ at_cache[h * GROUP + g], atol=1e-4, rtol=1e-4)
 
 
-def test_pyramidkv_budgets_follow_the_arithmetic_sequence_and_sum_to_the_total():
+@pytest.mark.parametrize("cr", [2.0, 1.2])
+def test_pyramidkv_budgets_are_the_window_plus_the_pyramid_over_the_rest(cr):
+    """Sec. 4.2.1 at the defaults (alpha 8, beta 20): every layer holds the window plus Eq. 1's
+    share of what remains, the integers sum to the total and are within one slot of the
+    formula (a layer capped at its tokens excepted: CR 1.2 gives layer 0 more than it holds);
+    a budget at or below the window is uniform."""
     layers = 4
-    policy = get_policy("pyramidkv", 2.0, window=3)
+    policy = get_policy("pyramidkv", cr)
     q, k, v = inputs(2, layers)
     got = drive(policy, q, k, v)
     for step, (kept, _, _) in enumerate(got):
         n = PROMPT + step
-        per_head = math.ceil(n / 2)
+        per_head = math.ceil(n / cr)
         budgets = policy.budgets(torch.tensor([0]), torch.tensor([n]))[0].tolist()
         assert sum(budgets) == layers * per_head
-        assert budgets == sorted(budgets, reverse=True)
-        ideal = reference.pyramid_budgets(layers, per_head, 20.0)
-        slack = 1 + sum(x < 1 for x in ideal)  # layers rounded to 0 take 1 slot from the first
-        assert all(abs(a - b) <= slack + 1e-9 for a, b in zip(budgets, ideal)), (budgets, ideal)
+        assert budgets == sorted(budgets, reverse=True) and min(budgets) >= min(8, per_head)
+        ideal = reference.pyramid_budgets(layers, per_head, 20.0, 8)
+        if max(ideal) <= n:
+            assert all(abs(a - b) < 1 for a, b in zip(budgets, ideal)), (budgets, ideal)
+        else:
+            assert budgets[0] == n
         held = [len(kept[layer][0]) for layer in range(layers)]
         # a layer whose budget grows faster than tokens arrive cannot get evicted tokens back
         assert all(h <= b for h, b in zip(held, budgets))
         assert held == budgets or step > 0
+    small = policy.budgets(torch.tensor([0, 0]), torch.tensor([8, 5]))
+    assert small.tolist() == [[math.ceil(8 / cr)] * layers, [math.ceil(5 / cr)] * layers]
     assert pyramid_weights(3, 20.0) == pytest.approx([1.95, 1.0, 0.05])
 
 
+def test_pyramidkv_at_its_defaults_selects_as_snapkv_under_each_layer_budget():
+    """Sec. 4.2.2: in every layer, SnapKV's selection (window = alpha = 8, pooled votes) under
+    that layer's budget, against the float64 SnapKV reference."""
+    layers = 3
+    policy = get_policy("pyramidkv", 1.5)
+    q, k, v = inputs(6, layers)
+    got = drive(policy, q, k, v)
+    seq = torch.tensor([0])
+    for layer in range(layers):
+        want = reference.run("snapkv", q[layer], k[layer], v[layer], PROMPT, 1.5, SCALE,
+                             budgets=lambda n: int(policy.budgets(seq, torch.tensor([n]))[0,
+                                                                                           layer]),
+                             window=8, kernel_size=5)
+        assert [kept[layer] for kept, _, _ in got] == [ref for ref, _ in want]
+    assert any(len(kept[-1][0]) < len(kept[0][0]) for kept, _, _ in got)
+
+
 def test_pyramidkv_selection_is_snapkv_under_its_budget():
-    """With one layer the pyramid is flat: PyramidKV == SnapKV."""
+    """With one layer the pyramid is flat: PyramidKV == SnapKV (same window)."""
     q, k, v = inputs(4)
     pyramid = drive(get_policy("pyramidkv", 2.0, window=3), q, k, v)
     snap = drive(get_policy("snapkv", 2.0, window=3), q, k, v)
     assert [a[0] for a in pyramid] == [b[0] for b in snap]
 
 
-def test_d2o_layer_budgets_softmax_of_minus_variance_and_sum():
+def test_d2o_layer_shares_follow_eq4_and_differ_with_attention_entropy():
+    """Layers of different attention entropy (queries scaled 0.3, 1, 5): the flattest layer has
+    the smallest variance of its column sums and the largest share; shares and budgets equal
+    Eq. 4-5 (float64 reference) after the evictions (the evicted prompt tokens' column sums
+    count), and stay frozen through the decode steps."""
     layers = 3
     policy = get_policy("d2o", 2.0)
     q, k, v = inputs(5, layers)
-    q[1] *= 6.0  # a peaked layer: larger attention variance, a smaller budget
+    for layer, factor in enumerate((0.3, 1.0, 5.0)):
+        q[layer] *= factor
     got = drive(policy, q, k, v)
-    variance = policy.layer_variance(torch.tensor([0]))[0]
-    # the variance of every visible prompt attention weight, recomputed in float64
-    for layer in range(layers):
-        weights = []
-        for head in range(KV * GROUP):
-            keys = k[layer, head // GROUP, :PROMPT].double()
-            logits = q[layer, head, :PROMPT].double() @ keys.T * SCALE
-            logits = logits.masked_fill(torch.ones(PROMPT, PROMPT).triu(1).bool(), -math.inf)
-            probs = torch.softmax(logits, -1)
-            weights.append(probs[torch.ones(PROMPT, PROMPT).tril().bool()])
-        assert float(variance[layer]) == pytest.approx(float(torch.cat(weights).var(
-            unbiased=False)), rel=1e-5)
-    shares = torch.softmax(-variance, 0)
+    want, variance = reference.d2o_layer_shares(q, k, PROMPT, SCALE)
+    torch.testing.assert_close(policy.layer_variance(torch.tensor([0]))[0],
+                               torch.tensor(variance, dtype=torch.float64), rtol=1e-5, atol=1e-9)
+    shares = policy.layer_shares(torch.tensor([0]))[0]
+    torch.testing.assert_close(shares, torch.tensor(want, dtype=torch.float64), rtol=1e-5,
+                               atol=1e-9)
+    assert shares[0] > shares[1] > shares[2] and float(shares[0] / shares[2]) > 1.2
     for step, (kept, _, _) in enumerate(got):
         n = PROMPT + step
         budgets = policy.budgets(torch.tensor([0]), torch.tensor([n]))[0].tolist()
         assert sum(budgets) == layers * math.ceil(n / 2)
-        assert budgets == split_budget(layers * math.ceil(n / 2), shares.tolist(), n)
+        assert budgets == split_budget(layers * math.ceil(n / 2), want, n)
         held = [len(kept[layer][0]) for layer in range(layers)]
         assert all(h <= b for h, b in zip(held, budgets))
-        assert held == budgets or step > 0
-    assert variance[1] > variance[0] and variance[1] > variance[2]
 
 
 def test_split_budget():
