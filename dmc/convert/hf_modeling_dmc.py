@@ -1,8 +1,10 @@
 """A Llama model with Dynamic Memory Compression (Nawrot et al., 2024) for Hugging Face transformers.
 
-Self-contained (imports torch and transformers only): ``dmc convert mcore-to-hf`` copies this file
-into an exported folder and points ``config.json``'s ``auto_map`` at it, so that
-``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads the model.
+Imports torch, transformers and the DMC math of :mod:`dmc.ops.algorithm1` (Algorithm 1, Eq. 9,
+RoPE): ``dmc convert mcore-to-hf`` copies this file and those ``dmc/ops`` files into an exported
+folder and points ``config.json``'s ``auto_map`` at it, so that
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads the model
+(transformers follows the relative imports).
 
 Attention is DMC in eval mode (Algorithm 1 of the paper, hard decisions), the semantics of
 ``dmc.inference.Engine``:
@@ -25,8 +27,6 @@ Left padding is supported (a 2-D ``attention_mask`` of zeros followed by ones pe
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +34,34 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-OMEGA_MIN = 1e-6
+try:  # the exported folder: dmc/ops files shipped next to modeling_dmc.py
+    from .algorithm1 import (
+        CompressedChunk,
+        OpenSlot,
+        compress_chunk,
+        empty_prefix,
+        hard_decisions,
+        merge_into_open_slot,
+        pack_slots,
+        ring_from_tail,
+        slot_ends,
+    )
+    from .decisions import zero_decision_channel
+    from .rope import apply_rope, rope_inv_freq
+except ImportError:  # imported from the dmc package
+    from dmc.ops.algorithm1 import (
+        CompressedChunk,
+        OpenSlot,
+        compress_chunk,
+        empty_prefix,
+        hard_decisions,
+        merge_into_open_slot,
+        pack_slots,
+        ring_from_tail,
+        slot_ends,
+    )
+    from dmc.ops.decisions import zero_decision_channel
+    from dmc.ops.rope import apply_rope, rope_inv_freq
 
 
 class DMCLlamaConfig(PretrainedConfig):
@@ -79,79 +106,6 @@ class DMCLlamaConfig(PretrainedConfig):
         self.dmc_measured_cr = dmc_measured_cr
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
-
-
-# ----------------------------------------------------------------------------- math
-def rope_inv_freq(config: DMCLlamaConfig, head_dim: int) -> torch.Tensor:
-    """``[head_dim // 2]`` float32 RoPE frequencies, with Llama 3.x scaling when configured."""
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32)
-                                             / head_dim))
-    scaling = config.rope_llama3_scaling
-    if not scaling:
-        return inv_freq
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. ``x [batch, heads, seq, dim]`` float32, ``positions [batch, seq]``."""
-    angles = positions.float()[:, None, :, None] * inv_freq
-    cos, sin = angles.cos(), angles.sin()
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def zero_last_channel(x: torch.Tensor) -> torch.Tensor:
-    keep = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    keep[-1] = 0
-    return x * keep
-
-
-def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
-    """``out[:, :, i] = x[:, :, i - by]``, zero-filled (dim 2)."""
-    if by == 0:
-        return x
-    pad = x.new_zeros(x.shape[:2] + (by,) + x.shape[3:])
-    return torch.cat([pad, x[:, :, : x.shape[2] - by]], dim=2)
-
-
-def accumulate(k, v, alpha, omega, window):
-    """Partial accumulation (Eq. 9) of ``k, v [batch, heads, seq, dim]`` with hard ``alpha`` and
-    ``omega [batch, heads, seq]``: the omega-weighted mean over the current merge segment,
-    truncated to its last ``window`` tokens (None = whole segment). Float32."""
-    seq = k.shape[2]
-    if window is None:
-        outs_k, outs_v = [], []
-        z = torch.zeros_like(omega[..., 0])
-        mean_k, mean_v = torch.zeros_like(k[:, :, 0]), torch.zeros_like(v[:, :, 0])
-        for i in range(seq):
-            carry = alpha[..., i] * z
-            z = carry + omega[..., i]
-            keep, new = (carry / z)[..., None], (omega[..., i] / z)[..., None]
-            mean_k = keep * mean_k + new * k[:, :, i]
-            mean_v = keep * mean_v + new * v[:, :, i]
-            outs_k.append(mean_k)
-            outs_v.append(mean_v)
-        return torch.stack(outs_k, 2), torch.stack(outs_v, 2)
-    decay = torch.ones_like(alpha)
-    z = torch.zeros_like(alpha)
-    num_k, num_v = torch.zeros_like(k), torch.zeros_like(v)
-    for offset in range(min(window, seq)):
-        if offset:
-            decay = decay * _shift(alpha, offset - 1)
-        coeff = decay * _shift(omega, offset)
-        z = z + coeff
-        num_k = num_k + coeff[..., None] * _shift(k, offset)
-        num_v = num_v + coeff[..., None] * _shift(v, offset)
-    return num_k / z[..., None], num_v / z[..., None]
 
 
 # ----------------------------------------------------------------------------- cache
@@ -232,72 +186,26 @@ class DMCCacheLayer(CacheLayerMixin):
         self.keys = torch.cat([self.keys, pad], dim=2)
         self.values = torch.cat([self.values, pad.to(self.values.dtype)], dim=2)
 
-    def fill(self, keys, values, ends, k_pre, v_pre, omega, alpha, real, k_acc, v_acc):
-        """Packs a prefilled sequence into an empty layer cache.
-
-        keys, values: ``[batch, kv, n, dim]`` every token's rotated key and accumulated value;
-        ends ``[batch, kv, n]`` marks the tokens that close a slot (the last real token of each
-        merge segment); k_pre, v_pre ``[batch, kv, n, dim]`` pre-RoPE zeroed keys and values;
-        omega, alpha ``[batch, kv, n]``; real ``[batch, n]``; k_acc, v_acc the pre-RoPE means.
-        """
-        batch, heads, n, dim = keys.shape
-        self.lazy_initialization(keys[:, :, :0], values[:, :, :0])
-        self.lengths = ends.sum(-1)
-        most = int(self.lengths.max()) if n else 0
-        position = torch.arange(n, device=keys.device).expand_as(ends)
-        order = torch.where(ends, position, n).sort(dim=-1).values[..., :most].clamp(max=n - 1)
-        index = order[..., None].expand(batch, heads, most, dim)
-        self.keys = keys.gather(2, index)
-        self.values = values.gather(2, index)
-        starts = (alpha <= 0.5) & real[:, None, :]
-        last_start = torch.where(starts, position, -1).max(dim=-1).values
-        self.count = torch.where(last_start >= 0, n - last_start, 0)
-        if self.window is None:
-            in_segment = (position >= last_start[..., None]) & real[:, None, :]
-            self.ring_k = k_acc[:, :, -1:].float().clone()
-            self.ring_v = v_acc[:, :, -1:].float().clone()
-            self.ring_omega = (omega * in_segment).sum(-1, keepdim=True).float()
-            return
-        rows = torch.arange(self.window, device=keys.device)
-        # ring row r holds the segment's newest token j with j % window == r
-        j = rows + self.window * torch.div(self.count[..., None] - 1 - rows, self.window,
-                                           rounding_mode="floor")
-        valid = (j >= 0) & (self.count[..., None] > 0)
-        t = torch.where(valid, last_start[..., None] + j, 0)
-        index = t[..., None].expand(batch, heads, self.window, dim)
-        self.ring_k = torch.where(valid[..., None], k_pre.float().gather(2, index), 0.0)
-        self.ring_v = torch.where(valid[..., None], v_pre.float().gather(2, index), 0.0)
-        self.ring_omega = torch.where(valid, omega.float().gather(2, t), 0.0)
+    def fill(self, chunk: CompressedChunk, ends: torch.Tensor) -> None:
+        """Packs a prefilled batch into an empty layer cache: ``chunk`` from
+        :func:`compress_chunk`, ``ends [batch, kv, n]`` the real tokens that close a slot."""
+        self.lazy_initialization(chunk.keys[:, :, :0], chunk.values[:, :, :0])
+        self.lengths, self.keys, self.values = pack_slots(ends, chunk.keys, chunk.values)
+        self.ring_k, self.ring_v, self.ring_omega, self.count = ring_from_tail(chunk.open,
+                                                                               self.rows)
 
     def merge_token(self, k, v, omega, append, positions, inv_freq):
         """Algorithm 1 for one token per (sequence, KV head): ``k, v [batch, kv, dim]`` pre-RoPE
         (zeroed channel), ``omega [batch, kv]``, ``append [batch, kv]`` bool, ``positions
         [batch]``. Opens a slot or merges into the open one (Eq. 9), then stores the slot's mean
         key rotated at ``positions``."""
-        k, v, omega = k.float(), v.float(), omega.float()
-        count = torch.where(append, 0, self.count)
-        if self.window is None:
-            z = torch.where(append, 0.0, self.ring_omega[..., 0])
-            z_new = z + omega
-            mean_k = (z[..., None] * self.ring_k[:, :, 0] + omega[..., None] * k) / z_new[..., None]
-            mean_v = (z[..., None] * self.ring_v[:, :, 0] + omega[..., None] * v) / z_new[..., None]
-            self.ring_k[:, :, 0], self.ring_v[:, :, 0], self.ring_omega[..., 0] = mean_k, mean_v, z_new
-        else:
-            ring = (count % self.window)[..., None]
-            self.ring_k.scatter_(2, ring[..., None].expand_as(self.ring_k[:, :, :1]), k[:, :, None])
-            self.ring_v.scatter_(2, ring[..., None].expand_as(self.ring_v[:, :, :1]), v[:, :, None])
-            self.ring_omega.scatter_(2, ring, omega[..., None])
-            rows = torch.arange(self.window, device=k.device)
-            valid = rows < torch.clamp(count + 1, max=self.window)[..., None]
-            weights = torch.where(valid, self.ring_omega, 0.0)
-            total = weights.sum(-1, keepdim=True)
-            mean_k = torch.einsum("bhw,bhwd->bhd", weights, self.ring_k) / total
-            mean_v = torch.einsum("bhw,bhwd->bhd", weights, self.ring_v) / total
-        self.count = count + 1
+        ring = OpenSlot(self.ring_k, self.ring_v, self.ring_omega, self.count)
+        ring, mean_k, mean_v = merge_into_open_slot(ring, append, k, v, omega, self.window)
+        self.ring_k, self.ring_v, self.ring_omega, self.count = ring
         slot = torch.where(append, self.lengths, self.lengths - 1)
         self.lengths = torch.where(append, self.lengths + 1, self.lengths)
         self._reserve(int(self.lengths.max()))
-        rotated = zero_last_channel(apply_rope(mean_k[:, :, None], positions[:, None], inv_freq))
+        rotated = apply_rope(mean_k, positions[:, None], inv_freq)[:, :, None]
         index = slot[..., None, None].expand(-1, -1, 1, k.shape[-1])
         self.keys.scatter_(2, index, rotated.to(self.keys.dtype))
         self.values.scatter_(2, index, mean_v[:, :, None].to(self.values.dtype))
@@ -405,11 +313,8 @@ class DMCAttention(nn.Module):
         q = self._split(self.q_proj(hidden), self.heads)
         k = self._split(self.k_proj(hidden), self.kv_heads)
         v = self._split(self.v_proj(hidden), self.kv_heads)
-        alpha = (k[..., -1] - self.c > 0).float()  # [batch, kv, n]
-        omega_logit = q[..., -1].view(batch, self.kv_heads, self.group, n).mean(2)
-        omega = (torch.sigmoid(omega_logit + self.c) + self.omega_offset).clamp_min(OMEGA_MIN)
-        q, k = zero_last_channel(q), zero_last_channel(k)
-        q_rot = zero_last_channel(apply_rope(q, positions, inv_freq))
+        q, k, alpha, omega = hard_decisions(q, k, self.c, self.omega_offset)  # alpha [batch, kv, n]
+        q_rot = zero_decision_channel(apply_rope(q, positions[:, None], inv_freq))
         if prefill:
             context = self._prefill(q_rot, k, v, alpha, omega, positions, real, inv_freq, cache)
         else:
@@ -421,24 +326,22 @@ class DMCAttention(nn.Module):
         return self.o_proj(context.to(hidden.dtype))
 
     def _prefill(self, q_rot, k, v, alpha, omega, positions, real, inv_freq, cache):
-        n = k.shape[2]
+        batch, n = real.shape
         first_real = real.float().argmax(dim=-1)  # left padding: the first real token
         index = torch.arange(n, device=k.device)
         alpha = alpha * (index[None, None] > first_real[:, None, None]).float()
-        k_acc, v_acc = accumulate(k, v, alpha, omega, self.window)
-        keys = zero_last_channel(apply_rope(k_acc, positions, inv_freq))
-        closes = torch.ones_like(alpha, dtype=torch.bool)
-        closes[..., :-1] = alpha[..., 1:] <= 0.5  # token j's slot closes when j + 1 appends
-        visible = closes[..., None, :] & real[:, None, None, :] & (index[None, :] < index[:, None])
+        chunk = compress_chunk(k, v, alpha, omega, positions[:, None], inv_freq, self.window,
+                               empty_prefix(batch, self.kv_heads, self.head_dim, k.device))
+        ends = slot_ends(alpha) & real[:, None, :]
+        visible = ends[..., None, :] & (index[None, :] < index[:, None])
         visible = visible | torch.eye(n, dtype=torch.bool, device=k.device)
         scores = torch.einsum("bhgqd,bhkd->bhgqk",
-                              q_rot.view(q_rot.shape[0], self.kv_heads, self.group, n, -1),
-                              keys) * self.scale
+                              q_rot.view(batch, self.kv_heads, self.group, n, -1),
+                              chunk.keys) * self.scale
         scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-        context = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1), v_acc)
+        context = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1), chunk.values)
         if cache is not None:
-            cache.fill(keys, v_acc, closes & real[:, None, :], k, v, omega, alpha, real, k_acc,
-                       v_acc)
+            cache.fill(chunk, ends)
         return context.reshape(q_rot.shape)
 
     def _attend_cache(self, q_rot, cache: DMCCacheLayer):
@@ -529,7 +432,8 @@ class DMCLlamaModel(DMCLlamaPreTrainedModel):
     def _run(self, x, positions, real, cache, prefill):
         # computed per call: from_pretrained builds modules on the meta device, so a buffer
         # would have to be re-initialised after loading
-        inv_freq = rope_inv_freq(self.config, self.head_dim).to(x.device)
+        inv_freq = rope_inv_freq(self.head_dim, self.config.rope_theta,
+                                 llama3_scaling=self.config.rope_llama3_scaling).to(x.device)
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             x = layer(x, positions.to(x.device), real, inv_freq, layer_cache, prefill)

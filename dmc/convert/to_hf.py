@@ -4,7 +4,8 @@ Vanilla and GQA models become ``LlamaForCausalLM`` folders. DMC models (any phas
 decision rows were zeroed) become ``DMCLlamaForCausalLM`` folders: ``config.json`` carries
 ``dmc_window``, ``dmc_c``, ``dmc_omega_offset``, ``dmc_channel`` ("last"), the target CR and the
 CR measured at export,
-and an ``auto_map`` to ``modeling_dmc.py`` (a copy of :mod:`dmc.convert.hf_modeling_dmc`), so that
+and an ``auto_map`` to ``modeling_dmc.py`` (a copy of :mod:`dmc.convert.hf_modeling_dmc`, shipped
+with the ``dmc/ops`` files it imports: ``OPS_FILES``), so that
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads it.
 """
 from __future__ import annotations
@@ -16,12 +17,15 @@ from pathlib import Path
 
 import torch
 
+import dmc.ops
 from dmc.convert.hf_config import hf_config_from_model_config
 from dmc.convert.hf_io import copy_tokenizer, has_tokenizer, write_safetensors
 from dmc.convert.hf_tokenizer import sentencepiece_to_tokenizer_json
 from dmc.convert.mapping import mcore_to_hf_state
 
 MODELING_FILE = "modeling_dmc.py"
+# the dmc.ops files modeling_dmc.py imports (relatively), shipped next to it
+OPS_FILES = ("algorithm1.py", "accumulate.py", "decisions.py", "rope.py")
 AUTO_MAP = {"AutoConfig": "modeling_dmc.DMCLlamaConfig",
             "AutoModelForCausalLM": "modeling_dmc.DMCLlamaForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,7 +71,10 @@ def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = N
     files = write_safetensors(out, hf_state, max_shard_bytes)
     if dmc_fields is not None:
         shutil.copy2(Path(__file__).with_name("hf_modeling_dmc.py"), out / MODELING_FILE)
-        files.append(MODELING_FILE)
+        ops = Path(dmc.ops.__file__).parent
+        for name in OPS_FILES:
+            shutil.copy2(ops / name, out / name)
+        files += [MODELING_FILE, *OPS_FILES]
     copied = _export_tokenizer(tokenizer, loaded, out)
     return {"output": str(out), "config": config, "files": files, "tokenizer": copied,
             "measured_cr": measured}

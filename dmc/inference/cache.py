@@ -28,7 +28,10 @@ one row: the running pre-RoPE mean and its running weight ``z``.
 from __future__ import annotations
 
 import math
+
 import torch
+
+from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
 
@@ -143,6 +146,14 @@ class PagedKVCache:
     def layer_lengths(self, layer: int, seq_slots) -> torch.Tensor:
         """Slots per head of ``layer`` for ``seq_slots``, ``[batch, num_kv_heads]`` (host, long)."""
         return self._lengths[self._seq_index(seq_slots), layer].long()
+
+    def open_state(self, layer: int, seq_slots) -> OpenSlot:
+        """The open slot's merge state of ``layer`` for ``seq_slots`` (copies): the ring
+        ``[batch, kv_heads, rows, head_dim]`` of pre-RoPE keys and values, its omegas (or ``z``)
+        ``[batch, kv_heads, rows]`` and the token counts ``[batch, kv_heads]``."""
+        rows = self._seq_index(seq_slots).to(self.device)
+        return OpenSlot(self.open_k[rows, layer], self.open_v[rows, layer],
+                        self.open_omega[rows, layer], self.open_count[rows, layer].long())
 
     # ------------------------------------------------------------- sequences
     def add_sequence(self) -> int:
@@ -399,14 +410,9 @@ class PagedKVCache:
         given = torch.clamp(count, max=rows)
         if given.numel() and int(given.max()) > open_k.shape[1]:
             raise ValueError(f"open state has {open_k.shape[1]} rows, needs {int(given.max())}")
-        ring = torch.arange(rows, device=self.device)
-        source = (ring - (count - given).unsqueeze(1)) % rows  # [kv_heads, rows]: given row to use
-        keep = source < given.unsqueeze(1)
-        source = source.clamp(max=open_k.shape[1] - 1)
-        index = source.unsqueeze(-1).expand(-1, -1, self.head_dim)
-        for state, given_rows in ((self.open_k, open_k), (self.open_v, open_v)):
-            gathered = given_rows.to(self.device, torch.float32).gather(1, index)
-            state[seq_slot, layer] = torch.where(keep.unsqueeze(-1), gathered, 0.0)
-        omega = open_omega.to(self.device, torch.float32).gather(1, source)
-        self.open_omega[seq_slot, layer] = torch.where(keep, omega, 0.0)
+        tail = OpenSlot(open_k.to(self.device), open_v.to(self.device),
+                        open_omega.to(self.device), count)
+        ring = ring_from_tail(tail, rows)
+        self.open_k[seq_slot, layer], self.open_v[seq_slot, layer] = ring.k, ring.v
+        self.open_omega[seq_slot, layer] = ring.omega
         self.open_count[seq_slot, layer] = count.to(torch.int32)

@@ -38,12 +38,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from dmc.inference.cache import CacheFullError, PagedKVCache
-from dmc.inference.kernels import apply_rope
 from dmc.inference.sampling import SamplingParams, make_generator, sample_token
 from dmc.megatron.runtime import DMCConfig, DMCRuntime
-from dmc.ops import importance, partial_accumulate, zero_decision_channel
-from dmc.ops.decisions import DECISION_CHANNEL
+from dmc.ops import zero_decision_channel
+from dmc.ops.algorithm1 import compress_chunk, empty_prefix, hard_decisions, open_slot_prefix
 from dmc.ops.mask import bias_from_log_keep, log_keep_next
+from dmc.ops.rope import apply_rope
 
 STATE_FORMAT = 1
 MODEL_CONFIG_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -648,14 +648,6 @@ class Engine:
         matter of ``DMCSelfAttention``)."""
         return layer.self_attention.get_query_key_value_tensors(hidden)
 
-    def _decisions(self, query, key):
-        """Eval-mode DMC decisions of ``query [..., heads, dim]``, ``key [..., kv_heads, dim]``:
-        returns zeroed q and k, ``alpha [..., kv_heads]`` in {0, 1} and ``omega`` (float32)."""
-        alpha = (key[..., DECISION_CHANNEL] - self.dmc.c > 0).float()
-        groups = query[..., DECISION_CHANNEL].unflatten(-1, (self.num_kv_heads, self.group))
-        omega = importance(groups.mean(dim=-1), self.dmc.c, self.dmc.omega_offset).float()
-        return zero_decision_channel(query), zero_decision_channel(key), alpha, omega
-
     def _finish_layer(self, layer, x, context):
         """Output projection, residual, MLP block. ``context [seq, batch, heads * dim]``."""
         out, bias = layer.self_attention.linear_proj(context.to(x.dtype))
@@ -703,22 +695,23 @@ class Engine:
             open_state = (rows, rows, rows[..., 0], torch.zeros(heads, dtype=torch.long))
             overwrite = None
         else:
-            query, key, alpha, omega = self._decisions(query, key)
-            alpha, omega = alpha.T.contiguous(), omega.T.contiguous()  # [kv, n]
+            decided = hard_decisions(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                     self.dmc.c, self.dmc.omega_offset)
+            query = decided.query[0].transpose(0, 1)
+            alpha = decided.alpha
             if start == 0:
-                alpha[:, 0] = 0
-            prefix = self._open_prefix(slot, index, start)
-            own = (key.float().transpose(0, 1), value.float().transpose(0, 1), alpha, omega)
-            ext = [torch.cat([p, c], dim=1) for p, c in zip(prefix[:4], own)]
-            k_acc, v_acc = partial_accumulate(*(t[None] for t in ext), window=self.dmc.window)
-            skip = prefix[0].shape[1]
-            k_acc, v_acc = k_acc[0, :, skip:], v_acc[0, :, skip:]
-            keys, values = apply_rope(k_acc, positions, self.inv_freq), v_acc
+                alpha[..., 0] = 0
+            prefix = (empty_prefix(1, heads, self.head_dim, self.device) if start == 0 else
+                      open_slot_prefix(self.cache.open_state(index, [slot]), self.dmc.window))
+            chunk = compress_chunk(decided.key, value.transpose(0, 1)[None], alpha, decided.omega,
+                                   positions, self.inv_freq, self.dmc.window, prefix)
+            alpha = alpha[0]
+            keys, values = chunk.keys[0], chunk.values[0]
             chunk_bias = bias_from_log_keep(log_keep_next(alpha))
             overwrite = (alpha[:, 0] > 0.5) if start else None  # first token merges: open slot
             visible = self._slot_mask(lengths, None if overwrite is None else overwrite.cpu())
-            packed = self._chunk_slots(alpha, keys, values)
-            open_state = self._open_state(ext, k_acc, v_acc, alpha, prefix[4], skip)
+            packed = (chunk.counts[0].cpu(), chunk.slot_keys[0], chunk.slot_values[0])
+            open_state = tuple(x[0] for x in chunk.open)
         q_rot = apply_rope(query.float().transpose(0, 1), positions, self.inv_freq)  # [h, n, d]
         if self.dmc is not None:
             q_rot = zero_decision_channel(q_rot)
@@ -730,73 +723,6 @@ class Engine:
             self.policy.observe(index, [slot], q_rot[None], positions[None], prefill=True)
         context = context.transpose(0, 1).reshape(n, 1, self.num_heads * self.head_dim)
         return self._finish_layer(layer, x, context)
-
-    def _open_prefix(self, slot, index, start):
-        """Pre-RoPE pseudo-tokens standing for each head's open slot, to prepend to a chunk:
-        ``(k, v, alpha, omega) [kv_heads, rows(, dim)]`` and the open slot's token count.
-
-        Window ``w``: the slot's last ``min(count, w)`` tokens (right-aligned; the first real
-        row has alpha 0, padding rows before it are cut off by it). Exact: one row holding the
-        running mean with weight ``z``. Empty (0 rows) for the first chunk."""
-        heads, dim = self.num_kv_heads, self.head_dim
-        if start == 0:
-            empty = torch.zeros(heads, 0, device=self.device)
-            return (empty[..., None].expand(heads, 0, dim), empty[..., None].expand(heads, 0, dim),
-                    empty, empty, torch.zeros(heads, dtype=torch.long, device=self.device))
-        count = self.cache.open_count[slot, index].long()
-        open_k, open_v = self.cache.open_k[slot, index], self.cache.open_v[slot, index]
-        open_omega = self.cache.open_omega[slot, index]
-        window = self.dmc.window
-        if window is None:
-            alpha = torch.zeros(heads, 1, device=self.device)
-            return open_k[:, :1], open_v[:, :1], alpha, open_omega[:, :1], count
-        given = count.clamp(max=window)
-        rows = int(given.max())
-        r = torch.arange(rows, device=self.device)
-        pad = rows - given  # [heads]: leading padding rows
-        real = r[None] >= pad[:, None]
-        ring = (count[:, None] - given[:, None] + (r[None] - pad[:, None])) % window
-        ring = torch.where(real, ring, 0)
-        index_d = ring[..., None].expand(heads, rows, dim)
-        k = torch.where(real[..., None], open_k.gather(1, index_d), 0.0)
-        v = torch.where(real[..., None], open_v.gather(1, index_d), 0.0)
-        omega = torch.where(real, open_omega.gather(1, ring), 1.0)
-        alpha = (r[None] > pad[:, None]).float()  # 0 on padding and on the oldest real row
-        return k, v, alpha, omega, count
-
-    def _chunk_slots(self, alpha, keys, values):
-        """Slots a chunk produces per head: tokens that end a segment (the next token appends,
-        or the chunk ends), in order. Returns ``counts [kv]`` (host) and the slots' keys, values
-        ``[kv, max_count, dim]``."""
-        n = alpha.shape[1]
-        ends = torch.ones_like(alpha, dtype=torch.bool)
-        ends[:, :-1] = alpha[:, 1:] <= 0.5
-        counts = ends.sum(1)
-        position = torch.arange(n, device=alpha.device).expand_as(alpha)
-        order = torch.where(ends, position, n).sort(dim=1).values[:, :int(counts.max())]
-        order = order.clamp(max=n - 1)[..., None].expand(-1, -1, self.head_dim)
-        return counts.cpu(), keys.gather(1, order), values.gather(1, order)
-
-    def _open_state(self, ext, k_acc, v_acc, alpha, prev_count, skip):
-        """The open slot's state after a chunk, in :meth:`PagedKVCache.pack_prefill`'s format."""
-        ext_k, ext_v, _, ext_omega = ext
-        heads, n = alpha.shape
-        position = torch.arange(n, device=alpha.device).expand_as(alpha)
-        last_start = torch.where(alpha <= 0.5, position, -1).max(dim=1).values
-        count = torch.where(last_start >= 0, n - last_start, prev_count + n)
-        total = ext_k.shape[1]
-        window = self.dmc.window
-        if window is None:
-            first = torch.where(last_start >= 0, skip + last_start, 0)
-            in_segment = torch.arange(total, device=alpha.device)[None] >= first[:, None]
-            z = (ext_omega * in_segment).sum(dim=1, keepdim=True)
-            return k_acc[:, -1:], v_acc[:, -1:], z, count
-        given = count.clamp(max=window)
-        rows = (total - given)[:, None] + torch.arange(window, device=alpha.device)[None]
-        rows = rows.clamp(max=total - 1)
-        index_d = rows[..., None].expand(heads, window, self.head_dim)
-        return (ext_k.gather(1, index_d), ext_v.gather(1, index_d), ext_omega.gather(1, rows),
-                count)
 
     def _slot_mask(self, lengths, hide_last=None):
         """``[kv, max_len]`` visibility of the cached slots to a chunk's queries: all of a head's
@@ -861,7 +787,10 @@ class Engine:
                 alpha = omega = None
                 appends = torch.ones(len(batch), self.num_kv_heads, dtype=torch.bool)
             else:
-                query, key, alpha, omega = self._decisions(query, key)
+                decided = hard_decisions(query[:, :, None], key[:, :, None], self.dmc.c,
+                                         self.dmc.omega_offset)
+                query, key = decided.query[:, :, 0], decided.key[:, :, 0]
+                alpha, omega = decided.alpha[..., 0], decided.omega[..., 0]
                 appends = alpha.cpu() <= 0.5
             keep = self._make_room(batch, lengths[:, index], appends) if preempt else None
             if keep == []:  # a lone sequence outgrew the pool and was dropped

@@ -11,7 +11,9 @@ import os
 
 import torch
 
-from .reference import apply_rope, dmc_write_reference, paged_decode_reference, rope_inv_freq
+from dmc.ops.rope import apply_rope, rope_inv_freq
+
+from .reference import dmc_write_reference, paged_decode_reference
 
 __all__ = [
     "apply_rope",

@@ -13,26 +13,8 @@ from __future__ import annotations
 
 import torch
 
-
-def rope_inv_freq(head_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
-    """``base ** (-arange(0, d, 2) / d)`` as float32 ``[head_dim // 2]`` (HF / megatron-core)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    return 1.0 / (base**exponent)
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin`` with angles ``position * inv_freq``.
-
-    Args:
-        x: ``[..., head_dim]`` float32.
-        positions: ``[...]`` integer positions, broadcastable against ``x[..., 0]``.
-        inv_freq: ``[head_dim // 2]`` float32.
-    """
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    cos, sin = angles.cos(), angles.sin()
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+from dmc.ops.algorithm1 import OpenSlot, merge_into_open_slot
+from dmc.ops.rope import apply_rope
 
 
 def paged_decode_reference(
@@ -106,49 +88,14 @@ def dmc_write_reference(cache, layer, seq_slots, slots, append, k, v, omega, pos
     seq = seq_slots.long().unsqueeze(1).expand(batch, heads)
     head = torch.arange(heads, device=seq.device).expand(batch, heads)
     state = (seq, layer, head)
-    append = append.bool()
-    k, v, omega = k.float(), v.float(), omega.float()
-    count = torch.where(append, 0, cache.open_count[state])
-    if cache.window is None:
-        mean_k, mean_v = _merge_exact(cache, state, append, k, v, omega)
-    else:
-        mean_k, mean_v = _merge_window(cache, state, count, k, v, omega)
-    cache.open_count[state] = count + 1
-    mean_k = torch.where(append.unsqueeze(-1), k, mean_k)
-    mean_v = torch.where(append.unsqueeze(-1), v, mean_v)
+    ring = OpenSlot(cache.open_k[state], cache.open_v[state], cache.open_omega[state],
+                    cache.open_count[state])
+    ring, mean_k, mean_v = merge_into_open_slot(ring, append.bool(), k, v, omega, cache.window)
+    cache.open_k[state], cache.open_v[state], cache.open_omega[state] = ring.k, ring.v, ring.omega
+    cache.open_count[state] = ring.count.to(cache.open_count.dtype)
     rotated = apply_rope(mean_k, positions.unsqueeze(1), cache.inv_freq)
     slots = slots.long()
     pages = cache.block_tables[seq, layer, head, slots // cache.page_size].long()
     offsets = slots % cache.page_size
     cache.k_pages[pages, offsets] = rotated.to(cache.dtype)
     cache.v_pages[pages, offsets] = mean_v.to(cache.dtype)
-
-
-def _merge_exact(cache, state, append, k, v, omega):
-    """Eq. 9 running mean; entry 0 of the open-slot state holds ``(mean_k, mean_v, z)``."""
-    z = torch.where(append, 0.0, cache.open_omega[state][..., 0])
-    z_new = z + omega
-    means = []
-    for buffer, x in ((cache.open_k, k), (cache.open_v, v)):
-        old = buffer[state][..., 0, :]
-        mean = (z.unsqueeze(-1) * old + omega.unsqueeze(-1) * x) / z_new.unsqueeze(-1)
-        buffer[state + (0,)] = mean
-        means.append(mean)
-    cache.open_omega[state + (0,)] = z_new
-    return means
-
-
-def _merge_window(cache, state, count, k, v, omega):
-    """Window-grouped Eq. 9: a ring of the open slot's last ``w`` tokens, token j in row j % w."""
-    window = cache.window
-    ring = count % window
-    rows = torch.arange(window, device=count.device)
-    cache.open_omega[state + (ring,)] = omega
-    cache.open_k[state + (ring,)] = k
-    cache.open_v[state + (ring,)] = v
-    valid = rows < torch.clamp(count + 1, max=window).unsqueeze(-1)
-    weights = torch.where(valid, cache.open_omega[state], 0.0)  # [batch, heads, window]
-    total = weights.sum(-1, keepdim=True)
-    mean_k = torch.einsum("bhw,bhwd->bhd", weights, cache.open_k[state]) / total
-    mean_v = torch.einsum("bhw,bhwd->bhd", weights, cache.open_v[state]) / total
-    return mean_k, mean_v
