@@ -163,11 +163,14 @@ def kv_heads(model_config: dict) -> int:
 
 
 def nominal_cr(method: Method, loaded, control_kv: int, measured: float) -> float:
-    """The CR a result is reported at: the requested CR (policies), the KV-head ratio (GQA), the
-    checkpoint's target CR (DMC; the measured one rounded to 0.5 when it records none), 1
-    (control and base)."""
+    """The CR a result is reported at: the requested CR (policies that evict), the KV-head ratio
+    (GQA), the checkpoint's target CR (DMC; the measured one rounded to 0.5 when it records
+    none), 1 (control, base, and a policy that keeps every page, OmniKV: its CR is the share of
+    tokens its sparse layers attend to, not memory)."""
     if method.kind == "policy":
-        return method.cr
+        from dmc.policies import POLICIES
+
+        return method.cr if POLICIES[method.policy].evicts else 1.0
     if method.kind == "gqa":
         return control_kv / kv_heads(loaded.model_config)
     if method.kind == "dmc":
@@ -275,12 +278,16 @@ def summary_line(r: dict) -> str:
 
 
 def _row_labels(results: list[dict]) -> None:
-    """A second result with the same label and CR gets ``#2``, ..."""
+    """A policy reported at another CR than it was asked for (OmniKV, at 1x) names the share of
+    tokens it attends to; a second result with the same label and CR gets ``#2``, ..."""
     seen: dict[tuple, int] = {}
     for r in results:
-        key = (r["label"], round(r["nominal_cr"], 2))
+        label = r["label"]
+        if r["method"] == "policy" and r["nominal_cr"] != r["requested_cr"]:
+            label += f" (attends 1/{r['requested_cr']:g})"
+        key = (label, round(r["nominal_cr"], 2))
         seen[key] = seen.get(key, 0) + 1
-        r["row"] = r["label"] if seen[key] == 1 else f"{r['label']} #{seen[key]}"
+        r["row"] = label if seen[key] == 1 else f"{label} #{seen[key]}"
 
 
 def format_table(results: list[dict]) -> str:

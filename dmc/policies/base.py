@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -66,28 +67,33 @@ class LayerView:
         return torch.arange(self.positions.shape[-1], device=self.positions.device)[None, None]
 
 
+@dataclass(eq=False, repr=False)
 class KVPolicy:
     """Score cached tokens, keep the best ones under a per-head budget, optionally merge.
 
     Subclasses set ``name`` and implement :meth:`scores` (higher = keep) and, when some slots are
     always kept (recent window, sinks, observation window), :meth:`protected`; they update
-    their state in :meth:`observe`.
+    their state in :meth:`observe`. A small policy is a ``@dataclass(eq=False)`` subclass whose
+    options follow ``_: KW_ONLY`` (so ``get_policy`` sees them as keywords) and are checked in
+    ``__post_init__`` after ``super().__post_init__()``.
 
     Args:
         compression_ratio: CR >= 1; a head keeps at most ``ceil(n / CR)`` slots after ``n``
             tokens (per-layer policies keep the total over layers).
     """
 
-    name = ""
-    evicts = True  # False: nothing is freed (OmniKV)
-    slot_state_names: tuple[str, ...] = ()
-    seq_state_names: tuple[str, ...] = ()  # [max_seqs, ...] tensors zeroed for a new sequence
+    compression_ratio: float = 2.0
 
-    def __init__(self, compression_ratio: float = 2.0):
-        ratio = float(compression_ratio)
+    name: ClassVar[str] = ""
+    evicts: ClassVar[bool] = True  # False: nothing is freed (OmniKV)
+    slot_state_names: ClassVar[tuple[str, ...]] = ()
+    seq_state_names: ClassVar[tuple[str, ...]] = ()  # [max_seqs, ...] zeroed for a new sequence
+
+    def __post_init__(self):
+        ratio = float(self.compression_ratio)
         if not math.isfinite(ratio) or ratio < 1.0:
             raise ValueError(f"compression_ratio must be a finite number >= 1, got "
-                             f"{compression_ratio!r}")
+                             f"{self.compression_ratio!r}")
         self.compression_ratio = ratio
         self.shape: PolicyShape | None = None
 
@@ -156,11 +162,6 @@ class KVPolicy:
         """New ``(keys, values)`` ``[batch, kv_heads, L, head_dim]`` for the kept slots, or
         None (no merge)."""
         return None
-
-    def reported_slots(self, lengths: torch.Tensor, tokens: int) -> torch.Tensor:
-        """Slots per (layer, KV head) to report as the compression, ``[layers, kv_heads]``:
-        those held (OmniKV reports the GPU-resident ones, see its module)."""
-        return lengths
 
 
 # ----------------------------------------------------------------------------- helpers

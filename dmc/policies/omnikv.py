@@ -1,17 +1,27 @@
 """OmniKV (Hao et al., ICLR 2025, "OmniKV: Dynamic Context Selection for Efficient Long-Context
-LLMs"): no eviction.
+LLMs"), ``papers/omnikv.txt``: no eviction.
 
-Token importance is similar across consecutive layers, so a few *filter layers* choose, at every
-decode step, the tokens that the following layers attend to (Sec. 4): the filter layer's
-attention of the current query (summed over its query heads) ranks the cached tokens and the
-top ``ceil(n / CR)`` of them (plus the current token) are the context of every later layer up to
-the next filter layer. Layers up to and including the first filter layer, and the filter layers
-themselves, attend densely; prefill is dense, as in the paper.
+Token importance is similar across consecutive layers, so a few *filter layers* ``L`` choose, at
+every decode step, the tokens the following layers attend to (Sec. 4.1, Algorithm 1). The context
+selector (Sec. 4.2, Eq. 3-4) of filter layer ``i`` takes the attention ``A_i [H, |w|, n]`` of the
+observation window (the queries of the last ``|w|`` tokens, ``H`` query heads, causal) over the
+cache, its max over the heads, and a weighted sum over the window,
+``S_i = sum_j alpha_j max_h A_i[h, j]``, with ``alpha`` ``"uniform"`` (1), ``"exponential"``
+(``2^{j - |w|}``, newest last) or ``"last"`` (the current query only); ``|w| = 16`` for the first
+two (Sec. 5). The top ``ceil(n / CR)`` tokens of ``S_i`` (plus the current token) are the context
+of the sparse layers up to the next filter layer. Dense layers (Algorithm 1): those before
+``L_0``, the filter layers, and the layer right after each filter layer. Prefill is dense.
 
-Nothing is freed: the full cache stays (the paper offloads the sparse layers' full cache to CPU
-memory and keeps on the GPU the dense layers' cache and the selected tokens). ``compression``
-reports that GPU-resident footprint, as the paper reports its memory: a dense layer holds ``n``
-slots per head, a sparse layer ``min(n, ceil(n / CR))``.
+Defaults: ``selector="exponential"`` over ``|w| = 16`` (Sec. 5: exponential and last do best on
+single-step tasks, last on multi-step ones; ``"last"`` is selectable); ``filter_layers`` the
+paper's Llama-3-8B set ``{2, 8, 18}`` of 32 layers scaled to the model (``round(l m / 32)``). On a
+model of 5 layers or fewer that leaves no sparse layer (OmniKV is then the dense model): pass
+``filter_layers``.
+
+Memory: the paper offloads the sparse layers' full cache to CPU and loads the selected tokens;
+here every page stays resident (no offload yet), so the memory CR is 1: the policy reports the
+slots it holds (every token) and ``dmc eval compare`` lists it at 1x, its ``CR`` being the
+sparse layers' token budget, not memory.
 """
 from __future__ import annotations
 
@@ -19,19 +29,26 @@ import torch
 
 from .base import KVPolicy, LayerView, top_mask
 
+SELECTORS = ("exponential", "uniform", "last")
+PAPER_FILTER_LAYERS, PAPER_NUM_LAYERS = (2, 8, 18), 32  # Llama-3-8B-262K, Sec. 5
+
 
 class OmniKV(KVPolicy):
-    """Filter layers pick a token subset; the later layers attend to it (no eviction).
+    """Filter layers pick a token subset over their observation window; the later sparse layers
+    attend to it (no eviction).
 
     Args:
-        filter_layers: layer indices that select tokens; default ``(num_layers // 4,)``.
+        filter_layers: layer indices that select tokens (default: the paper's, scaled).
+        selector: window weights ``alpha`` of Eq. 4: ``"exponential"``, ``"uniform"``, ``"last"``.
+        window: observation window ``|w|`` (paper 16; 1 for ``"last"``).
     """
 
     name = "omnikv"
     evicts = False
-    seq_state_names = ("selected",)
+    seq_state_names = ("selected", "window_queries")
 
-    def __init__(self, compression_ratio: float = 2.0, *, filter_layers=None):
+    def __init__(self, compression_ratio: float = 2.0, *, filter_layers=None,
+                 selector: str = "exponential", window: int = 16):
         super().__init__(compression_ratio)
         if filter_layers is not None:
             layers = list(filter_layers)
@@ -39,32 +56,72 @@ class OmniKV(KVPolicy):
                 raise ValueError(f"filter_layers must be non-negative layer indices, got "
                                  f"{filter_layers!r}")
             filter_layers = tuple(sorted(set(int(x) for x in layers)))
-        self.filter_layers = filter_layers
+        if selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {list(SELECTORS)}, got {selector!r}")
+        if int(window) != window or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.filter_layers, self.selector = filter_layers, selector
+        self.window = 1 if selector == "last" else int(window)
 
     def bind(self, shape) -> None:
         super().bind(shape)
+        m = shape.num_layers
         if self.filter_layers is None:
-            self.filter_layers = (shape.num_layers // 4,)
-        if max(self.filter_layers) >= shape.num_layers:
-            raise ValueError(f"filter_layers must be below num_layers={shape.num_layers}, got "
+            self.filter_layers = tuple(sorted({min(m - 1, round(layer * m / PAPER_NUM_LAYERS))
+                                               for layer in PAPER_FILTER_LAYERS}))
+        if max(self.filter_layers) >= m:
+            raise ValueError(f"filter_layers must be below num_layers={m}, got "
                              f"{self.filter_layers}")
-        self.selected = torch.zeros(shape.max_seqs, shape.max_slots, dtype=torch.bool,
-                                    device=shape.device)
+        s, w = shape, self.window
+        self.selected = torch.zeros(s.max_seqs, s.max_slots, dtype=torch.bool, device=s.device)
+        heads = s.num_kv_heads * s.group
+        filters = len(self.filter_layers)
+        self.window_queries = torch.zeros(s.max_seqs, filters, heads, w, s.head_dim,
+                                          device=s.device)
+        self.window_positions = torch.full((s.max_seqs, filters, w), -1, dtype=torch.long,
+                                           device=s.device)
+        offsets = torch.arange(w, dtype=torch.float32, device=s.device) - w
+        self.alpha = torch.exp2(offsets) if self.selector == "exponential" else \
+            torch.ones_like(offsets)  # [window], oldest query first
+
+    def reset(self, seq: int) -> None:
+        super().reset(seq)
+        self.window_positions[seq] = -1
 
     def sparse(self, layer: int) -> bool:
-        """Whether ``layer`` attends to the selected tokens only."""
-        return layer > self.filter_layers[0] and layer not in self.filter_layers
+        """Whether ``layer`` attends to the selected tokens only (Algorithm 1: not before
+        ``L_0``, not a filter layer, not right after one)."""
+        return (layer > self.filter_layers[0] and layer not in self.filter_layers
+                and layer - 1 not in self.filter_layers)
 
     def observe(self, view: LayerView, queries, q_positions, probs, prefill) -> None:
-        if prefill or view.layer not in self.filter_layers:
+        """Filter layers keep their last ``window`` queries; at a decode step they select."""
+        if view.layer not in self.filter_layers:
             return
-        scores = probs[:, :, :, -1].sum(dim=(1, 2)).masked_fill(~view.valid[:, 0],
-                                                                float("-inf"))
+        rows = view.seqs.to(queries.device)
+        f, w = self.filter_layers.index(view.layer), self.window
+        kept_q = torch.cat([self.window_queries[rows, f], queries], dim=2)[:, :, -w:]
+        kept_p = torch.cat([self.window_positions[rows, f], q_positions], dim=1)[:, -w:]
+        self.window_queries[rows, f] = kept_q
+        self.window_positions[rows, f] = kept_p
+        if prefill:
+            return
+        scores = self.context_scores(view, kept_q, kept_p)
+        scores = scores.masked_fill(~view.valid[:, 0], float("-inf"))
         chosen = top_mask(scores, self.budget(view.tokens)) & view.valid[:, 0]
         chosen |= view.positions[:, 0] == (view.tokens - 1)[:, None]  # the current token
-        rows = view.seqs.to(scores.device)
         self.selected[rows] = False
         self.selected[rows, :scores.shape[-1]] = chosen
+
+    def context_scores(self, view: LayerView, queries: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """Eq. 4, ``S = sum_j alpha_j max_h A[h, j]``, ``[batch, L]``: ``queries [batch, H, w,
+        dim]`` at ``positions [batch, w]`` (``-1``: none yet) attending causally to the view."""
+        from .runner import causal_probs
+
+        probs = causal_probs(queries, view, positions, self.shape.scale)  # [b, kv, g, w, L]
+        top = probs.flatten(1, 2).amax(dim=1)  # [batch, w, L]: max over the query heads
+        return torch.einsum("w,bwl->bl", self.alpha, top)
 
     def attend(self, layer: int, seqs: torch.Tensor, queries: torch.Tensor, runner):
         """Decode attention of a sparse layer over the selected tokens,
@@ -80,11 +137,3 @@ class OmniKV(KVPolicy):
         probs = torch.softmax(logits.masked_fill(~chosen, float("-inf")), dim=-1).nan_to_num(0.0)
         out = torch.einsum("bhgl,bhld->bhgd", probs, values)
         return out.reshape(queries.shape).to(queries.dtype)
-
-    def reported_slots(self, lengths: torch.Tensor, tokens: int) -> torch.Tensor:
-        selected = int(self.budget(torch.tensor([tokens]))[0])
-        out = lengths.clone()
-        for layer in range(lengths.shape[0]):
-            if self.sparse(layer):
-                out[layer] = lengths[layer].clamp(max=selected)
-        return out

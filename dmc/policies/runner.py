@@ -120,7 +120,9 @@ class PolicyRunner:
         return slots * per_slot + per_seq
 
     def reported_slots(self, seq: int, tokens: int) -> torch.Tensor:
-        return self.policy.reported_slots(self.cache.head_lengths(seq).long(), tokens)
+        """Slots held per (layer, KV head) after ``tokens`` tokens, ``[layers, kv_heads]``: the
+        compression is what the memory holds (OmniKV, which keeps every page, reports 1)."""
+        return self.cache.head_lengths(seq).long()
 
     # ------------------------------------------------------------------ helpers
     def _compact_state(self, layer: int, seqs: torch.Tensor, keep: torch.Tensor) -> None:

@@ -112,3 +112,24 @@ def test_bad_flags_name_the_flag(setup, capsys, flags, message):
     flags = [str(setup / "vanilla.pt") if f == "VANILLA" else f for f in flags]
     assert run(setup, "--policies", "none", *flags) == 2  # a later --policies wins
     assert message in capsys.readouterr().err
+
+
+def test_a_policy_that_keeps_every_page_is_reported_at_1x():
+    """OmniKV at --crs 2,4 holds every page: its rows sit at 1x with the share of tokens it
+    attends to in the name, never in the 2x / 4x columns."""
+    from dmc.eval.compare import Method, _row_labels, format_table, nominal_cr
+
+    assert nominal_cr(Method("policy", "OMNIKV", policy="omnikv", cr=4.0), None, 4, 1.0) == 1.0
+    assert nominal_cr(Method("policy", "H2O", policy="h2o", cr=4.0), None, 4, 3.9) == 4.0
+    results = [{"method": kind, "label": label, "requested_cr": cr, "nominal_cr": nominal,
+                "perplexity": 10.0, "perplexity_ci": [9.0, 11.0], "kl": 0.1,
+                "top1_agreement": 0.9, "slots_cr": slots, "memory_cr": slots}
+               for kind, label, cr, nominal, slots in [("control", "control", None, 1.0, 1.0),
+                                                       ("policy", "OMNIKV", 2.0, 1.0, 1.0),
+                                                       ("policy", "OMNIKV", 4.0, 1.0, 1.0),
+                                                       ("policy", "H2O", 2.0, 2.0, 2.0)]]
+    _row_labels(results)
+    lines = format_table(results).splitlines()[2:]
+    cells = [[c.strip() for c in line.split("|")[1:3]] for line in lines]
+    assert cells == [["control", "1x"], ["OMNIKV (attends 1/2)", "1x"],
+                     ["OMNIKV (attends 1/4)", "1x"], ["H2O", "2x"]]

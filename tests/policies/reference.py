@@ -208,3 +208,25 @@ def d2o_layer_shares(q, k, prompt, scale):
     scale_f = sum(variance) / layers
     weights = [math.exp(-f / scale_f) for f in variance]
     return [w / sum(weights) for w in weights], variance
+
+
+def omnikv_selection(q, k, n, count, scale, window=16, selector="exponential"):
+    """OmniKV Eq. 3-4 at a decode step after ``n`` tokens: the window's queries (the last
+    ``window``) attend causally to ``k [kv, T, d]``; ``S_t = sum_j alpha_j max_h A[h, j, t]``;
+    the top ``count`` positions (ties: lower first) plus the current token ``n - 1``."""
+    heads = q.shape[0]
+    group = heads // k.shape[0]
+    first = max(0, n - window)
+    score = [0.0] * n
+    for i in range(first, n):
+        slot = i - (n - window)  # oldest query at slot 0 of a full window
+        alpha = 2.0 ** (slot - window) if selector == "exponential" else 1.0
+        if selector == "last" and i != n - 1:
+            continue
+        top = [0.0] * (i + 1)
+        for h in range(heads):
+            p = attention(q[h, i].double(), k[h // group, :i + 1].double(), scale)
+            top = [max(a, float(b)) for a, b in zip(top, p)]
+        for t, x in enumerate(top):
+            score[t] += alpha * x
+    return sorted(set(ranked(range(n), score, count)) | {n - 1})

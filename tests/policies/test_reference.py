@@ -2,6 +2,7 @@
 float64 reference written from its paper (tests/policies/reference.py), step by step: a prompt in
 one chunk, then one token at a time."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,7 +33,8 @@ def inputs(seed, layers=1):
 
 def drive(policy, q, k, v, prompt=PROMPT, batch_seqs=None):
     """Prompt in one chunk, then single tokens; yields (kept positions per layer and head,
-    scores per layer) after each step, the scores taken just before eviction."""
+    scores per layer, cache) after each step, the scores taken just before eviction (none for a
+    policy that does not evict)."""
     layers = q.shape[0]
     cache = PagedKVCache(layers, KV, DIM, num_pages=200, page_size=4, max_seqs=4, window=None,
                          dtype=torch.float64, max_seq_len=64)
@@ -51,7 +53,7 @@ def drive(policy, q, k, v, prompt=PROMPT, batch_seqs=None):
                            torch.arange(start, end)[None], prefill=end == prompt)
         budgets = policy.budgets(torch.tensor([seq]), torch.tensor([end]))
         scores = []
-        for layer in range(layers):
+        for layer in range(layers if policy.evicts else 0):
             view = runner.view(layer, torch.tensor([seq]), torch.tensor([end]))
             scores.append(policy.scores(view, budgets[:, layer])[0])
         runner.evict([seq], [end])
@@ -240,6 +242,44 @@ def test_pyramidkv_selection_is_snapkv_under_its_budget():
     pyramid = drive(get_policy("pyramidkv", 2.0, window=3), q, k, v)
     snap = drive(get_policy("snapkv", 2.0, window=3), q, k, v)
     assert [a[0] for a in pyramid] == [b[0] for b in snap]
+
+
+@pytest.mark.parametrize("selector", ["exponential", "last"])
+def test_omnikv_selects_eq4_and_sparse_layers_attend_to_it(selector):
+    """Filter layer 1 of 4 (layer 0 before it and layer 2 after it dense, layer 3 sparse):
+    after each decode step the selected tokens are Eq. 4's top ceil(n / CR) (max over the
+    heads, window of 16, float64 reference) plus the current token; layer 3's decode attention
+    is softmax attention over them; nothing is evicted."""
+    layers = 4
+    policy = get_policy("omnikv", 2.0, filter_layers=[1], selector=selector)
+    q, k, v = inputs(7, layers)
+    chosen = []
+    observe = policy.observe
+
+    def spy(view, queries, q_positions, probs, prefill):
+        observe(view, queries, q_positions, probs, prefill)
+        if view.layer == 1 and not prefill:
+            chosen.append(policy.selected[0, :view.positions.shape[-1]].clone())
+
+    policy.observe = spy
+    got = drive(policy, q, k, v)
+    assert [policy.sparse(layer) for layer in range(layers)] == [False, False, False, True]
+    assert len(chosen) == TOTAL - PROMPT
+    for step, mask in enumerate(chosen, start=1):
+        n = PROMPT + step
+        want = reference.omnikv_selection(q[1], k[1], n, math.ceil(n / 2), SCALE,
+                                          selector=selector)
+        assert torch.nonzero(mask).flatten().tolist() == want, step
+    cache = got[-1][2]
+    assert all(cache.head_lengths(0).flatten() == TOTAL)
+    query = torch.randn(1, KV * GROUP, DIM, dtype=torch.float64)
+    out = policy.attend(3, torch.tensor([0]), query, SimpleNamespace(cache=cache))
+    keep = chosen[-1]
+    for h in range(KV * GROUP):
+        keys, values = k[3, h // GROUP].double()[keep], v[3, h // GROUP].double()[keep]
+        expected = reference.attention(query[0, h], keys, SCALE) @ values
+        torch.testing.assert_close(out[0, h], expected, atol=1e-5, rtol=1e-5)
+    assert policy.attend(2, torch.tensor([0]), query, SimpleNamespace(cache=cache)) is None
 
 
 def test_d2o_layer_shares_follow_eq4_and_differ_with_attention_entropy():
