@@ -182,29 +182,34 @@ def model_args(exp: dict, data: Path) -> list[str]:
 
 
 def ensure_base(exp: dict, log) -> Path:
-    """The pretrained base checkpoint, trained once per (data, model, base settings): each stage
-    of ``base.stages`` pretrains on its data (the experiment's, with the stage's changes) from the
-    previous stage's weights."""
-    key = _hash(exp["data"], (ROOT / exp["model"]).read_text(), exp["model_overrides"],
-                exp["base"])
-    root = cache_root() / f"base-{key}"
-    finals = [root / f"stage{i}" / "checkpoints" / "pretrain"
-              for i in range(len(exp["base"]["stages"]))]
-    if (finals[-1] / "state.json").is_file():
-        log(f"base: reusing the cached base {finals[-1]}")
-        return finals[-1]
-    log(f"base: no cached base for these settings: PRETRAINING one now (cached at {root}; "
-        f"about 40 min on 2 CPU cores for the full config). Pass --base PATH to use another.")
+    """The pretrained base checkpoint. Each stage of ``base.stages`` pretrains on its data (the
+    experiment's, with the stage's changes) from the previous stage's weights, in a folder keyed
+    by the hash of the model and of every stage up to it: changing a later stage reuses the
+    earlier ones, and a stage is trained once per settings."""
+    model = ((ROOT / exp["model"]).read_text(), exp["model_overrides"])
+    chain, stages = [], []  # (data settings, overrides) of the stages so far; (data, folder)
+    for stage in exp["base"]["stages"]:
+        chain.append(({**exp["data"], **stage["data"]}, stage["overrides"]))
+        stages.append((chain[-1][0], cache_root() / f"base-{_hash(model, chain)}"))
+    final = stages[-1][1] / "checkpoints" / "pretrain"
+    if (final / "state.json").is_file():
+        log(f"base: reusing the cached base {final}")
+        return final
+    log("base: no cached base for these settings: PRETRAINING one now (about 45 min on 2 CPU "
+        "cores for the full config). Pass --base PATH to use another.")
     previous = []
-    for i, (stage, final) in enumerate(zip(exp["base"]["stages"], finals)):
-        data = ensure_data({**exp["data"], **stage["data"]}, log)
-        if not (final / "state.json").is_file():
-            log(f"base: stage {i + 1}/{len(finals)}")
-            run_dmc(["pretrain", *model_args(exp, data), f"run_dir={final.parents[1]}",
+    for i, ((data_settings, run_dir), stage) in enumerate(zip(stages, exp["base"]["stages"])):
+        checkpoint = run_dir / "checkpoints" / "pretrain"
+        if (checkpoint / "state.json").is_file():
+            log(f"base: stage {i + 1}/{len(stages)}: reusing {run_dir}")
+        else:
+            data = ensure_data(data_settings, log)
+            log(f"base: stage {i + 1}/{len(stages)}: training {run_dir}")
+            run_dmc(["pretrain", *model_args(exp, data), f"run_dir={run_dir}",
                      *stage["overrides"], "checkpoint.save_interval=250", *previous],
-                    final.parents[1] / "train.log")
-        previous = [f"checkpoint.load_base={final}"]
-    return finals[-1]
+                    run_dir / "train.log")
+        previous = [f"checkpoint.load_base={checkpoint}"]
+    return final
 
 
 def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, Path]:

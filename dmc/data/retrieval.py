@@ -15,7 +15,11 @@ documents, cut from the corpus's own tokens, make retrieval worth learning:
 * ``copy``: tokens drawn independently from the corpus, repeated back to back with a
   log-uniform period: nothing but copying predicts them, and the short periods give the dense
   signal that gets a small model off the plateau before in-context copying (measured: a 4-layer,
-  128-wide model on plain text plus the first two kinds showed no copying after 1.6M tokens).
+  128-wide model on plain text plus the first two kinds showed no copying after 1.6M tokens);
+* ``needle``: corpus text holding one needle (a key span then a value span, as in
+  :mod:`dmc.data.needle`) per 64 tokens at uniform positions, followed by every key again, each
+  with its value, in a shuffled order: the needle task's own format with a dense signal (one
+  query per needle) over distances up to the whole document.
 
 Generation is deterministic: the same token documents, sizes and seed give the same output.
 """
@@ -26,7 +30,7 @@ import math
 import random
 from collections.abc import Sequence
 
-RETRIEVAL_KINDS = ("repeat", "kv", "copy")
+RETRIEVAL_KINDS = ("repeat", "kv", "copy", "needle")
 PASSAGE_TOKENS = (16, 128)
 PASSAGES_PER_DOC = (2, 6)
 COPIES = (2, 3)
@@ -34,6 +38,9 @@ COPY_SHARE = 0.6
 COPY_MIN_PERIOD = 4  # the longest period is half the document
 KV_SPAN_TOKENS = (2, 6)
 MIN_DOC_TOKENS = 4 * PASSAGE_TOKENS[0]
+NEEDLE_EVERY = 64  # haystack tokens per needle
+NEEDLE_KEY_TOKENS = (6, 10)
+NEEDLE_VALUE_TOKENS = (2, 6)
 
 
 class _Stream:
@@ -109,6 +116,38 @@ def copy_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> list[
     return (sequence * (doc_tokens // length + 1))[:doc_tokens]
 
 
+def needle_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> list[int]:
+    """About ``doc_tokens`` tokens: a corpus haystack with ``doc_tokens // NEEDLE_EVERY`` needles
+    (key + value corpus spans) at uniform positions, then each key again followed by its value
+    (shuffled). A key that occurs in the haystack or as another needle's key is redrawn, so every
+    query has one answer (as :func:`dmc.data.needle.make_needle_examples` ensures)."""
+    count = max(1, doc_tokens // NEEDLE_EVERY)
+    lengths = [(rng.randint(*NEEDLE_KEY_TOKENS), rng.randint(*NEEDLE_VALUE_TOKENS))
+               for _ in range(count)]
+    hay = stream.span(max(1, doc_tokens - 2 * sum(k + v for k, v in lengths)))
+    grams: dict[int, set] = {}
+    needles = []
+    for key_len, value_len in lengths:
+        seen = grams.setdefault(key_len, {tuple(hay[i:i + key_len])
+                                          for i in range(len(hay) - key_len + 1)})
+        for _ in range(100):
+            key = stream.span(key_len)
+            if tuple(key) not in seen:
+                break
+        else:
+            continue  # the corpus is too repetitive for a unique key: one needle fewer
+        seen.add(tuple(key))
+        needles.append((rng.randint(0, len(hay)), key, stream.span(value_len)))
+    out, at = [], 0
+    for position, key, value in sorted(needles, key=lambda n: n[0]):
+        out += hay[at:position] + key + value
+        at = position
+    out += hay[at:]
+    for _, key, value in rng.sample(needles, len(needles)):
+        out += key + value
+    return out
+
+
 def make_retrieval_documents(documents: Sequence[Sequence[int]], num_tokens: int, *,
                              doc_tokens: int = 1024, seed: int = 0,
                              separators: tuple[int, int] | None = None,
@@ -136,7 +175,8 @@ def make_retrieval_documents(documents: Sequence[Sequence[int]], num_tokens: int
         if kind == "kv":
             doc = kv_document(stream, doc_tokens, rng, separators)
         else:
-            doc = (repeat_document if kind == "repeat" else copy_document)(stream, doc_tokens, rng)
+            doc = {"repeat": repeat_document, "copy": copy_document,
+                   "needle": needle_document}[kind](stream, doc_tokens, rng)
         out.append(doc)
         total += len(doc)
     return out

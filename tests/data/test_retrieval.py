@@ -6,11 +6,15 @@ import pytest
 
 from dmc.data.retrieval import (
     COPY_SHARE,
+    NEEDLE_EVERY,
+    NEEDLE_KEY_TOKENS,
+    NEEDLE_VALUE_TOKENS,
     PASSAGE_TOKENS,
     _Stream,
     copy_document,
     kv_document,
     make_retrieval_documents,
+    needle_document,
     repeat_document,
 )
 
@@ -83,6 +87,40 @@ def test_kv_documents_query_their_own_lines():
     assert all(entry.count(SEP) == 1 for entry in listed)
 
 
+def runs(tokens):
+    """Maximal runs of consecutive integers."""
+    out = [[tokens[0]]]
+    for t in tokens[1:]:
+        (out[-1].append(t) if t == out[-1][-1] + 1 else out.append([t]))
+    return out
+
+
+def test_needle_documents_query_every_needle_once_with_one_answer():
+    # corpus documents of consecutive ids: every span is a run, so needles show as breaks
+    docs = [list(range(i * 10_000, i * 10_000 + 3000)) for i in range(6)]
+    rng = random.Random(5)
+    stream = _Stream(docs, rng)
+    for _ in range(4):
+        state = rng.getstate()
+        doc = needle_document(stream, 1024, rng)
+        rng.setstate(state)  # replay the first draws: the needles' sizes
+        lengths = [(rng.randint(*NEEDLE_KEY_TOKENS), rng.randint(*NEEDLE_VALUE_TOKENS))
+                   for _ in range(1024 // NEEDLE_EVERY)]
+        tail = sum(k + v for k, v in lengths)
+        assert len(doc) == 1024  # haystack, needles in it, then the queries
+        body, queries = doc[:-tail], doc[-tail:]
+        pieces = runs(queries)  # key, value, key, value, ...
+        assert len(pieces) == 2 * len(lengths)
+        pairs = [(pieces[i], pieces[i + 1]) for i in range(0, len(pieces), 2)]
+        assert sorted((len(k), len(v)) for k, v in pairs) == sorted(lengths)
+        for key, value in pairs:  # the needle is in the body once, its key nowhere else
+            assert len(occurrences(body, key + value)) == 1
+            assert len(occurrences(doc, key)) == 2
+        assert len({tuple(k) for k, _ in pairs}) == len(pairs)
+        positions = [occurrences(body, k)[0] for k, _ in pairs]
+        assert max(positions) - min(positions) > 1024 // 4  # spread over the haystack
+
+
 def test_make_documents_is_deterministic_and_sized():
     docs = corpus()
     a = make_retrieval_documents(docs, 20_000, doc_tokens=512, seed=4, separators=(SEP, END))
@@ -94,7 +132,7 @@ def test_make_documents_is_deterministic_and_sized():
     assert {t for d in a for t in d} <= vocab
     with pytest.raises(ValueError, match="separators"):
         make_retrieval_documents(docs, 100, kinds=("kv",))
-    with pytest.raises(ValueError, match="kinds: .*choose from repeat, kv, copy"):
+    with pytest.raises(ValueError, match="kinds: .*choose from repeat, kv, copy, needle"):
         make_retrieval_documents(docs, 100, kinds=("nope",))
     with pytest.raises(ValueError, match="doc_tokens must be >= 64"):
         make_retrieval_documents(docs, 100, doc_tokens=40, kinds=("repeat",))
