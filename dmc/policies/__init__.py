@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import inspect
 
-from .base import KVPolicy, LayerView, PolicyShape
+from .adakv import AdaKV
+from .base import KVPolicy, LayerView, PolicyShape, PolicyWrapper
 from .caote import CAOTE, FastCAOTE
 from .d2o import D2O
 from .h2o import H2O
+from .keydiff import KeyDiff
+from .knorm import KNorm
 from .omnikv import OmniKV
 from .pyramidkv import PyramidKV
+from .random import Random
 from .runner import PolicyRunner
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
@@ -21,7 +25,8 @@ from .tova import TOVA
 
 POLICIES: dict[str, type[KVPolicy]] = {
     cls.name: cls
-    for cls in (H2O, TOVA, SnapKV, StreamingLLM, PyramidKV, D2O, CAOTE, FastCAOTE, OmniKV)
+    for cls in (H2O, TOVA, SnapKV, StreamingLLM, PyramidKV, D2O, CAOTE, FastCAOTE, OmniKV,
+                Random, KNorm, KeyDiff, AdaKV)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
@@ -36,7 +41,8 @@ def get_policy(name: str, compression_ratio: float = 2.0, **policy_kwargs) -> KV
     cls = POLICIES[name]
     accepted = _keywords(cls)
     unknown = sorted(set(policy_kwargs) - set(accepted))
-    if unknown and not (cls in (CAOTE, FastCAOTE) and _base_accepts(policy_kwargs, unknown)):
+    if unknown and not (issubclass(cls, PolicyWrapper)
+                        and _base_accepts(cls, policy_kwargs, unknown)):
         raise ValueError(f"policy {name!r} got unknown arguments {unknown}; accepted: "
                          f"{['compression_ratio'] + accepted}")
     return cls(compression_ratio, **policy_kwargs)
@@ -47,23 +53,22 @@ def _keywords(cls) -> list[str]:
     return [p.name for p in params if p.kind == p.KEYWORD_ONLY]
 
 
-def _base_accepts(kwargs: dict, unknown: list[str]) -> bool:
-    """CAOTE passes the keywords it does not know to its base policy: check them there."""
-    from .caote import BASES
-
-    base = kwargs.get("base", "h2o")
-    if base not in BASES:
-        raise ValueError(f"base must be one of {list(BASES)}, got {base!r}")
-    accepted = _keywords(BASES[base])
+def _base_accepts(cls: type[PolicyWrapper], kwargs: dict, unknown: list[str]) -> bool:
+    """A wrapper (CAOTE, AdaKV) passes the keywords it does not know to its base policy: check
+    them there."""
+    base = kwargs.get("base") or cls.default_base
+    if base not in cls.bases:
+        raise ValueError(f"base must be one of {list(cls.bases)}, got {base!r}")
+    accepted = _keywords(cls.bases[base])
     bad = [k for k in unknown if k not in accepted]
     if bad:
-        raise ValueError(f"policy caote (base {base!r}) got unknown arguments {bad}; accepted: "
-                         f"['compression_ratio', 'base'] + {accepted}")
+        raise ValueError(f"policy {cls.name} (base {base!r}) got unknown arguments {bad}; "
+                         f"accepted: {['compression_ratio'] + _keywords(cls)} + {accepted}")
     return True
 
 
 __all__ = [
-    "CAOTE", "D2O", "H2O", "POLICIES", "POLICY_NAMES", "TOVA", "FastCAOTE", "KVPolicy",
-    "LayerView", "OmniKV", "PolicyRunner", "PolicyShape", "PyramidKV", "SnapKV", "StreamingLLM",
-    "get_policy",
+    "CAOTE", "D2O", "H2O", "POLICIES", "POLICY_NAMES", "TOVA", "AdaKV", "FastCAOTE", "KNorm",
+    "KVPolicy", "KeyDiff", "LayerView", "OmniKV", "PolicyRunner", "PolicyShape", "PolicyWrapper",
+    "PyramidKV", "Random", "SnapKV", "StreamingLLM", "get_policy",
 ]

@@ -109,12 +109,14 @@ class KVPolicy:
         """Per-slot state tensors ``[max_seqs, layers, kv_heads, max_slots, ...]``."""
         return [getattr(self, name) for name in self.slot_state_names]
 
+    def seq_states(self) -> list[torch.Tensor]:
+        """Per-sequence state tensors ``[max_seqs, ...]``."""
+        return [getattr(self, name) for name in self.seq_state_names]
+
     def reset(self, seq: int) -> None:
         """Forget sequence slot ``seq`` (a new sequence starts there)."""
-        for state in self.slot_states():
+        for state in self.slot_states() + self.seq_states():
             state[seq] = 0
-        for name in self.seq_state_names:
-            getattr(self, name)[seq] = 0
 
     def _slot_tensor(self, dtype=torch.float32) -> torch.Tensor:
         s = self.shape
@@ -162,6 +164,59 @@ class KVPolicy:
         """New ``(keys, values)`` ``[batch, kv_heads, L, head_dim]`` for the kept slots, or
         None (no merge)."""
         return None
+
+
+class PolicyWrapper(KVPolicy):
+    """A policy over another one, ``base``: budgets, state, observation, protected slots, scores
+    and merges are the base's; a subclass overrides what it changes (:meth:`scores`,
+    :meth:`select`). Subclasses set ``bases`` (accepted names -> classes) and ``default_base``.
+
+    Args:
+        base: a name in ``bases``.
+        base_kwargs: passed to the base policy (e.g. SnapKV's ``window``).
+    """
+
+    bases: ClassVar[dict[str, type[KVPolicy]]] = {}
+    default_base: ClassVar[str] = ""
+
+    def __init__(self, compression_ratio: float = 2.0, *, base: str | None = None,
+                 **base_kwargs):
+        super().__init__(compression_ratio)
+        base = self.default_base if base is None else base
+        if base not in self.bases:
+            raise ValueError(f"base must be one of {list(self.bases)}, got {base!r}")
+        self.base = self.bases[base](compression_ratio, **base_kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base={self.base!r})"
+
+    def bind(self, shape: PolicyShape) -> None:
+        super().bind(shape)
+        self.base.bind(shape)
+
+    def slot_states(self) -> list[torch.Tensor]:
+        return self.base.slot_states()
+
+    def seq_states(self) -> list[torch.Tensor]:
+        return self.base.seq_states()
+
+    def reset(self, seq: int) -> None:
+        self.base.reset(seq)
+
+    def budgets(self, view_seqs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.base.budgets(view_seqs, tokens)
+
+    def observe(self, view, queries, q_positions, probs, prefill) -> None:
+        self.base.observe(view, queries, q_positions, probs, prefill)
+
+    def scores(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
+        return self.base.scores(view, budget)
+
+    def protected(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
+        return self.base.protected(view, budget)
+
+    def merge(self, view: LayerView, keep: torch.Tensor):
+        return self.base.merge(view, keep)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from .base import KVPolicy, LayerView
+from .base import LayerView, PolicyWrapper
 from .h2o import H2O
 from .snapkv import SnapKV
 from .tova import TOVA
 
-BASES = {"h2o": H2O, "tova": TOVA, "snapkv": SnapKV}
 
-
-class CAOTE(KVPolicy):
+class CAOTE(PolicyWrapper):
     """The base policy's selection with CAOTE scores (eviction error of the attention output).
 
     Args:
@@ -33,34 +31,8 @@ class CAOTE(KVPolicy):
     """
 
     name = "caote"
-
-    def __init__(self, compression_ratio: float = 2.0, *, base: str = "h2o", **base_kwargs):
-        super().__init__(compression_ratio)
-        if base not in BASES:
-            raise ValueError(f"base must be one of {list(BASES)}, got {base!r}")
-        self.base = BASES[base](compression_ratio, **base_kwargs)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(base={self.base!r})"
-
-    def bind(self, shape) -> None:
-        super().bind(shape)
-        self.base.bind(shape)
-
-    def slot_states(self) -> list[torch.Tensor]:
-        return self.base.slot_states()
-
-    def reset(self, seq: int) -> None:
-        self.base.reset(seq)
-
-    def budgets(self, view_seqs, tokens):
-        return self.base.budgets(view_seqs, tokens)
-
-    def observe(self, view, queries, q_positions, probs, prefill) -> None:
-        self.base.observe(view, queries, q_positions, probs, prefill)
-
-    def protected(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
-        return self.base.protected(view, budget)
+    bases = {"h2o": H2O, "tova": TOVA, "snapkv": SnapKV}
+    default_base = "h2o"
 
     def output(self, view: LayerView, alpha: torch.Tensor) -> torch.Tensor:
         """``o = sum_i alpha_i v_i``, ``[batch, kv, head_dim]``."""

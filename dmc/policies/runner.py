@@ -114,9 +114,8 @@ class PolicyRunner:
         per_slot = self.positions.element_size() + sum(
             state[0, 0, 0, 0].numel() * state.element_size()
             for state in self.policy.slot_states())
-        per_seq = sum(getattr(self.policy, name)[seq].numel()
-                      * getattr(self.policy, name).element_size()
-                      for name in self.policy.seq_state_names)
+        per_seq = sum(state[seq].numel() * state.element_size()
+                      for state in self.policy.seq_states())
         return slots * per_slot + per_seq
 
     def reported_slots(self, seq: int, tokens: int) -> torch.Tensor:

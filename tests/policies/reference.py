@@ -68,7 +68,7 @@ def run(name, q, k, v, prompt, cr, scale, budgets=None, **kw):
                     visible = [j for j in state[h].kept if j <= i]
                     p = attention(q[h * group + g, i].double(), state[h].keys(visible), scale)
                     probs[h, g, i] = dict(zip(visible, p.tolist()))
-        step_scores = []
+        step_scores, joint = [], []
         if name == "tova":
             last = end - 1
             score = {j: sum(probs[h, g, last].get(j, 0.0) for h in range(kv)
@@ -85,12 +85,19 @@ def run(name, q, k, v, prompt, cr, scale, budgets=None, **kw):
             elif name == "snapkv":
                 score = snapkv_scores(q, head, h, group, end, b, scale, kw["window"],
                                       kw["kernel_size"])
+            elif name == "knorm":  # Devoto et al.: the lowest key norms
+                score = {j: -float(head.key[j].norm()) for j in head.kept}
+            elif name == "keydiff":  # Park et al.: -cos(mean unit key, k_j)
+                anchor = torch.stack([head.key[j] / head.key[j].norm() for j in head.kept]).mean(0)
+                score = {j: -float(torch.nn.functional.cosine_similarity(head.key[j], anchor,
+                                                                          dim=0))
+                         for j in head.kept}
             elif name != "tova":
                 raise ValueError(name)
             if name == "caote-h2o":
                 score = caote_scores(head, score, fast=kw.get("fast", False))
             step_scores.append({j: score[j] for j in head.kept})
-            if len(head.kept) <= b:
+            if len(head.kept) <= b and "safeguard" not in kw:
                 continue
             if name in ("h2o", "caote-h2o"):
                 recent = head.kept[len(head.kept) - (b - b // 2):]
@@ -104,12 +111,32 @@ def run(name, q, k, v, prompt, cr, scale, budgets=None, **kw):
             else:
                 guard = []
             others = [j for j in head.kept if j not in guard]
+            if "safeguard" in kw:
+                joint.append((guard, others, score))
+                continue
             keep = sorted(set(guard) | set(ranked(others, score, b - len(guard))))
             if name == "d2o":
                 d2o_merge(head, keep, extra["tau"], h, kw["beta"])
             head.kept = keep
+        if joint:
+            adakv_evict(state, joint, b, kw["safeguard"])
         steps.append(([list(s.kept) for s in state], step_scores))
     return steps
+
+
+def adakv_evict(state, joint, b, safeguard):
+    """Ada-KV Alg. 1 with its safeguard: every head keeps its guard and its best up to
+    ``floor(safeguard b)``; the layer's other ``kv b`` slots go to the best scores over all heads
+    (ties: lower head, then lower position)."""
+    floor = math.floor(safeguard * b)
+    keeps = [set(guard) | set(ranked(others, score, max(0, floor - len(guard))))
+             for guard, others, score in joint]
+    pool = sorted((-score[j], h, j) for h, (_, others, score) in enumerate(joint)
+                  for j in others if j not in keeps[h])
+    for _, h, j in pool[:max(0, len(joint) * b - sum(map(len, keeps)))]:
+        keeps[h].add(j)
+    for head, keep in zip(state, keeps):
+        head.kept = sorted(keep)
 
 
 def snapkv_scores(q, head, h, group, end, b, scale, window, kernel_size):

@@ -13,7 +13,10 @@ from tiny_models import spread_decisions
 
 VOCAB, MAX_SEQ, PAGE = 96, 160, 4
 SMALL_WINDOW = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}, "streamingllm": {"sinks": 2},
-                "d2o": {"sinks": 2}, "caote": {"base": "snapkv", "window": 4}}
+                "d2o": {"sinks": 2}, "caote": {"base": "snapkv", "window": 4},
+                "adakv": {"window": 4}}
+EVICTING = [n for n in POLICY_NAMES if n != "omnikv"]
+UNEVEN = ("pyramidkv", "d2o", "adakv")  # budgets differ across layers or heads
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +49,7 @@ def check_allocator(cache):
     assert cache.pages_in_use == len(owned) == pages_of(cache._lengths.long())
 
 
-@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "omnikv"])
+@pytest.mark.parametrize("name", EVICTING)
 def test_prefill_evicts_and_frees_pages(model, name):
     prompt = tokens(50)
     vanilla, compressed = engine(model), engine(model, name, cr=4.0)
@@ -57,7 +60,7 @@ def test_prefill_evicts_and_frees_pages(model, name):
     held = compressed.cache.head_lengths(compressed._running[0].slot)
     per_head = math.ceil(51 / 4)
     assert int(held.sum()) == 2 * 2 * per_head  # budgets per layer sum to the total
-    if name not in ("pyramidkv", "d2o"):
+    if name not in UNEVEN:
         assert (held == per_head).all()
     assert compressed.cache.pages_in_use < vanilla.cache.pages_in_use / 2
     used = [compressed.cache.pages_in_use]
@@ -83,12 +86,29 @@ def test_batched_equals_batch_one_and_cr_is_the_requested_one(model, name):
         if name == "omnikv":  # every page resident: the memory has no compression
             assert together.compression.overall == 1.0
             assert together.kv_pages == pages_of(torch.full((2, 2), fed))  # nothing freed
-        elif name in ("pyramidkv", "d2o"):  # a layer whose budget outgrows its tokens lags
+        elif name in UNEVEN:  # a layer whose budget outgrows its tokens lags
             assert fed / math.ceil(fed / 2) <= together.compression.overall <= 2.05
         else:
             assert together.compression.overall == pytest.approx(fed / math.ceil(fed / 2))
         if name != "omnikv":
             assert together.kv_pages <= pages_of(torch.full((2, 2), math.ceil(fed / 2))) + 2
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_no_policy_keeps_more_slots_than_its_budget(model, name):
+    """After the prefill and every decode step each layer holds at most its budget per head
+    (Ada-KV: at most KV heads x budget over the layer's heads)."""
+    e = engine(model, name, cr=3.0)
+    e.add_request(tokens(45, seed=7), SamplingParams(max_new_tokens=6))
+    while e.has_unfinished():
+        e.step()
+        for seq in e._running:
+            held = e.cache.head_lengths(seq.slot).long()  # [layers, kv]
+            seen = int(e.policy.positions[seq.slot].max()) + 1
+            budgets = e.policy.policy.budgets(torch.tensor([seq.slot]), torch.tensor([seen]))[0]
+            assert (held.sum(-1) <= held.shape[1] * budgets).all()
+            if name != "adakv":
+                assert (held <= budgets[:, None]).all()
 
 
 def test_score_prefill_tokens_is_exact_for_vanilla_and_dmc(model):

@@ -64,13 +64,14 @@ def drive(policy, q, k, v, prompt=PROMPT, batch_seqs=None):
 
 
 # the papers' values, which are the policies' defaults
-PAPER = {"d2o": {"sinks": 4, "beta": 0.7}, "pyramidkv": {"window": 8, "kernel_size": 5}}
+PAPER = {"d2o": {"sinks": 4, "beta": 0.7}, "pyramidkv": {"window": 8, "kernel_size": 5},
+         "adakv": {"window": 32, "kernel_size": 5, "safeguard": 0.2}}
 
 
 def check(name, ref_name, seed=0, **kw):
     ref_kw = dict(PAPER.get(name, {}))
     ref_kw.update({key: val for key, val in kw.items() if key in ("window", "kernel_size",
-                                                                  "sinks", "beta")})
+                                                                  "sinks", "beta", "safeguard")})
     q, k, v = inputs(seed)
     got = drive(get_policy(name, 2.0, **kw), q, k, v)
     want = reference.run(ref_name, q[0], k[0], v[0], PROMPT, 2.0, SCALE,
@@ -114,6 +115,50 @@ def test_caote_changes_the_kept_set():
     h2o = drive(get_policy("h2o"), q, k, v)
     caote = drive(get_policy("caote"), q, k, v)
     assert any(a[0] != b[0] for a, b in zip(h2o, caote))
+
+
+@pytest.mark.parametrize("name", ["knorm", "keydiff"])
+def test_key_only_policies_match_reference(name):
+    """KNorm: -||k_j||; KeyDiff: -cos(mean unit key, k_j); the best b kept per head."""
+    check(name, name)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_adakv_over_snapkv_matches_reference(window):
+    """Ada-KV Alg. 1 at its defaults (SnapKV base, safeguard 0.2) and with a small window:
+    guards and safeguards per head, the rest of the layer's 2 b slots by score over both heads;
+    heads end up holding different numbers of slots, never more than 2 b together."""
+    kw = {} if window is None else {"window": window}
+    got, want = check("adakv", "snapkv", **kw)
+    lengths = [[len(h) for h in kept[0]] for kept, _, _ in got]
+    for step, per_head in enumerate(lengths):
+        assert sum(per_head) <= KV * math.ceil((PROMPT + step) / 2)
+    if window == 3:
+        assert any(a != b for a, b in lengths)
+
+
+def test_random_priorities_are_uniform_fixed_by_the_seed_and_evict_the_lowest():
+    q, k, v = inputs(0)
+    runs = [drive(get_policy("random", 2.0, seed=seed), q, k, v) for seed in (0, 0, 1)]
+    kept = [[step[0] for step in run] for run in runs]
+    assert kept[0] == kept[1] and kept[0] != kept[2]
+    before = [list(range(PROMPT))] * KV
+    for step, (held, scores, _) in enumerate(runs[0]):
+        n = PROMPT + step
+        for h in range(KV):
+            assert len(held[0][h]) == math.ceil(n / 2)
+            priority = dict(zip(before[h], scores[0][h].tolist()))
+            evicted = set(before[h]) - set(held[0][h])
+            assert all(priority[e] < min(priority[j] for j in held[0][h]) for e in evicted)
+        before = [kept + [n] for kept in held[0]]
+    policy = get_policy("random", 2.0, seed=5)
+    positions = torch.arange(10000).expand(1, 2, 10000)
+    view = SimpleNamespace(layer=3, positions=positions)
+    priority = policy.scores(view, None)
+    assert priority.shape == (1, 2, 10000) and 0 <= priority.min() and priority.max() < 1
+    counts = torch.histc(priority, bins=10, min=0, max=1)
+    assert (counts - 2000).abs().max() < 200  # 4.7 sigma of a binomial(20000, 0.1)
+    assert abs(float(torch.corrcoef(priority[0])[0, 1])) < 0.05  # heads draw independently
 
 
 def test_d2o_at_its_defaults_matches_reference():
