@@ -79,7 +79,7 @@ def convert_to_gqa(checkpoint, num_query_groups: int, output) -> Path:
     ``dmc retrofit ... checkpoint.load_base=OUTPUT`` read it. Returns ``output``."""
     from megatron.core import dist_checkpointing
 
-    from dmc.inference.engine import build_model_from_config
+    from dmc.inference import build_model_from_config
     from dmc.inference.loading import load_model
 
     output = Path(output)

@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> this project's ``model_config`` dict.
 
-``model_config`` is what :func:`dmc.inference.engine.build_model_from_config` takes and
+``model_config`` is what :func:`dmc.inference.loading.build_model_from_config` takes and
 ``state.json`` records. Supported: Llama-family decoders (RMSNorm, SwiGLU, rotate-half RoPE, no
 biases), MHA or GQA, tied or untied embeddings, ``rope_theta`` and Llama 3.x RoPE scaling with
 megatron-core's fixed low/high frequency factors (1, 4) and original context (8192).

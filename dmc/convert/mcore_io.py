@@ -121,7 +121,7 @@ def _check_layout(model_config, dmc_config, tp, pp):
 def _save_single(folder, full, model_config, dmc_config, meta):
     from megatron.core import parallel_state
 
-    from dmc.inference.engine import build_model_from_config
+    from dmc.inference import build_model_from_config
 
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() != 1

@@ -28,7 +28,7 @@ def evaluate_needle(engine, examples: Sequence[NeedleExample]) -> dict:
          "compression": {"cr", ...} (the caches after each whole example, summed),
          "cache_bytes": {"kv", ..., "total"} (summed)}
     """
-    from dmc.inference.engine import CompressionStats
+    from dmc.inference import CompressionStats
 
     if not examples:
         raise ValueError("evaluate_needle: no examples")

@@ -106,7 +106,7 @@ def evaluate_perplexity(engine, sequences: Iterable[Sequence[int]], *,
          "cache_bytes": {"kv", "metadata", "dmc_state", "policy_state", "total"} (summed)}
     """
     from dmc.eval.stats import mean_interval
-    from dmc.inference.engine import CompressionStats
+    from dmc.inference import CompressionStats
 
     sequences = [list(s) for s in sequences]
     if not sequences:

@@ -1,16 +1,10 @@
 """Inference with a compressed cache: paged per-head KV cache and its kernels (Algorithm 1),
-the generation engine and sampling."""
+the scheduler, the model runner and the generation engine, sampling and model loading."""
 from .cache import CacheFullError, PagedKVCache
-from .engine import (
-    CompressionStats,
-    Engine,
-    GenerationResult,
-    ScoreResult,
-    build_model_from_config,
-    load_inference_state,
-    save_inference_state,
-)
+from .engine import Engine
+from .loading import build_model_from_config, load_inference_state, save_inference_state
 from .sampling import SamplingParams
+from .sequence import CompressionStats, GenerationResult, ScoreResult
 
 __all__ = [
     "CacheFullError",

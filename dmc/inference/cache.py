@@ -55,7 +55,9 @@ class PagedKVCache:
         window: DMC merge window ``w`` (12 in the paper), ``None`` for the exact running mean.
         dtype, device: of the page pools.
         max_seq_len: most slots one head may hold; sets ``max_pages_per_head``.
-        rope_base: RoPE base (``rope_theta``).
+        rope_base: RoPE base (``rope_theta``) of the keys the cache rotates.
+        inv_freq: ``[head_dim // 2]`` RoPE frequencies (e.g. the model's, Llama 3.x scaling
+            included); default: plain RoPE of ``rope_base``.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class PagedKVCache:
         *,
         max_seq_len: int = 4096,
         rope_base: float = 10000.0,
+        inv_freq: torch.Tensor | None = None,
     ):
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
@@ -96,7 +99,9 @@ class PagedKVCache:
         self.open_v = torch.zeros_like(self.open_k)
         self.open_omega = torch.zeros(heads + (rows,), dtype=torch.float32, device=self.device)
         self.open_count = torch.zeros(heads, dtype=torch.int32, device=self.device)
-        self.inv_freq = rope_inv_freq(head_dim, rope_base, self.device)
+        if inv_freq is None:
+            inv_freq = rope_inv_freq(head_dim, rope_base)
+        self.inv_freq = inv_freq.float().to(self.device)
 
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is taken first
         self._free_seqs = list(range(max_seqs - 1, -1, -1))

@@ -2,7 +2,7 @@
 import torch
 
 from dmc.convert.mcore_io import write_checkpoint
-from dmc.inference.engine import build_model_from_config
+from dmc.inference import build_model_from_config
 from dmc.megatron.attention import dmc_layers
 from tiny_models import decision_rows
 

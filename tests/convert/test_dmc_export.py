@@ -83,7 +83,7 @@ def test_exported_dmc_model_matches_megatron_and_engine(tmp_path, groups, window
 def test_vanilla_checkpoint_exports_as_llama(tmp_path):
     from dmc.convert.mcore_io import write_checkpoint
     from dmc_models import full_state, model_config
-    from dmc.inference.engine import build_model_from_config
+    from dmc.inference import build_model_from_config
 
     torch.manual_seed(0)
     cfg = model_config(2)

@@ -5,7 +5,7 @@ import torch
 from dmc.data.needle import make_needle_examples
 from dmc.eval.needle import evaluate_needle
 from dmc.inference import Engine, SamplingParams
-from dmc.inference.engine import CompressionStats, ScoreResult
+from dmc.inference import CompressionStats, ScoreResult
 from tiny_models import VOCAB, build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")

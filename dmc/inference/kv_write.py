@@ -1,0 +1,218 @@
+"""How a layer's new keys and values enter the paged cache and how its queries attend to it: one
+strategy per kind of cache, so that the model runner never branches on the model's kind.
+
+* :class:`VanillaKV`: one slot per token, keys rotated when written.
+* :class:`DMCKV`: Algorithm 1 (:mod:`dmc.ops.algorithm1`): eval-mode decisions from the last
+  channel, a decode token appends or merges into the open slot (Eq. 9), a prefill chunk is
+  compressed at once and packed; queries see a slot once closed and the open one.
+
+A KV policy (:class:`dmc.policies.PolicyRunner`) or :class:`NoPolicy` observes the written slots,
+may replace decode attention and evicts after each forward.
+
+Shapes: queries ``[tokens, heads, dim]``, keys and values ``[tokens, kv_heads, dim]`` as megatron's
+QKV split gives them for one batch row; chunk tensors ``[kv_heads, n, dim]``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dmc.inference.cache import PagedKVCache
+from dmc.megatron.runtime import DMCConfig
+from dmc.ops import zero_decision_channel
+from dmc.ops.algorithm1 import compress_chunk, empty_prefix, hard_decisions, open_slot_prefix
+from dmc.ops.mask import bias_from_log_keep, log_keep_next
+from dmc.ops.rope import apply_rope
+
+
+class NoPolicy:
+    """The policy hooks of an engine without a KV policy: every slot is kept."""
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+
+    def reset(self, seq: int) -> None:
+        """Nothing to forget when a sequence starts."""
+
+    def observe(self, layer: int, seq_slots, queries, q_positions, prefill: bool) -> None:
+        """Nothing to record."""
+
+    def evict(self, seq_slots, tokens) -> None:
+        """Nothing to evict."""
+
+    def decode_attention(self, layer: int, seq_slots, queries) -> None:
+        """No override: decode attention reads the cache."""
+        return None
+
+    def state_bytes(self, seq: int) -> int:
+        return 0
+
+    def reported_slots(self, seq: int, tokens: int) -> torch.Tensor:
+        return self.cache.head_lengths(seq).long()
+
+
+class Chunk(NamedTuple):
+    """A prefill chunk ready for attention and packing (``n`` tokens of one sequence).
+
+    q_rot: ``[heads, n, dim]`` rotated queries; keys, values: ``[kv, n, dim]`` what each token's
+    slot holds (rotated keys); bias: ``[kv, n, n]`` additive mask among the chunk's tokens;
+    visible: ``[kv, cached]`` which cached slots the chunk's queries see; counts ``[kv]`` (host),
+    slot_keys, slot_values ``[kv, max(counts), dim]``: the slots to pack; open: the open slot's
+    tail (see :meth:`PagedKVCache.pack_prefill`); overwrite: ``[kv]`` bool or None, the first
+    slot replaces the head's open one.
+    """
+
+    q_rot: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    visible: torch.Tensor
+    counts: torch.Tensor
+    slot_keys: torch.Tensor
+    slot_values: torch.Tensor
+    open: tuple
+    overwrite: torch.Tensor | None
+
+
+class KVWrite:
+    """Shared skeleton: write, attend (policy override or the cache), let the policy observe.
+
+    Args:
+        cache: the paged cache; num_heads: query heads; scale: softmax scale;
+        inv_freq: ``[dim // 2]`` RoPE frequencies; policy: a ``PolicyRunner`` or :class:`NoPolicy`;
+        use_triton: kernel choice (None: Triton on CUDA).
+    """
+
+    keeps_merge_state = False  # the cache holds an open-slot merge state per head
+
+    def __init__(self, cache: PagedKVCache, num_heads: int, scale: float,
+                 inv_freq: torch.Tensor, policy, use_triton: bool | None):
+        self.cache, self.num_heads, self.scale = cache, num_heads, scale
+        self.group = num_heads // cache.num_kv_heads
+        self.inv_freq, self.policy, self.use_triton = inv_freq, policy, use_triton
+
+    def decode(self, layer: int, seqs: list[int], query, key, value, positions) -> torch.Tensor:
+        """One token per sequence of ``seqs``: ``query [batch, heads, dim]``, ``key, value
+        [batch, kv, dim]`` at ``positions [batch]`` (device). Returns ``[batch, heads, dim]``."""
+        q_rot = self.write_token(layer, seqs, query, key, value, positions)
+        context = self.policy.decode_attention(layer, seqs, q_rot)
+        if context is None:
+            context = self.cache.attention(layer, seqs, q_rot, self.scale,
+                                           use_triton=self.use_triton)
+        self.policy.observe(layer, seqs, q_rot[:, :, None], positions[:, None], prefill=False)
+        return context
+
+    def prefill(self, layer: int, seq: int, query, key, value, start: int) -> torch.Tensor:
+        """Exact chunked prefill of ``n`` tokens of sequence ``seq`` at positions ``start ..``:
+        ``query [n, heads, dim]``, ``key, value [n, kv, dim]``. Attends over the cached slots
+        plus the chunk, then packs the chunk. Returns ``[n, heads, dim]``."""
+        positions = torch.arange(start, start + query.shape[0], device=query.device)
+        lengths = self.cache.head_lengths(seq)[layer].long()  # host [kv]
+        chunk = self.prepare_chunk(layer, seq, query, key, value, positions, lengths)
+        context = self._chunk_attention(layer, seq, chunk)
+        self.cache.pack_prefill(layer, seq, chunk.slot_keys, chunk.slot_values, chunk.counts,
+                                *chunk.open, overwrite_last=chunk.overwrite)
+        self.policy.observe(layer, [seq], chunk.q_rot[None], positions[None], prefill=True)
+        return context.transpose(0, 1)
+
+    def write_token(self, layer, seqs, query, key, value, positions) -> torch.Tensor:
+        """Write one token per sequence; returns the rotated queries ``[batch, heads, dim]``."""
+        raise NotImplementedError
+
+    def prepare_chunk(self, layer, seq, query, key, value, positions, lengths) -> Chunk:
+        raise NotImplementedError
+
+    def _chunk_attention(self, layer: int, seq: int, chunk: Chunk) -> torch.Tensor:
+        """Queries ``[heads, n, dim]`` over the visible cached slots and the chunk's own slots
+        under ``chunk.bias``. Returns ``[heads, n, dim]`` float32."""
+        kv, n, dim = chunk.keys.shape
+        keys, values, bias = chunk.keys, chunk.values, chunk.bias
+        cached = chunk.visible.shape[1]
+        if cached:
+            cached_k, cached_v, _ = self.cache.read(layer, [seq])
+            keys = torch.cat([cached_k[0], keys], dim=1)
+            values = torch.cat([cached_v[0], values], dim=1)
+            cache_bias = torch.zeros(chunk.visible.shape, device=keys.device).masked_fill(
+                ~chunk.visible, float("-inf"))
+            bias = torch.cat([cache_bias[:, None].expand(kv, n, cached), bias], -1)
+        q = chunk.q_rot.reshape(kv, self.group, n, dim)
+        scores = torch.einsum("hgnd,hsd->hgns", q, keys) * self.scale + bias[:, None]
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("hgns,hsd->hgnd", probs, values).reshape(kv * self.group, n, dim)
+
+    def _slot_mask(self, lengths, hide_last=None) -> torch.Tensor:
+        """``[kv, max_len]`` visibility of the cached slots to a chunk's queries: all of a head's
+        slots, but its last (open) one when the chunk's first token merges into it."""
+        max_len = int(lengths.max()) if lengths.numel() else 0
+        slots = torch.arange(max_len)
+        visible = slots[None] < lengths[:, None]
+        if hide_last is not None:
+            visible &= ~((slots[None] == lengths[:, None] - 1) & hide_last[:, None])
+        return visible.to(self.cache.device)
+
+
+class VanillaKV(KVWrite):
+    """One slot per token; keys rotated at their position when written."""
+
+    def write_token(self, layer, seqs, query, key, value, positions):
+        self.cache.append(layer, seqs, apply_rope(key.float(), positions[:, None], self.inv_freq),
+                          value)
+        return apply_rope(query.float(), positions[:, None], self.inv_freq)
+
+    def prepare_chunk(self, layer, seq, query, key, value, positions, lengths):
+        heads, n, dim = self.cache.num_kv_heads, query.shape[0], query.shape[-1]
+        keys = apply_rope(key.float().transpose(0, 1), positions, self.inv_freq)
+        values = value.float().transpose(0, 1)
+        rows = torch.zeros(heads, 1, dim, device=keys.device)
+        return Chunk(apply_rope(query.float().transpose(0, 1), positions, self.inv_freq), keys,
+                     values, bias_from_log_keep(keys.new_zeros(heads, n)),
+                     self._slot_mask(lengths), torch.full((heads,), n), keys, values,
+                     (rows, rows, rows[..., 0], torch.zeros(heads, dtype=torch.long)), None)
+
+
+class DMCKV(KVWrite):
+    """Algorithm 1 with the eval-mode decisions of ``config`` (``c``, ``omega_offset``,
+    ``window``)."""
+
+    keeps_merge_state = True
+
+    def __init__(self, config: DMCConfig, *args):
+        super().__init__(*args)
+        self.config = config
+
+    def _decide(self, query, key):
+        """:func:`hard_decisions` of ``query [batch, heads, n, dim]``, ``key [batch, kv, n, dim]``."""
+        return hard_decisions(query, key, self.config.c, self.config.omega_offset)
+
+    def write_token(self, layer, seqs, query, key, value, positions):
+        decided = self._decide(query[:, :, None], key[:, :, None])
+        self.cache.write(layer, seqs, positions, decided.key[:, :, 0], value,
+                         decided.omega[..., 0], decided.alpha[..., 0], use_triton=self.use_triton)
+        q_rot = apply_rope(decided.query[:, :, 0].float(), positions[:, None], self.inv_freq)
+        return zero_decision_channel(q_rot)
+
+    def prepare_chunk(self, layer, seq, query, key, value, positions, lengths):
+        heads, dim = self.cache.num_kv_heads, query.shape[-1]
+        start = int(positions[0])
+        decided = self._decide(query.transpose(0, 1)[None], key.transpose(0, 1)[None])
+        alpha = decided.alpha
+        if start == 0:
+            alpha[..., 0] = 0
+        prefix = (empty_prefix(1, heads, dim, query.device) if start == 0 else
+                  open_slot_prefix(self.cache.open_state(layer, [seq]), self.config.window))
+        packed = compress_chunk(decided.key, value.transpose(0, 1)[None], alpha, decided.omega,
+                                positions, self.inv_freq, self.config.window, prefix)
+        alpha = alpha[0]
+        overwrite = (alpha[:, 0] > 0.5) if start else None  # first token merges: open slot
+        q_rot = apply_rope(decided.query[0].float(), positions, self.inv_freq)
+        return Chunk(zero_decision_channel(q_rot), packed.keys[0], packed.values[0],
+                     bias_from_log_keep(log_keep_next(alpha)),
+                     self._slot_mask(lengths, None if overwrite is None else overwrite.cpu()),
+                     packed.counts[0].cpu(), packed.slot_keys[0], packed.slot_values[0],
+                     tuple(x[0] for x in packed.open), overwrite)
+
+
+def make_kv_write(dmc: DMCConfig | None, *args) -> KVWrite:
+    """:class:`DMCKV` for a DMC config, else :class:`VanillaKV` (arguments of :class:`KVWrite`)."""
+    return VanillaKV(*args) if dmc is None else DMCKV(dmc, *args)

@@ -1,0 +1,135 @@
+"""The model side of :class:`~dmc.inference.engine.Engine`: embedding -> layers (norm, QKV,
+attention over the paged cache, output projection, MLP) -> final norm and logits.
+
+One forward takes any mix of *segments*: prefill chunks of several sequences and one decode token
+of others. Everything but attention runs once over all their tokens, ``[tokens, 1, hidden]``
+(megatron's ``[seq, batch, hidden]``); attention runs per prefill chunk and once for all decode
+tokens, through the cache's :class:`~dmc.inference.kv_write.KVWrite` strategy. The model's own
+modules are reused (TP = PP = 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dmc.inference.kv_write import KVWrite
+from dmc.megatron.runtime import DMCConfig, DMCRuntime
+
+
+@dataclass
+class Segment:
+    """Tokens of one sequence fed in a forward.
+
+    slot: the sequence's cache slot; tokens: ids at positions ``start, start + 1, ...``;
+    decode: one token written by the decode path (append or merge), else a prefill chunk;
+    all_logits: the logits of every token are returned, else those of the last one.
+    """
+
+    slot: int
+    tokens: list[int]
+    start: int
+    decode: bool = False
+    all_logits: bool = False
+
+
+class ModelRunner:
+    """Runs ``model`` (a megatron-core ``GPTModel`` in eval mode) over segments, writing the
+    cache through ``kv`` and letting ``kv.policy`` evict after each forward."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVWrite):
+        self.model, self.kv = model, kv
+        self.layers = list(model.decoder.layers)
+        self.device = next(model.parameters()).device
+
+    def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """One forward over ``segments`` (distinct sequences). Returns each segment's logits,
+        ``[n, vocab]`` (``all_logits``) or ``[1, vocab]``."""
+        decode = [s for s in segments if s.decode]
+        prefill = [s for s in segments if not s.decode]
+        ordered = decode + prefill  # rows: the decode tokens, then each chunk
+        ids = torch.tensor([t for s in ordered for t in s.tokens], device=self.device)
+        positions = torch.tensor([s.start + i for s in ordered for i in range(len(s.tokens))],
+                                 device=self.device)
+        for seg in prefill:
+            if seg.start == 0:
+                self.kv.policy.reset(seg.slot)
+        x = self.model.embedding(input_ids=ids[None], position_ids=positions[None])
+        rows = len(decode)
+        decode_slots, decode_positions = [s.slot for s in decode], positions[:rows]
+        for index, layer in enumerate(self.layers):
+            query, key, value = layer.self_attention.get_query_key_value_tensors(
+                layer.input_layernorm(x))
+            query, key, value = query[:, 0], key[:, 0], value[:, 0]  # [tokens, heads, dim]
+            parts = []
+            if decode:
+                parts.append(self.kv.decode(index, decode_slots, query[:rows], key[:rows],
+                                            value[:rows], decode_positions))
+            start = rows
+            for seg in prefill:
+                end = start + len(seg.tokens)
+                parts.append(self.kv.prefill(index, seg.slot, query[start:end], key[start:end],
+                                             value[start:end], seg.start))
+                start = end
+            x = self._finish_layer(layer, x, torch.cat(parts).reshape(x.shape[0], 1, -1))
+        if decode:
+            self.kv.policy.evict(decode_slots, decode_positions.cpu() + 1)
+        for seg in prefill:
+            self.kv.policy.evict([seg.slot], [seg.start + len(seg.tokens)])
+        return self._segment_logits(x, ordered)
+
+    def _segment_logits(self, x: torch.Tensor, ordered: list[Segment]) -> list[torch.Tensor]:
+        """Final norm and output layer on the rows whose logits are wanted."""
+        picked, sizes, row = [], [], 0
+        for seg in ordered:
+            n = len(seg.tokens)
+            wanted = range(row, row + n) if seg.all_logits else [row + n - 1]
+            picked.extend(wanted)
+            sizes.append(len(wanted))
+            row += n
+        hidden = self.model.decoder.final_layernorm(x[torch.tensor(picked, device=x.device)])
+        weight = None
+        if self.model.share_embeddings_and_output_weights:
+            weight = self.model.shared_embedding_or_output_weight()
+        logits, _ = self.model.output_layer(hidden, weight=weight)
+        return list(logits[:, 0].split(sizes))
+
+    @staticmethod
+    def _finish_layer(layer, x, context):
+        """Output projection, residual, MLP block. ``context [tokens, 1, heads * dim]``."""
+        out, bias = layer.self_attention.linear_proj(context.to(x.dtype))
+        x = x + out if bias is None else x + out + bias
+        out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+        return x + out if bias is None else x + out + bias
+
+
+def resolve_dmc(layers, dmc) -> DMCConfig | None:
+    """The DMC semantics an engine serves: ``"auto"`` (the config of the model's DMC layers,
+    None without), a :class:`DMCRuntime` or :class:`DMCConfig`, or None (vanilla)."""
+    if isinstance(dmc, str):
+        if dmc != "auto":
+            raise ValueError(f"Engine: dmc must be 'auto', a DMCRuntime, a DMCConfig or None, "
+                             f"got {dmc!r}")
+        runtimes = [getattr(layer.self_attention, "dmc", None) for layer in layers]
+        runtimes = [r for r in runtimes if isinstance(r, DMCRuntime)]
+        return runtimes[0].config if runtimes else None
+    if dmc is None or isinstance(dmc, DMCConfig):
+        return dmc
+    if isinstance(dmc, DMCRuntime):
+        return dmc.config
+    raise TypeError(f"Engine: dmc must be 'auto', a DMCRuntime, a DMCConfig or None, got {dmc!r}")
+
+
+def rope_frequencies(model, head_dim: int) -> torch.Tensor:
+    """The model's RoPE frequencies ``[head_dim // 2]`` (float32, on its device), checked to be
+    plain full-dimension rotate-half RoPE."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if getattr(model, "position_embedding_type", None) != "rope" or rope is None:
+        raise ValueError("Engine supports RoPE models only (position_embedding_type='rope')")
+    if rope.rotary_interleaved or rope.seq_len_interpolation_factor is not None:
+        raise ValueError("Engine supports rotate-half RoPE without position interpolation only")
+    inv_freq = rope.inv_freq.float()
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"Engine needs RoPE over the whole head (rotary_percent=1): "
+                         f"{inv_freq.numel()} frequencies for head_dim {head_dim}")
+    return inv_freq.to(next(model.parameters()).device)

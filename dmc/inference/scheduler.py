@@ -1,0 +1,191 @@
+"""Which tokens the next forward runs: admission, a token budget per step, page reservation and
+preemption, all decided before the model runs.
+
+Each step spends at most ``step_tokens`` tokens: one for every decoding sequence, the rest on
+whole prefill chunks (a sequence's tokens cut at multiples of ``chunk_size``, as when prefilled
+alone) of sequences still prefilling, then of waiting ones admitted in arrival order while
+sequence slots and pages allow (a prompt is admitted while others run only if it fits at the
+compression ratio measured so far, plus a page per head).
+
+Reservation: a head grows by at most one slot per token (DMC merges or appends; a policy evicts
+after the forward), so ``n`` tokens of a sequence need at most, per head of length ``L``,
+``ceil((L + n) / page_size) - ceil(L / page_size)`` new pages. Sequences are served oldest first;
+when the worst case of one does not fit in the pages left, the youngest running sequence is
+preempted (its pages freed, re-queued; it restarts by prefilling its prompt and the tokens it
+generated); a prefill chunk is first shortened to what fits. A sequence that does not fit even
+alone ends with ``finish_reason="cache_full"``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dmc.inference.cache import PagedKVCache
+from dmc.inference.sequence import Sequence
+
+
+@dataclass
+class SeenCompression:
+    """Token-head entries written and slots kept by the sequences prefilled so far."""
+
+    entries: int = 0
+    slots: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.entries / self.slots if self.slots else 1.0
+
+
+@dataclass
+class StepPlan:
+    """What the next forward runs: ``decode`` feeds each sequence's newest token, ``prefill``
+    holds ``(sequence, chunk tokens)``; ``failed`` the sequences to end with ``cache_full`` and
+    why (taken off the queues, their pages freed)."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Queues and the per-step plan of an engine (see the module docstring).
+
+    Args:
+        cache: the paged cache (sequence slots and pages are claimed from it).
+        max_batch: most sequences holding a cache slot at once.
+        chunk_size: most prefill tokens of one sequence per step.
+        step_tokens: token budget of a step (decode tokens plus prefill chunks), at least
+            ``max_batch + chunk_size``.
+    """
+
+    def __init__(self, cache: PagedKVCache, max_batch: int, chunk_size: int, step_tokens: int):
+        if step_tokens < max_batch + chunk_size:
+            raise ValueError(f"step_tokens ({step_tokens}) must hold max_batch + chunk_size "
+                             f"({max_batch + chunk_size}) tokens: every decode token and a chunk")
+        self.cache, self.max_batch = cache, max_batch
+        self.chunk_size, self.step_tokens = chunk_size, step_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.seen = SeenCompression()
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan; pages for its worst case are free when it returns."""
+        plan = StepPlan()
+        self.running.sort(key=lambda s: s.request_id)
+        budget = self.step_tokens - sum(s.decoding for s in self.running)
+        reserved, i = 0, 0
+        while i < len(self.running):
+            seq = self.running[i]
+            n = 1 if seq.decoding else self._chunk(seq)
+            if n > budget and not seq.decoding:
+                i += 1
+                continue
+            free = self.cache.free_pages - reserved
+            n = n if seq.decoding else self._largest_fit(seq, n, free)
+            need = self._worst_pages(seq, n)
+            if need <= free:
+                reserved += need
+                if seq.decoding:
+                    plan.decode.append(seq)
+                else:
+                    plan.prefill.append((seq, n))
+                    budget -= n
+                i += 1
+            elif len(self.running) == 1:
+                plan.failed.append((seq, self._too_large(seq)))
+                self.cache.free_sequence(seq.slot)
+                seq.slot = None
+                self.running.remove(seq)
+            else:
+                self.preempt(self.running[-1])
+        self._admit(plan, budget, reserved)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int, reserved: int) -> None:
+        heads = self.cache.num_layers * self.cache.num_kv_heads
+        while self.waiting and len(self.running) < self.max_batch and budget > 0:
+            seq = self.waiting[0]
+            free = self.cache.free_pages - reserved
+            if self.running and self._estimate_pages(len(seq.tokens)) + heads > free:
+                return
+            n = self._chunk(seq)
+            if n > budget:
+                return
+            n = self._largest_fit(seq, n, free)
+            need = self._worst_pages(seq, n)
+            if need > free:
+                if self.running:
+                    return
+                plan.failed.append((self.waiting.pop(0), self._too_large(seq)))
+                continue
+            self.waiting.pop(0)
+            seq.slot = self.cache.add_sequence()
+            self.running.append(seq)
+            plan.prefill.append((seq, n))
+            reserved += need
+            budget -= n
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s pages and put it back in the queue (arrival order); it restarts from
+        its first token."""
+        self.cache.free_sequence(seq.slot)
+        seq.slot, seq.cached, seq.decoding = None, 0, False
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.request_id)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """Count a sequence whose prefill just ended in the compression seen so far."""
+        lengths = self.cache.head_lengths(seq.slot)
+        self.seen.entries += len(seq.tokens) * lengths.numel()
+        self.seen.slots += int(lengths.sum())
+
+    def _chunk(self, seq: Sequence) -> int:
+        """The next prefill chunk of ``seq``: up to the next multiple of ``chunk_size`` (so that
+        chunks, and a policy's evictions after them, do not depend on the batch) or its end."""
+        return min(self.chunk_size - seq.cached % self.chunk_size, len(seq.tokens) - seq.cached)
+
+    def _worst_pages(self, seq: Sequence, n: int) -> int:
+        """Pages ``n`` more tokens of ``seq`` take at most (every head appends every token)."""
+        if seq.slot is None:
+            lengths = torch.zeros(self.cache.num_layers, self.cache.num_kv_heads, dtype=torch.long)
+        else:
+            lengths = self.cache.head_lengths(seq.slot).long()
+        size = self.cache.page_size
+        return int(((lengths + n + size - 1) // size - (lengths + size - 1) // size).sum())
+
+    def _largest_fit(self, seq: Sequence, n: int, free: int) -> int:
+        """The longest chunk of at most ``n`` tokens whose worst case fits in ``free`` pages (1
+        when none does)."""
+        low, high = 1, n
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._worst_pages(seq, middle) <= free:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _estimate_pages(self, tokens: int) -> int:
+        """Pages a prompt of ``tokens`` is expected to take, at the CR seen so far."""
+        per_head = math.ceil(tokens / self.seen.ratio / self.cache.page_size)
+        return per_head * self.cache.num_layers * self.cache.num_kv_heads
+
+    def _too_large(self, seq: Sequence) -> str:
+        pool = f"({self.cache.num_pages} pages of {self.cache.page_size} slots)"
+        if seq.decoding:
+            return (f"request {seq.request_id} alone needs more than the whole pool {pool} "
+                    f"after {len(seq.tokens)} tokens")
+        return (f"request {seq.request_id}: {len(seq.tokens)} tokens do not fit in the whole "
+                f"pool {pool}")

@@ -1,0 +1,171 @@
+"""Request and sequence state of :class:`~dmc.inference.engine.Engine`, and what it returns."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from dmc.inference.sampling import SamplingParams
+
+
+@dataclass
+class CompressionStats:
+    """Measured compression of the cache of one sequence (or of several, summed).
+
+    tokens: tokens written into every (layer, KV head), summed over sequences.
+    slots: ``[layers, kv_heads]`` slots kept, summed over sequences.
+    CR = tokens / slots (per head), ``tokens * heads / sum(slots)`` per layer and overall.
+    """
+
+    tokens: int
+    slots: torch.Tensor
+
+    @property
+    def overall(self) -> float:
+        return _ratio(self.tokens * self.slots.numel(), int(self.slots.sum()))
+
+    @property
+    def per_layer(self) -> list[float]:
+        heads = self.slots.shape[1]
+        return [_ratio(self.tokens * heads, int(s)) for s in self.slots.sum(1)]
+
+    @property
+    def per_head(self) -> list[list[float]]:
+        return [[_ratio(self.tokens, int(s)) for s in row] for row in self.slots]
+
+    def __add__(self, other: CompressionStats) -> CompressionStats:
+        return CompressionStats(self.tokens + other.tokens, self.slots + other.slots)
+
+    @staticmethod
+    def combine(stats: Iterable[CompressionStats]) -> CompressionStats:
+        stats = list(stats)
+        if not stats:
+            raise ValueError("CompressionStats.combine needs at least one entry")
+        total = stats[0]
+        for s in stats[1:]:
+            total = total + s
+        return total
+
+    def to_dict(self) -> dict:
+        return {
+            "cr": self.overall,
+            "tokens": self.tokens,
+            "slots": int(self.slots.sum()),
+            "per_layer": self.per_layer,
+            "per_head": self.per_head,
+        }
+
+
+def _ratio(tokens: int, slots: int) -> float:
+    return tokens / slots if slots else 1.0
+
+
+@dataclass
+class GenerationResult:
+    """A finished request.
+
+    tokens: generated ids (the stop token included when one ended the request).
+    finish_reason: ``"stop"`` (a stop token), ``"length"`` (``max_new_tokens``) or
+        ``"cache_full"`` (the request alone outgrew the whole page pool: ``tokens`` holds what
+        it generated before, ``error`` says why; the other requests are not affected).
+    logprobs: log-probability of each generated token under the model (before temperature,
+        top-k, top-p).
+    compression: the cache at the end (prompt + generated tokens but the last, which was never
+        fed back).
+    kv_pages, kv_bytes: pages (and their K+V bytes) the sequence held at the end.
+    preemptions: how many times it was preempted and restarted.
+    """
+
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+    logprobs: list[float]
+    compression: CompressionStats
+    kv_pages: int
+    kv_bytes: int
+    preemptions: int = 0
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["compression"] = self.compression.to_dict()
+        return out
+
+
+@dataclass
+class ScoreResult:
+    """Teacher-forced scoring of one token sequence (see :meth:`Engine.score`).
+
+    token_logprobs: ``[n - 1]`` float64, ``log p(tokens[i + 1] | tokens[: i + 1])``.
+    logits: ``[n, vocab]`` float32 when asked for, else None.
+    compression: the cache after all ``n`` tokens (with a policy: the slots it kept, so CR is the
+        measured one; OmniKV reports its GPU-resident slots, see :mod:`dmc.policies.omnikv`).
+    cache_bytes: what the cache held for the sequence after all ``n`` tokens (see
+        :meth:`Engine.sequence_bytes`).
+    """
+
+    token_logprobs: torch.Tensor
+    logits: torch.Tensor | None
+    compression: CompressionStats
+    cache_bytes: dict = field(default_factory=dict)
+
+
+@dataclass
+class Sequence:
+    """A request's state while it is queued, prefilling or decoding.
+
+    ``slot`` is its cache sequence slot while it holds one (None while waiting); ``cached`` the
+    tokens of :attr:`tokens` already written to the cache; ``decoding`` once its prefill is done
+    and a token was sampled (each step then feeds its newest token). A preempted sequence starts
+    over: its prompt and the tokens it generated are prefilled again.
+    """
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int | None = None
+    cached: int = 0
+    decoding: bool = False
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+class Scorer:
+    """One sequence of :meth:`Engine.score_batch`: its tokens, and the log-probabilities (and
+    logits) gathered from prefill chunks and decode steps."""
+
+    def __init__(self, tokens: list[int], prefilled: int | None, max_seq_len: int,
+                 device: torch.device, keep_logits: bool):
+        if len(tokens) < 1 or len(tokens) > max_seq_len:
+            raise ValueError(f"score: need 1..{max_seq_len} tokens, got {len(tokens)}")
+        self.prefilled = len(tokens) if prefilled is None else int(prefilled)
+        if not 1 <= self.prefilled <= len(tokens):
+            raise ValueError(f"score: prefill_tokens must be None or in [1, {len(tokens)}], got "
+                             f"{prefilled!r}")
+        self.tokens = tokens
+        self.target = torch.tensor(tokens[1:] + [0], device=device)
+        self.keep_logits = keep_logits
+        self.logprobs: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.seq: Sequence | None = None
+
+    def consume(self, start: int, logits: torch.Tensor) -> None:
+        """``logits [n, vocab]`` of the positions ``start .. start + n - 1``."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        picked = logp.gather(-1, self.target[start:start + logits.shape[0], None])[:, 0]
+        self.logprobs.append(picked.double().cpu())
+        if self.keep_logits:
+            self.logits.append(logits.float().cpu())
+
+    def result(self, compression: CompressionStats, cache_bytes: dict) -> ScoreResult:
+        return ScoreResult(torch.cat(self.logprobs)[:-1],
+                           torch.cat(self.logits) if self.keep_logits else None,
+                           compression, cache_bytes)

@@ -1,0 +1,88 @@
+"""Scheduler and batched chunked prefill: several prompts' chunks and the decode tokens in one
+forward give the one-at-a-time results; pages are reserved (and sequences preempted) before a
+forward, never inside it; every page is free at the end."""
+import pytest
+import torch
+
+from dmc.inference import Engine, SamplingParams
+from tiny_models import VOCAB, build_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
+LENGTHS = (13, 41, 7, 26, 3, 58, 19, 33, 1, 47)
+
+
+def prompts(lengths=LENGTHS, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def count_segments(engine):
+    """Record the (prefill chunks, decode tokens) of every forward of ``engine``."""
+    seen, forward = [], engine.runner.forward
+
+    def recording(segments):
+        seen.append((sum(not s.decode for s in segments), sum(s.decode for s in segments)))
+        return forward(segments)
+
+    engine.runner.forward = recording
+    return seen
+
+
+@pytest.mark.parametrize("window", [3, None, "vanilla"])
+def test_batched_chunked_prefill_equals_one_at_a_time(window):
+    model, _ = build_tiny(2, window, -1.0, max_seq=160)
+    params = [SamplingParams(max_new_tokens=6 + i % 4, temperature=0.0 if i % 2 else 0.8,
+                             seed=i) for i in range(len(LENGTHS))]
+    one = Engine(model, page_size=4, max_batch=6, chunk_size=8, batch_prefill=False)
+    batched = Engine(model, page_size=4, max_batch=6, chunk_size=8, step_tokens=40)
+    forwards = count_segments(batched)
+    expected = one.generate(prompts(), params)
+    results = batched.generate(prompts(), params)
+    assert max(chunks for chunks, _ in forwards) >= 3  # several prompts' chunks in one forward
+    assert any(chunks and decodes for chunks, decodes in forwards)  # mixed with decode tokens
+    for want, got in zip(expected, results):
+        assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs),
+                                   atol=1e-5, rtol=0)
+        assert torch.equal(got.compression.slots, want.compression.slots)
+    for engine in (one, batched):
+        assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("window,pages", [(3, 52), ("vanilla", 84)])
+def test_a_tiny_pool_preempts_before_the_forward_never_inside(window, pages):
+    """The pool holds about one of the longest sequence (58 + 23 tokens, 2 layers x 2 heads of
+    pages of 4; about half under DMC): every step must reserve or preempt."""
+    model, _ = build_tiny(2, window, -1.0, max_seq=160)
+    params = SamplingParams(max_new_tokens=24)
+    roomy = Engine(model, page_size=4, max_batch=4, chunk_size=8)
+    expected = roomy.generate(prompts(LENGTHS[:6]), params)
+    tight = Engine(model, page_size=4, max_batch=4, chunk_size=8, num_pages=pages)
+    in_forward, forward, free = [False], tight.runner.forward, tight.cache.free_sequence
+    preempted_inside = []
+
+    def tracking_forward(segments):
+        in_forward[0] = True
+        try:
+            return forward(segments)
+        finally:
+            in_forward[0] = False
+
+    def tracking_free(slot):
+        preempted_inside.append(in_forward[0])
+        free(slot)
+
+    tight.runner.forward, tight.cache.free_sequence = tracking_forward, tracking_free
+    results = tight.generate(prompts(LENGTHS[:6]), params)
+    assert tight.stats["preemptions"] > 0 and not any(preempted_inside)
+    for want, got in zip(expected, results):
+        assert got.tokens == want.tokens
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs),
+                                   atol=1e-5, rtol=0)
+    assert tight.cache.pages_in_use == 0 and tight.cache.free_pages == pages
+
+
+def test_step_tokens_must_hold_every_decode_token_and_a_chunk():
+    model, _ = build_tiny(2, "vanilla", -1.0, max_seq=160)
+    with pytest.raises(ValueError, match="max_batch \\+ chunk_size"):
+        Engine(model, page_size=4, max_batch=4, chunk_size=8, step_tokens=11)
