@@ -1,21 +1,13 @@
 """Paged, per-head, variable-length KV cache for DMC inference (Algorithm 1 of the paper).
 
-Under DMC every (sequence, layer, KV head) keeps its own number of slots, so each of them gets its
-own row of page ids (block table) and its own length, all drawing pages from ONE pool per model:
+The pages, free list, block tables and lengths are the :class:`BlockAllocator`'s (``allocator``);
+this module holds the storage: ONE pool of pages per model,
 
-* ``k_pages``, ``v_pages``: ``[num_pages, page_size, head_dim]`` in the cache dtype;
-* ``block_tables``: ``[max_seqs, num_layers, num_kv_heads, max_pages_per_head]`` int32 page ids,
-  ``-1`` where a head has no page;
-* ``lengths``: ``[max_seqs, num_layers, num_kv_heads]`` int32 slots per head.
+* ``k_pages``, ``v_pages``: ``[num_pages, page_size, head_dim]`` in the cache dtype (slot ``n`` of
+  a head at ``k_pages[block_tables[seq, layer, head, n // page_size], n % page_size]``),
 
-A head of length ``n`` owns exactly ``ceil(n / page_size)`` pages; a page is taken from the free
-list only when an append crosses a page boundary and all of a sequence's pages return to it when
-the sequence is freed. Allocation runs on the host (Python) against host copies of the block
-tables and lengths, before the device write; it is all-or-nothing: :class:`CacheFullError` is
-raised before anything changes.
-
-The open (last) slot of each head carries the DMC merge state in float32 (Eq. 9), so that merging
-at inference equals the training-time accumulation:
+and, in float32, the DMC merge state of each head's open (last) slot (Eq. 9), so that merging at
+inference equals the training-time accumulation:
 
 * ``open_k``, ``open_v``: ``[max_seqs, num_layers, num_kv_heads, rows, head_dim]`` pre-RoPE;
 * ``open_omega``: ``[max_seqs, num_layers, num_kv_heads, rows]``;
@@ -33,19 +25,14 @@ import torch
 
 from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
+from .block_allocator import BlockAllocator, CacheFullError, pages_for
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
 
-
-class CacheFullError(RuntimeError):
-    """The cache cannot hold a request (pages, per-head table width or sequence slots)."""
-
-
-def _cdiv(x: torch.Tensor, y: int) -> torch.Tensor:
-    return torch.div(x + y - 1, y, rounding_mode="floor")
+__all__ = ["CacheFullError", "PagedKVCache"]
 
 
 class PagedKVCache:
-    """Block pool, free list and per-(sequence, layer, KV head) block tables, lengths and DMC state.
+    """Page pools and DMC open-slot state over a :class:`BlockAllocator`.
 
     Args:
         num_layers, num_kv_heads, head_dim: model shape (``head_dim`` even, for RoPE).
@@ -84,17 +71,13 @@ class PagedKVCache:
         self.num_pages, self.page_size, self.max_seqs = num_pages, page_size, max_seqs
         self.window, self.dtype, self.device = window, dtype, torch.device(device)
         self.max_pages_per_head = math.ceil(max_seq_len / page_size)
+        self.allocator = BlockAllocator(num_layers, num_kv_heads, num_pages, page_size, max_seqs,
+                                        self.max_pages_per_head, self.device)
 
         pool = (num_pages, page_size, head_dim)
         self.k_pages = torch.zeros(pool, dtype=dtype, device=self.device)
         self.v_pages = torch.zeros(pool, dtype=dtype, device=self.device)
-        heads = (max_seqs, num_layers, num_kv_heads)
-        self._tables = torch.full(heads + (self.max_pages_per_head,), -1, dtype=torch.int32)
-        self._lengths = torch.zeros(heads, dtype=torch.int32)
-        self.block_tables = self._tables.to(self.device)  # same tensor on CPU
-        self.lengths = self._lengths.to(self.device)
-
-        rows = window or 1
+        heads, rows = (max_seqs, num_layers, num_kv_heads), window or 1
         self.open_k = torch.zeros(heads + (rows, head_dim), dtype=torch.float32, device=self.device)
         self.open_v = torch.zeros_like(self.open_k)
         self.open_omega = torch.zeros(heads + (rows,), dtype=torch.float32, device=self.device)
@@ -103,18 +86,24 @@ class PagedKVCache:
             inv_freq = rope_inv_freq(head_dim, rope_base)
         self.inv_freq = inv_freq.float().to(self.device)
 
-        self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is taken first
-        self._free_seqs = list(range(max_seqs - 1, -1, -1))
-        self._active = [False] * max_seqs
-
     # ----------------------------------------------------------------- stats
     @property
     def free_pages(self) -> int:
-        return len(self._free_pages)
+        return self.allocator.free_pages
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free_pages)
+        return self.allocator.pages_in_use
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """``[max_seqs, num_layers, num_kv_heads, max_pages_per_head]`` int32 page ids (device)."""
+        return self.allocator.device_tables
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[max_seqs, num_layers, num_kv_heads]`` int32 slots per head (device)."""
+        return self.allocator.device_lengths
 
     @property
     def page_bytes(self) -> int:
@@ -131,11 +120,11 @@ class PagedKVCache:
         ``dmc_state``, ``dmc_state``: the open slot's merge state of every (layer, KV head)
         (float32 ring of ``window`` pre-RoPE keys and values and their omegas, or the running
         mean and ``z``, plus the int32 token count), allocated whether or not a head merges."""
-        lengths = self._lengths[seq_slot].long()
-        pages = int(_cdiv(lengths, self.page_size).sum())
+        lengths = self.allocator.lengths[seq_slot].long()
+        pages = int(pages_for(lengths, self.page_size).sum())
         heads = lengths.numel()
         out = {"kv": pages * self.page_bytes,
-               "metadata": pages * self._tables.element_size() + heads * 4,
+               "metadata": pages * self.allocator.tables.element_size() + heads * 4,
                "dmc_state": 0}
         if dmc_state:
             per_head = (self.open_k[seq_slot, 0, 0].numel() * 2 * self.open_k.element_size()
@@ -146,40 +135,29 @@ class PagedKVCache:
 
     def head_lengths(self, seq_slot: int) -> torch.Tensor:
         """Slots per head of one sequence, ``[num_layers, num_kv_heads]`` (host copy)."""
-        return self._lengths[seq_slot].clone()
+        return self.allocator.lengths[seq_slot].clone()
 
     def layer_lengths(self, layer: int, seq_slots) -> torch.Tensor:
         """Slots per head of ``layer`` for ``seq_slots``, ``[batch, num_kv_heads]`` (host, long)."""
-        return self._lengths[self._seq_index(seq_slots), layer].long()
+        return self.allocator.lengths[self.allocator.seq_index(seq_slots), layer].long()
 
     def open_state(self, layer: int, seq_slots) -> OpenSlot:
         """The open slot's merge state of ``layer`` for ``seq_slots`` (copies): the ring
         ``[batch, kv_heads, rows, head_dim]`` of pre-RoPE keys and values, its omegas (or ``z``)
         ``[batch, kv_heads, rows]`` and the token counts ``[batch, kv_heads]``."""
-        rows = self._seq_index(seq_slots).to(self.device)
+        rows = self.allocator.seq_index(seq_slots).to(self.device)
         return OpenSlot(self.open_k[rows, layer], self.open_v[rows, layer],
                         self.open_omega[rows, layer], self.open_count[rows, layer].long())
 
     # ------------------------------------------------------------- sequences
     def add_sequence(self) -> int:
         """Claim a free sequence slot (all heads empty) and return its id."""
-        if not self._free_seqs:
-            raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
-        slot = self._free_seqs.pop()
-        self._active[slot] = True
-        return slot
+        return self.allocator.add_sequence()
 
     def free_sequence(self, seq_slot: int) -> None:
         """Return every page of ``seq_slot`` to the free list and release the slot."""
-        self._seq_index([seq_slot])
-        owned = self._tables[seq_slot]
-        self._free_pages.extend(owned[owned >= 0].tolist())
-        owned.fill_(-1)
-        self._lengths[seq_slot] = 0
+        self.allocator.free_sequence(seq_slot)
         self.open_count[seq_slot] = 0
-        self._publish(torch.tensor([seq_slot]), slice(None))
-        self._active[seq_slot] = False
-        self._free_seqs.append(seq_slot)
 
     # ---------------------------------------------------------------- writes
     def write(
@@ -210,11 +188,11 @@ class PagedKVCache:
             alpha: ``[batch, kv_heads]`` hard decisions, 1 = merge (read on the host).
             use_triton: kernel choice, see :func:`~dmc.inference.kernels.resolve_use_triton`.
         """
-        seqs = self._seq_index(seq_slots)
-        lengths = self._lengths[seqs, layer].long()
+        seqs = self.allocator.seq_index(seq_slots)
+        lengths = self.allocator.lengths[seqs, layer].long()
         append = (torch.as_tensor(alpha).detach().cpu() <= 0.5) | (lengths == 0)
         new_lengths = lengths + append.long()
-        self._resize(seqs, layer, new_lengths)
+        self.allocator.grow(seqs, layer, new_lengths)
         device = self.device
         run_dmc_write(
             self, layer, seqs.to(device), (new_lengths - 1).to(device), append.to(device),
@@ -229,9 +207,9 @@ class PagedKVCache:
             seq_slots: ``[batch]`` distinct sequence slots.
             k, v: ``[batch, kv_heads, head_dim]`` post-RoPE key, value.
         """
-        seqs = self._seq_index(seq_slots)
-        slots = self._lengths[seqs, layer].long()
-        self._resize(seqs, layer, slots + 1)
+        seqs = self.allocator.seq_index(seq_slots)
+        slots = self.allocator.lengths[seqs, layer].long()
+        self.allocator.grow(seqs, layer, slots + 1)
         heads = torch.arange(self.num_kv_heads).expand_as(slots)
         self._scatter(seqs.unsqueeze(1).expand_as(slots), layer, heads, slots, k, v)
 
@@ -263,14 +241,14 @@ class PagedKVCache:
             overwrite_last: ``[kv_heads]`` bool (chunked prefill): the first given slot replaces
                 the head's current last slot, which the chunk's first token merged into.
         """
-        seqs = self._seq_index([seq_slot])
-        length = self._lengths[seq_slot, layer].long()
+        seqs = self.allocator.seq_index([seq_slot])
+        length = self.allocator.lengths[seq_slot, layer].long()
         counts = torch.as_tensor(counts).long().cpu()
         replaced = 0 if overwrite_last is None else torch.as_tensor(overwrite_last).long().cpu()
         start = length - replaced
         if (start < 0).any() or (start + counts < length).any():
             raise ValueError("pack_prefill: overwrite_last needs a last slot and counts >= 1")
-        self._resize(seqs, layer, (start + counts).unsqueeze(0))
+        self.allocator.grow(seqs, layer, (start + counts).unsqueeze(0))
         heads, rows = (torch.arange(keys.shape[1]) < counts.unsqueeze(1)).nonzero(as_tuple=True)
         picked = (heads.to(self.device), rows.to(self.device))
         slots = start[heads] + rows
@@ -283,13 +261,13 @@ class PagedKVCache:
 
         Returns ``[batch, q_heads, head_dim]``; ``scale`` defaults to ``head_dim ** -0.5``.
         """
-        seqs = self._seq_index(seq_slots)
+        seqs = self.allocator.seq_index(seq_slots)
         rows = seqs.to(self.device)
         return run_paged_decode(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer],
             self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
-            num_splits=num_splits, max_length=int(self._lengths[seqs, layer].max()),
+            num_splits=num_splits, max_length=int(self.allocator.lengths[seqs, layer].max()),
         )
 
     # ------------------------------------------------------------- eviction
@@ -298,8 +276,8 @@ class PagedKVCache:
 
         Returns keys, values ``[batch, kv_heads, max_len, head_dim]`` float32 (zeros past a
         head's length) and the host lengths ``[batch, kv_heads]`` (long)."""
-        seqs = self._seq_index(seq_slots)
-        lengths = self._lengths[seqs, layer].long()
+        seqs = self.allocator.seq_index(seq_slots)
+        lengths = self.allocator.lengths[seqs, layer].long()
         max_len = int(lengths.max()) if lengths.numel() else 0
         slots = torch.arange(max_len, device=self.device)
         valid = slots < lengths.to(self.device).unsqueeze(-1)
@@ -325,8 +303,8 @@ class PagedKVCache:
 
         Returns the new host lengths ``[batch, kv_heads]`` (long).
         """
-        seqs = self._seq_index(seq_slots)
-        lengths = self._lengths[seqs, layer].long()
+        seqs = self.allocator.seq_index(seq_slots)
+        lengths = self.allocator.lengths[seqs, layer].long()
         n = keep.shape[-1]
         if keep.shape[:2] != lengths.shape or (lengths > n).any():
             raise ValueError(f"compact: keep must be [batch, kv_heads, >= {int(lengths.max())}]"
@@ -344,67 +322,13 @@ class PagedKVCache:
         b, h, s = (torch.arange(n) < new_lengths[..., None]).nonzero(as_tuple=True)
         picked = (b.to(self.device), h.to(self.device), s.to(self.device))
         self._scatter(seqs[b], layer, h, s, moved_k[picked], moved_v[picked])
-        columns = torch.arange(self.max_pages_per_head)
-        drop = ((columns >= _cdiv(new_lengths, self.page_size)[..., None])
-                & (columns < _cdiv(lengths, self.page_size)[..., None]))
-        table = self._tables[seqs, layer]
-        self._free_pages.extend(table[drop].tolist())
-        table[drop] = -1
-        self._tables[seqs, layer] = table
-        self._lengths[seqs, layer] = new_lengths.to(torch.int32)
-        self._publish(seqs, layer)
+        self.allocator.shrink(seqs, layer, new_lengths)
         return new_lengths
 
     # --------------------------------------------------------------- helpers
-    def _seq_index(self, seq_slots) -> torch.Tensor:
-        """Validated host ``[batch]`` long tensor of distinct, active sequence slots."""
-        seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
-        slots = seqs.tolist()
-        known = all(0 <= s < self.max_seqs and self._active[s] for s in slots)
-        if len(set(slots)) != len(slots) or not known:
-            raise ValueError(f"sequence slots must be distinct and added: {slots}")
-        return seqs
-
-    def _resize(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
-        """Set the lengths of heads ``[seqs, layer, :]`` (``new_lengths [batch, kv_heads]``, never
-        shorter), taking the pages they newly need; raises before any change when it cannot."""
-        old_pages = _cdiv(self._lengths[seqs, layer].long(), self.page_size)
-        new_pages = _cdiv(new_lengths, self.page_size)
-        if (new_pages > self.max_pages_per_head).any():
-            raise CacheFullError(
-                f"a head would hold {int(new_lengths.max())} slots, more than "
-                f"{self.max_pages_per_head} pages of {self.page_size} (max_seq_len)"
-            )
-        count = new_pages - old_pages
-        needed = int(count.sum())
-        if needed > len(self._free_pages):
-            raise CacheFullError(
-                f"need {needed} pages, only {len(self._free_pages)} free of {self.num_pages}"
-            )
-        if needed:
-            b, h = count.nonzero(as_tuple=True)
-            per_head = count[b, h]
-            first_new = old_pages[b, h] - (torch.cumsum(per_head, 0) - per_head)
-            columns = first_new.repeat_interleave(per_head) + torch.arange(needed)
-            taken = self._free_pages[-needed:][::-1]
-            del self._free_pages[-needed:]
-            seq, head = seqs[b].repeat_interleave(per_head), h.repeat_interleave(per_head)
-            self._tables[seq, layer, head, columns] = torch.tensor(taken, dtype=torch.int32)
-        self._lengths[seqs, layer] = new_lengths.to(torch.int32)
-        self._publish(seqs, layer)
-
-    def _publish(self, seqs: torch.Tensor, layer) -> None:
-        """Copy the host block tables and lengths of ``[seqs, layer]`` to the device."""
-        if self.block_tables is self._tables:
-            return
-        rows = seqs.to(self.device)
-        self.block_tables[rows, layer] = self._tables[seqs, layer].to(self.device)
-        self.lengths[rows, layer] = self._lengths[seqs, layer].to(self.device)
-
     def _scatter(self, seqs, layer, heads, slots, k, v) -> None:
         """Store ``k``, ``v`` ``[..., head_dim]`` at ``slots`` of heads ``(seqs, layer, heads)``."""
-        pages = self._tables[seqs, layer, heads, slots // self.page_size].long().to(self.device)
-        offsets = (slots % self.page_size).to(self.device)
+        pages, offsets = self.allocator.locate(seqs, layer, heads, slots)
         self.k_pages[pages, offsets] = k.to(self.dtype)
         self.v_pages[pages, offsets] = v.to(self.dtype)
 

@@ -23,12 +23,12 @@ cannot fit in the whole pool on its own ends with ``finish_reason="cache_full"``
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence as Seq
 
 import torch
 
+from dmc.inference.block_allocator import default_num_pages
 from dmc.inference.cache import PagedKVCache
 from dmc.inference.kv_write import NoPolicy, make_kv_write
 from dmc.inference.loading import build_model_from_config, load_inference_state, load_model
@@ -127,7 +127,11 @@ class Engine:
         self.max_seq_len = int(max_seq_len or model.max_sequence_length)
         self.page_size, self.max_batch, self.chunk_size = page_size, max_batch, chunk_size
         if num_pages is None:
-            num_pages = self._default_num_pages(kv_cache_bytes, cache_dtype or self.dtype)
+            item = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
+            num_pages = default_num_pages(max_batch, self.max_seq_len, page_size,
+                                          self.num_layers * self.num_kv_heads,
+                                          2 * page_size * self.head_dim * item, kv_cache_bytes,
+                                          self.device)
         self.cache = PagedKVCache(
             self.num_layers, self.num_kv_heads, self.head_dim, num_pages, page_size=page_size,
             max_seqs=max_batch, window=self.dmc.window if self.dmc else None,
@@ -153,24 +157,6 @@ class Engine:
             raise ValueError("Engine: policy is not supported on a DMC model (dmc must be "
                              "None for a vanilla or GQA model)")
         return PolicyRunner(policy, self.cache, self.num_heads, self.scale)
-
-    def _default_num_pages(self, budget: int | None, dtype: torch.dtype) -> int:
-        """Room for ``max_batch`` uncompressed sequences, within ``budget`` bytes (default: 90%
-        of the free CUDA memory, or a quarter of the host RAM)."""
-        full = (self.max_batch * math.ceil(self.max_seq_len / self.page_size)
-                * self.num_layers * self.num_kv_heads)
-        if budget is None:
-            if self.device.type == "cuda":
-                budget = int(0.9 * torch.cuda.mem_get_info(self.device)[0])
-            else:
-                import psutil
-
-                budget = psutil.virtual_memory().total // 4
-        page_bytes = 2 * self.page_size * self.head_dim * torch.empty((), dtype=dtype).element_size()
-        pages = min(full, budget // page_bytes)
-        if pages < 1:
-            raise ValueError(f"kv_cache_bytes={budget} holds no page of {page_bytes} bytes")
-        return pages
 
     @classmethod
     def from_state_dict(cls, state_dict: dict, model_config: dict,
@@ -230,10 +216,6 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-    @property
-    def _running(self) -> list[Sequence]:
-        return self.scheduler.running
 
     def step(self) -> list[GenerationResult]:
         """Run scheduled forwards (each: decode tokens plus prefill chunks under the token

@@ -209,7 +209,7 @@ def test_vanilla_append_and_alpha_zero_write():
 
 def check_allocator_invariants(cache):
     owned = cache.block_tables[cache.block_tables >= 0].tolist()
-    free = cache._free_pages
+    free = cache.allocator.free_list
     assert len(owned) == len(set(owned)), "a page is owned twice"
     assert set(owned).isdisjoint(free) and len(set(free)) == len(free) == cache.free_pages
     assert len(owned) + cache.free_pages == cache.num_pages
@@ -227,7 +227,7 @@ STATE = ("k_pages", "v_pages", "block_tables", "lengths", "open_k", "open_v", "o
 
 def snapshot(cache):
     tensors = {name: getattr(cache, name).clone() for name in STATE}
-    return tensors | {"free": list(cache._free_pages)}
+    return tensors | {"free": list(cache.allocator.free_list)}
 
 
 def assert_unchanged(cache, before):
@@ -274,7 +274,7 @@ def test_allocator_invariants_under_random_operations():
         cache.free_sequence(s)
     check_allocator_invariants(cache)
     assert cache.pages_in_use == 0 and cache.bytes_in_use == 0
-    assert sorted(cache._free_pages) == list(range(40))
+    assert sorted(cache.allocator.free_list) == list(range(40))
 
 
 def test_cache_full_error_names_pages_and_changes_nothing():
@@ -334,7 +334,7 @@ def test_sequence_bytes_counts_pages_tables_and_merge_state(window, rows):
     slot = cache.add_sequence()
     lengths = torch.tensor([[1, 4, 9], [0, 5, 13]])
     for layer in range(layers):
-        cache._resize(torch.tensor([slot]), layer, lengths[layer][None])
+        cache.allocator.grow(torch.tensor([slot]), layer, lengths[layer][None])
     pages = int(((lengths + page - 1) // page).sum())
     got = cache.sequence_bytes(slot)
     assert got == {"kv": pages * 2 * page * dim * 2, "metadata": pages * 4 + layers * heads * 4,

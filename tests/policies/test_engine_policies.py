@@ -44,9 +44,9 @@ def pages_of(lengths):
 
 
 def check_allocator(cache):
-    owned = cache._tables[cache._tables >= 0].tolist()
-    assert len(owned) == len(set(owned)) and not set(owned) & set(cache._free_pages)
-    assert cache.pages_in_use == len(owned) == pages_of(cache._lengths.long())
+    owned = cache.allocator.tables[cache.allocator.tables >= 0].tolist()
+    assert len(owned) == len(set(owned)) and not set(owned) & set(cache.allocator.free_list)
+    assert cache.pages_in_use == len(owned) == pages_of(cache.allocator.lengths.long())
 
 
 @pytest.mark.parametrize("name", EVICTING)
@@ -57,7 +57,7 @@ def test_prefill_evicts_and_frees_pages(model, name):
         e.add_request(prompt, SamplingParams(max_new_tokens=8))
         e.step()  # prefill (chunks of 16, evicting after each) + one decode step
         check_allocator(e.cache)
-    held = compressed.cache.head_lengths(compressed._running[0].slot)
+    held = compressed.cache.head_lengths(compressed.scheduler.running[0].slot)
     per_head = math.ceil(51 / 4)
     assert int(held.sum()) == 2 * 2 * per_head  # budgets per layer sum to the total
     if name not in UNEVEN:
@@ -102,7 +102,7 @@ def test_no_policy_keeps_more_slots_than_its_budget(model, name):
     e.add_request(tokens(45, seed=7), SamplingParams(max_new_tokens=6))
     while e.has_unfinished():
         e.step()
-        for seq in e._running:
+        for seq in e.scheduler.running:
             held = e.cache.head_lengths(seq.slot).long()  # [layers, kv]
             seen = int(e.policy.positions[seq.slot].max()) + 1
             budgets = e.policy.policy.budgets(torch.tensor([seq.slot]), torch.tensor([seen]))[0]

@@ -382,7 +382,7 @@ def test_compact_moves_kept_slots_to_the_front_and_frees_pages():
     torch.testing.assert_close(read_k[0, 0, :3].double(), keys[0, 0, [1, 4, 9]])
     torch.testing.assert_close(read_v[1, 1, :5].double(), values[1, 1, :5])
     torch.testing.assert_close(read_k[0, 1].double(), keys[0, 1])
-    owned = cache._tables[cache._tables >= 0].tolist()
+    owned = cache.allocator.tables[cache.allocator.tables >= 0].tolist()
     assert len(set(owned)) == len(owned) == cache.pages_in_use
     with pytest.raises(ValueError, match="keep must be"):
         cache.compact(0, seqs, keep[:, :, :4])

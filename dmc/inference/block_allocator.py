@@ -1,0 +1,164 @@
+"""Pages of the paged KV cache: the free list, sequence slots, and per-(sequence, layer, KV head)
+block tables and lengths.
+
+Under DMC every (sequence, layer, KV head) keeps its own number of slots, so each of them has its
+own row of page ids and its own length, all drawing pages from ONE pool:
+
+* ``tables``: ``[max_seqs, num_layers, num_kv_heads, max_pages_per_head]`` int32 page ids, ``-1``
+  where a head has no page;
+* ``lengths``: ``[max_seqs, num_layers, num_kv_heads]`` int32 slots per head.
+
+A head of length ``n`` owns exactly ``ceil(n / page_size)`` pages; a page is taken from the free
+list only when a head grows past a page boundary, and all of a sequence's pages return to it when
+the sequence is freed. Allocation runs on the host against ``tables`` and ``lengths``; the device
+copies (``device_tables``, ``device_lengths``, the same tensors on CPU) are updated after every
+change. It is all-or-nothing: :class:`CacheFullError` is raised before anything changes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """The cache cannot hold a request (pages, per-head table width or sequence slots)."""
+
+
+def pages_for(lengths: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pages heads of ``lengths`` slots own: ``ceil(lengths / page_size)``."""
+    return torch.div(lengths + page_size - 1, page_size, rounding_mode="floor")
+
+
+def default_num_pages(max_batch: int, max_seq_len: int, page_size: int, heads: int,
+                      page_bytes: int, budget: int | None, device: torch.device) -> int:
+    """Pages for ``max_batch`` uncompressed sequences of ``max_seq_len`` tokens over ``heads``
+    (layers x KV heads), within ``budget`` bytes (default: 90% of the free CUDA memory, or a
+    quarter of the host RAM)."""
+    full = max_batch * math.ceil(max_seq_len / page_size) * heads
+    if budget is None:
+        if device.type == "cuda":
+            budget = int(0.9 * torch.cuda.mem_get_info(device)[0])
+        else:
+            import psutil
+
+            budget = psutil.virtual_memory().total // 4
+    pages = min(full, budget // page_bytes)
+    if pages < 1:
+        raise ValueError(f"kv_cache_bytes={budget} holds no page of {page_bytes} bytes")
+    return pages
+
+
+class BlockAllocator:
+    """Free list, sequence slots, block tables and lengths (see the module docstring).
+
+    Args:
+        num_layers, num_kv_heads: model shape; num_pages: pages in the pool; page_size: slots per
+        page; max_seqs: sequence slots; max_pages_per_head: width of a block table row;
+        device: where the device copies live.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
+                 max_seqs: int, max_pages_per_head: int, device: torch.device):
+        self.num_pages, self.page_size, self.max_seqs = num_pages, page_size, max_seqs
+        self.max_pages_per_head, self.device = max_pages_per_head, device
+        heads = (max_seqs, num_layers, num_kv_heads)
+        self.tables = torch.full(heads + (max_pages_per_head,), -1, dtype=torch.int32)
+        self.lengths = torch.zeros(heads, dtype=torch.int32)
+        self.device_tables = self.tables.to(device)  # same tensor on CPU
+        self.device_lengths = self.lengths.to(device)
+        self.free_list = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is taken first
+        self._free_seqs = list(range(max_seqs - 1, -1, -1))
+        self._active = [False] * max_seqs
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.free_list)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self.free_list)
+
+    def add_sequence(self) -> int:
+        """Claim a free sequence slot (all heads empty) and return its id."""
+        if not self._free_seqs:
+            raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
+        slot = self._free_seqs.pop()
+        self._active[slot] = True
+        return slot
+
+    def free_sequence(self, seq_slot: int) -> None:
+        """Return every page of ``seq_slot`` to the free list and release the slot."""
+        self.seq_index([seq_slot])
+        owned = self.tables[seq_slot]
+        self.free_list.extend(owned[owned >= 0].tolist())
+        owned.fill_(-1)
+        self.lengths[seq_slot] = 0
+        self.publish(torch.tensor([seq_slot]), slice(None))
+        self._active[seq_slot] = False
+        self._free_seqs.append(seq_slot)
+
+    def seq_index(self, seq_slots) -> torch.Tensor:
+        """Validated host ``[batch]`` long tensor of distinct, active sequence slots."""
+        seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
+        slots = seqs.tolist()
+        known = all(0 <= s < self.max_seqs and self._active[s] for s in slots)
+        if len(set(slots)) != len(slots) or not known:
+            raise ValueError(f"sequence slots must be distinct and added: {slots}")
+        return seqs
+
+    def grow(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
+        """Set the lengths of heads ``[seqs, layer, :]`` (``new_lengths [batch, kv_heads]``, never
+        shorter), taking the pages they newly need; raises before any change when it cannot."""
+        old_pages = pages_for(self.lengths[seqs, layer].long(), self.page_size)
+        new_pages = pages_for(new_lengths, self.page_size)
+        if (new_pages > self.max_pages_per_head).any():
+            raise CacheFullError(
+                f"a head would hold {int(new_lengths.max())} slots, more than "
+                f"{self.max_pages_per_head} pages of {self.page_size} (max_seq_len)"
+            )
+        count = new_pages - old_pages
+        needed = int(count.sum())
+        if needed > len(self.free_list):
+            raise CacheFullError(
+                f"need {needed} pages, only {len(self.free_list)} free of {self.num_pages}"
+            )
+        if needed:
+            b, h = count.nonzero(as_tuple=True)
+            per_head = count[b, h]
+            first_new = old_pages[b, h] - (torch.cumsum(per_head, 0) - per_head)
+            columns = first_new.repeat_interleave(per_head) + torch.arange(needed)
+            taken = self.free_list[-needed:][::-1]
+            del self.free_list[-needed:]
+            seq, head = seqs[b].repeat_interleave(per_head), h.repeat_interleave(per_head)
+            self.tables[seq, layer, head, columns] = torch.tensor(taken, dtype=torch.int32)
+        self.lengths[seqs, layer] = new_lengths.to(torch.int32)
+        self.publish(seqs, layer)
+
+    def shrink(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
+        """Set the lengths of heads ``[seqs, layer, :]`` (never longer) and return the pages past
+        ``ceil(new_length / page_size)`` to the free list."""
+        lengths = self.lengths[seqs, layer].long()
+        columns = torch.arange(self.max_pages_per_head)
+        drop = ((columns >= pages_for(new_lengths, self.page_size)[..., None])
+                & (columns < pages_for(lengths, self.page_size)[..., None]))
+        table = self.tables[seqs, layer]
+        self.free_list.extend(table[drop].tolist())
+        table[drop] = -1
+        self.tables[seqs, layer] = table
+        self.lengths[seqs, layer] = new_lengths.to(torch.int32)
+        self.publish(seqs, layer)
+
+    def locate(self, seqs, layer: int, heads, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device ``(page, offset)`` of slot ``slots`` of heads ``(seqs, layer, heads)`` (host
+        long tensors of one shape)."""
+        pages = self.tables[seqs, layer, heads, slots // self.page_size].long()
+        return pages.to(self.device), (slots % self.page_size).to(self.device)
+
+    def publish(self, seqs: torch.Tensor, layer) -> None:
+        """Copy the host block tables and lengths of ``[seqs, layer]`` to the device."""
+        if self.device_tables is self.tables:
+            return
+        rows = seqs.to(self.device)
+        self.device_tables[rows, layer] = self.tables[seqs, layer].to(self.device)
+        self.device_lengths[rows, layer] = self.lengths[seqs, layer].to(self.device)
