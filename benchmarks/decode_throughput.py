@@ -1,89 +1,267 @@
-"""Decode throughput and memory: vanilla vs DMC at forced compression ratios, same engine.
+"""Decode throughput at equal KV memory, the paper's protocol (Nawrot et al. 2024, Sec. 5.3).
 
-For each mode (vanilla, then DMC at every ``--crs`` value) on the same random Llama weights:
+Every mode serves requests of a prompt of P random tokens plus G generated tokens (sampled at
+temperature 1, no stop token) with the largest batch whose cache fits ONE memory budget:
 
-1. a probe run (ample pages) measures the KV pages and bytes one sequence holds at its full length
-   (prompt + generated) and the measured CR;
-2. ``max_batch`` = how many such sequences fit the KV memory budget (``--budget-pages``);
-3. a timed run decodes ``min(max_batch, --batch-cap)`` sequences together inside that budget:
-   decode tokens/s = decoded tokens / decode seconds (prefill excluded), averaged over all
-   generated tokens.
+1. a probe run (a few sequences, ample pages) measures the pages one sequence holds at its full
+   length P + G, the peak state a policy keeps per sequence, and the measured CR;
+2. the budget counts everything the cache allocates (:func:`cache_allocation`): the K/V pages,
+   and per sequence slot the block-table row of every (layer, KV head), its length, and the DMC
+   open-slot merge state (float32 window ring of pre-RoPE keys and values, their weights, the
+   token count); plus the policy's state per sequence. The batch is the largest that fits; the
+   pool gets every page the budget has left;
+3. all modes run together, interleaved step by step (one ``Engine.step`` of each mode in turn,
+   the order rotated every round), so that drift of the machine lands on every mode alike;
+4. throughput is tokens/s over the last ``--steady`` decode steps at the full batch (steps that
+   prefill nothing and decode every sequence): the steady state at the longest contexts.
 
-Forcing a CR on an untrained model: the model is built with a QKV bias; per layer (in order,
-since earlier decisions change later hidden states) the k[-1] decision row gets random weights
-and a bias set from a calibration forward so that a fraction ``1 - 1/CR`` of tokens has
-``k[-1] - c > 0`` (merge); the q[-1] rows are zeroed (uniform importance). The measured CR on the
-generated text is reported next to the target.
+Modes (``--modes``, comma separated):
 
-Prints a table; ``--out FILE.json`` writes the numbers. CPU works (PyTorch kernels, small model);
-on CUDA the Triton kernels run.
+* ``vanilla``: the base model, uncompressed cache;
+* ``dmc:CR``: the base weights with forced decisions (random models only): per layer, in order
+  (earlier decisions change later hidden states), the k[-1] decision row gets random weights and
+  a bias from a calibration forward such that a fraction ``1 - 1/CR`` of tokens merges; the q[-1]
+  rows are zeroed (uniform importance). The measured CR is reported next to the target;
+* ``gqa:F``: a random model of the same shape with ``F`` times fewer KV heads (random models
+  only);
+* ``policy:NAME:CR``: the base model with a training-free policy (``dmc.policies``) at CR;
+* ``model``: the checkpoint given with ``--model`` as it was trained (DMC decisions when it is a
+  DMC model), with its measured CR.
+
+``--model PATH`` (an inference ``.pt`` file or a training checkpoint, run or checkpoints folder)
+replaces the random base model; its shape then comes from the checkpoint.
+
+Presets: ``gpu`` (default with CUDA): a ~1B-shaped Llama (16 layers, hidden 2048, 16 heads, FFN
+5504, vocab 32000), bf16, P = G = 2048, 12 GiB per mode, modes vanilla and DMC 2x / 4x / 8x;
+``cpu`` (default otherwise): 2 layers, hidden 256, 4 heads, P = 256, G = 64, 8 MiB per mode, fp32,
+vanilla and DMC 2x / 4x. Any flag overrides its preset value.
+
+Prints a table; ``--out FILE.json`` writes every number. On CUDA the Triton kernels run, on CPU
+the PyTorch ones.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 warnings.filterwarnings("ignore", module="megatron")
 
+PRESETS = {
+    "gpu": dict(layers=16, hidden=2048, heads=16, groups=16, ffn=5504, vocab=32000,
+                prompt_len=2048, gen_len=2048, steady=512, budget_mib=12 * 1024,
+                modes="vanilla,dmc:2,dmc:4,dmc:8", dtype="bfloat16", probe=4),
+    "cpu": dict(layers=2, hidden=256, heads=4, groups=4, ffn=512, vocab=512,
+                prompt_len=256, gen_len=64, steady=32, budget_mib=8, modes="vanilla,dmc:2,dmc:4",
+                dtype="float32", probe=2),
+}
+INT32 = 4
+FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row of the benchmark: ``kind`` is vanilla, dmc, gqa, policy or model; ``value`` the
+    target CR (dmc, policy) or GQA factor; ``policy`` the policy name."""
+
+    kind: str
+    value: float = 1.0
+    policy: str = ""
+
+    @property
+    def label(self) -> str:
+        if self.kind == "dmc":
+            return f"dmc {self.value:g}x"
+        if self.kind == "gqa":
+            return f"gqa {self.value:g}x"
+        if self.kind == "policy":
+            return f"{self.policy} {self.value:g}x"
+        return self.kind
+
+
+MODE_SYNTAX = "vanilla, model, dmc:CR, gqa:FACTOR, policy:NAME:CR"
+
+
+def parse_mode(text: str) -> Mode:
+    """A :class:`Mode` from ``--modes`` syntax; ValueError naming the accepted forms."""
+    from dmc.policies import POLICY_NAMES
+
+    kind, *values = text.strip().split(":")
+    if kind == "policy" and len(values) == 2 and values[0] not in POLICY_NAMES:
+        raise ValueError(f"--modes: unknown policy {values[0]!r} in {text!r}; accepted: "
+                         f"{', '.join(POLICY_NAMES)}")
+    try:
+        number = float(values[-1]) if values else None
+    except ValueError:
+        number = None
+    if kind in ("vanilla", "model") and not values:
+        return Mode(kind)
+    if kind in ("dmc", "gqa") and len(values) == 1 and number and number > 1:
+        return Mode(kind, number)
+    if kind == "policy" and len(values) == 2 and number and number > 1:
+        return Mode(kind, number, values[0])
+    raise ValueError(f"--modes: bad mode {text!r}; accepted: {MODE_SYNTAX} (CR and FACTOR > 1)")
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--groups", type=int, default=8, help="KV heads (query groups)")
-    p.add_argument("--ffn", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="default sizes (default: gpu with CUDA, cpu otherwise)")
+    p.add_argument("--modes", help=f"comma separated: {MODE_SYNTAX}")
+    p.add_argument("--model", help="a trained checkpoint replacing the random base model")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--groups", type=int, help="KV heads (query groups)")
+    p.add_argument("--ffn", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--prompt-len", type=int, help="P: prompt tokens per request")
+    p.add_argument("--gen-len", type=int, help="G: generated tokens per request")
+    p.add_argument("--steady", type=int,
+                   help="N: tokens/s over the last N decode steps at the full batch")
+    p.add_argument("--budget-mib", type=float, help="cache memory budget per mode, MiB")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--budget-pages", type=int, default=None,
-                   help="KV memory budget in pages (default: 8 vanilla sequences)")
-    p.add_argument("--crs", default="2,4", help="DMC target CRs, comma separated")
-    p.add_argument("--window", type=int, default=12, help="DMC window (0 = exact)")
-    p.add_argument("--c", type=float, default=5.0, help="DMC decision offset")
-    p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--batch-cap", type=int, default=64,
-                   help="most sequences in the timed run (CPU time stays bounded)")
-    p.add_argument("--probe", type=int, default=4, help="sequences in the probe run")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="model and cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--window", type=int, default=12, help="DMC window of forced modes (0 = exact)")
+    p.add_argument("--c", type=float, default=5.0, help="DMC decision offset of forced modes")
+    p.add_argument("--chunk-size", type=int, help="prefill chunk per sequence (default: P)")
+    p.add_argument("--probe", type=int, help="sequences in each probe run")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from dmc.megatron.compat import cuda_available
+
+    args.cuda = cuda_available()
+    args.preset = args.preset or ("gpu" if args.cuda else "cpu")
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.mode_list = [parse_mode(m) for m in args.modes.split(",") if m.strip()]
+    except ValueError as err:
+        p.error(str(err))
+    kinds = [m.kind for m in args.mode_list]
+    if not args.mode_list:
+        p.error(f"--modes: no mode given; accepted: {MODE_SYNTAX}")
+    if args.model and ("dmc" in kinds or "gqa" in kinds):
+        p.error("--modes: dmc:CR and gqa:FACTOR need the random base model (no --model); "
+                "with --model use vanilla, model, policy:NAME:CR")
+    if "model" in kinds and not args.model:
+        p.error("--modes: 'model' needs --model PATH")
+    for name in ("prompt_len", "gen_len", "steady", "page_size", "probe", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.steady >= args.gen_len:
+        p.error(f"--steady: must be < --gen-len ({args.gen_len}), got {args.steady}")
+    if args.budget_mib <= 0:
+        p.error(f"--budget-mib: must be > 0, got {args.budget_mib}")
+    if args.window < 0:
+        p.error(f"--window: must be >= 0 (0 = exact), got {args.window}")
+    for m in args.mode_list:
+        if m.kind == "gqa" and (m.value != int(m.value) or args.groups % int(m.value)):
+            p.error(f"--modes: gqa:{m.value:g} must be a whole divisor of --groups "
+                    f"{args.groups}")
+    args.chunk_size = args.chunk_size or args.prompt_len
+    return args
 
 
-def build_models(args):
-    """Vanilla model and, per target CR, a DMC model with the same weights and forced
-    decisions. Returns (config dict, vanilla model, {cr: dmc model})."""
-    from dmc.megatron.model import build_gpt_model, llama_transformer_config
-    from dmc.megatron.runtime import DMCConfig, DMCRuntime
+# ---------------------------------------------------------------------------- memory accounting
+def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+                     page_size: int, max_seqs: int, window: int | None, dtype: torch.dtype,
+                     max_seq_len: int) -> dict:
+    """Bytes a :class:`~dmc.inference.PagedKVCache` built with these arguments allocates on its
+    device, by part: ``pages`` (K and V pools), ``block_tables`` (one int32 row of
+    ``ceil(max_seq_len / page_size)`` page ids per (sequence slot, layer, KV head)), ``lengths``
+    (int32 per head), ``dmc_state`` (float32 ring of ``window`` pre-RoPE keys and values, or the
+    running mean, their weights, and the int32 token count, per head), ``rope`` (the float32
+    frequencies); ``total`` sums them."""
+    heads = max_seqs * num_layers * num_kv_heads
+    rows = window or 1
+    element = torch.empty((), dtype=dtype).element_size()
+    out = {
+        "pages": 2 * num_pages * page_size * head_dim * element,
+        "block_tables": heads * math.ceil(max_seq_len / page_size) * INT32,
+        "lengths": heads * INT32,
+        "dmc_state": heads * (2 * rows * head_dim * FLOAT32 + rows * FLOAT32 + INT32),
+        "rope": head_dim // 2 * FLOAT32,
+    }
+    out["total"] = sum(out.values())
+    return out
 
-    dtype = getattr(torch, args.dtype)
+
+def fit_batch(budget: int, pages_per_seq: int, state_per_seq: int, shape: dict) -> tuple:
+    """The largest batch whose cache (:func:`cache_allocation` with ``batch * pages_per_seq``
+    pages) plus ``state_per_seq`` bytes per sequence fits ``budget`` bytes, and the pages the
+    budget then holds: ``(batch, num_pages)``; batch 0 when not even one sequence fits."""
+    def fixed(batch):
+        return cache_allocation(num_pages=0, max_seqs=batch, **shape)["total"] \
+            + batch * state_per_seq
+
+    page = cache_allocation(num_pages=1, max_seqs=0, **shape)["pages"]
+    batch = 0
+    while fixed(batch + 1) + (batch + 1) * pages_per_seq * page <= budget:
+        batch += 1
+    return batch, (budget - fixed(batch)) // page if batch else 0
+
+
+# ---------------------------------------------------------------------------- models
+def model_config(args, groups: int) -> dict:
+    """The random model's hyper-parameters for :func:`build_model_from_config`."""
+    return dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                ffn_hidden_size=args.ffn, num_query_groups=groups, vocab_size=args.vocab,
+                max_seq_length=args.prompt_len + args.gen_len, params_dtype=args.dtype,
+                add_qkv_bias=True)
+
+
+def build_models(args) -> dict:
+    """``{mode: (model, dmc argument of the Engine, policy factory or None)}`` for every mode (a
+    policy serves one engine: each engine gets a new one)."""
+    from dmc.inference import build_model_from_config
+    from dmc.megatron.runtime import DMCConfig
+    from dmc.policies import get_policy
+
     torch.manual_seed(args.seed)
-    config = llama_transformer_config(args.layers, args.hidden, args.heads, args.ffn,
-                                      num_query_groups=args.groups, params_dtype=dtype,
-                                      add_qkv_bias=True)
-    max_seq = args.prompt_len + args.gen_len
-    vanilla = build_gpt_model(config, args.vocab, max_seq)
+    if args.model:
+        from dmc.inference.loading import load_model
+
+        loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
+        base = loaded.model.to("cuda" if args.cuda else "cpu")
+        config = loaded.model_config
+        args.layers, args.hidden = config["num_layers"], config["hidden_size"]
+        args.heads = config["num_attention_heads"]
+        args.groups = config.get("num_query_groups") or args.heads
+        args.vocab = config["vocab_size"]
+    else:
+        base = build_model_from_config(model_config(args, args.groups))
     models = {}
-    window = args.window or None
-    for cr in args.target_crs:
-        runtime = DMCRuntime(DMCConfig(window=window, c=args.c))
-        model = build_gpt_model(config, args.vocab, max_seq, dmc=runtime)
-        model.load_state_dict(vanilla.state_dict())
-        runtime.set_mode("eval")
-        force_cr(model, cr, args)
-        models[cr] = model
-    return vanilla, models
+    for mode in args.mode_list:
+        if mode.kind == "vanilla":
+            models[mode] = (base, None, None)
+        elif mode.kind == "model":
+            models[mode] = (base, "auto", None)
+        elif mode.kind == "policy":
+            models[mode] = (base, None, functools.partial(get_policy, mode.policy,
+                                                          compression_ratio=mode.value))
+        elif mode.kind == "gqa":
+            torch.manual_seed(args.seed)
+            config = model_config(args, int(args.groups / mode.value))
+            models[mode] = (build_model_from_config(config), None, None)
+        else:
+            dmc = DMCConfig(window=args.window or None, c=args.c)
+            model = build_model_from_config(model_config(args, args.groups), dmc)
+            model.load_state_dict(base.state_dict())
+            force_cr(model, mode.value, args)
+            models[mode] = (model, "auto", None)
+    return models
 
 
 @torch.no_grad()
@@ -93,11 +271,11 @@ def force_cr(model, cr: float, args) -> None:
     from dmc.megatron.attention import dmc_layers
 
     gen = torch.Generator().manual_seed(args.seed + 1)
-    calib = torch.randint(0, args.vocab, (8, args.prompt_len + args.gen_len), generator=gen)
+    calib = torch.randint(0, args.vocab, (8, min(args.prompt_len + args.gen_len, 1024)),
+                          generator=gen)
     device = next(model.parameters()).device
     calib = calib.to(device)
     positions = torch.arange(calib.shape[1], device=device).expand_as(calib)
-    c = args.c
     for layer in dmc_layers(model):
         dim = layer.hidden_size_per_attention_head
         groups = layer.num_query_groups_per_partition
@@ -122,106 +300,179 @@ def force_cr(model, cr: float, args) -> None:
         raw = captured[0].reshape(-1, groups)  # [tokens, groups]
         threshold = torch.quantile(raw, 1.0 / cr, dim=0)
         for g, k_row in enumerate(k_rows):
-            bias[k_row] = c - threshold[g]
+            bias[k_row] = args.c - threshold[g]
 
 
-def run_mode(name, model, target_cr, args, budget_pages):
-    from dmc.inference import CompressionStats, Engine, SamplingParams
+# ---------------------------------------------------------------------------- runs
+class Run:
+    """One mode's engine in the interleaved timed run, with its per-step records."""
 
-    gen = torch.Generator().manual_seed(args.seed + 2)
-    max_seq = args.prompt_len + args.gen_len
+    def __init__(self, mode: Mode, engine, batch: int, prompts, params):
+        self.mode, self.engine, self.batch = mode, engine, batch
+        self.results = []
+        self.steps = []  # (seconds, decode tokens, prefill tokens) per Engine.step
+        for prompt in prompts:
+            engine.add_request(prompt, params)
 
-    def prompts(n):
-        return torch.randint(0, args.vocab, (n, args.prompt_len), generator=gen).tolist()
+    def step(self, cuda: bool) -> None:
+        stats = self.engine.stats
+        before = (stats["decode_tokens"], stats["prefill_tokens"])
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        self.results += self.engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        self.steps.append((seconds, stats["decode_tokens"] - before[0],
+                           stats["prefill_tokens"] - before[1]))
 
-    params = SamplingParams(max_new_tokens=args.gen_len, temperature=1.0, seed=args.seed)
-    probe = Engine(model, page_size=args.page_size, max_batch=args.probe, max_seq_len=max_seq,
-                   chunk_size=args.chunk_size, seed=args.seed)
-    results = probe.generate(prompts(args.probe), params)
-    pages_per_seq = max(r.kv_pages for r in results)
-    bytes_per_seq = sum(r.kv_bytes for r in results) / len(results)
-    fit = budget_pages // pages_per_seq
-    batch = max(1, min(fit, args.batch_cap))
-    engine = Engine(model, page_size=args.page_size, max_batch=batch, max_seq_len=max_seq,
-                    num_pages=budget_pages, chunk_size=args.chunk_size, seed=args.seed)
-    engine.generate(prompts(1), SamplingParams(max_new_tokens=2))  # warm-up
-    engine.reset_stats()
-    started = time.perf_counter()
-    timed = engine.generate(prompts(batch), params)
-    wall = time.perf_counter() - started
-    failed = [r.error for r in results + timed if r.error]
+    def steady(self, n: int) -> tuple[int, int, float]:
+        """The last ``n`` steps that decoded the full batch and prefilled nothing: (steps,
+        tokens, seconds)."""
+        full = [(s, d) for s, d, p in self.steps if p == 0 and d == self.batch][-n:]
+        return len(full), sum(d for _, d in full), sum(s for s, _ in full)
+
+
+def prompts_for(args, n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, args.vocab, (n, args.prompt_len), generator=gen).tolist()
+
+
+def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None):
+    """An engine whose step may prefill every prompt at once (as many as the pages allow), so
+    that the batch starts decoding together."""
+    from dmc.inference import Engine
+
+    return Engine(model, dmc, policy=policy and policy(), page_size=args.page_size, max_batch=max_batch,
+                  max_seq_len=args.prompt_len + args.gen_len, num_pages=num_pages,
+                  chunk_size=args.chunk_size, step_tokens=max_batch * (args.prompt_len + 1),
+                  seed=args.seed)
+
+
+def probe(mode, model, dmc, policy, args, params) -> dict:
+    """Pages and policy state one sequence holds at its full length, the measured CR, and the
+    cache's DMC window (None: exact or vanilla)."""
+    from dmc.inference import CompressionStats
+
+    engine = engine_for(model, dmc, policy, args, args.probe, None)
+    for prompt in prompts_for(args, args.probe, args.seed + 1):
+        engine.add_request(prompt, params)
+    results, state = [], 0
+    while engine.has_unfinished():
+        results += engine.step()
+        for seq in engine.scheduler.running:
+            state = max(state, engine.sequence_bytes(seq.slot)["policy_state"])
+    failed = [r.error for r in results if r.error]
     if failed:
-        raise RuntimeError(f"{name}: {len(failed)} requests did not finish: {failed[0]}")
-    stats = engine.stats
-    comp = CompressionStats.combine([r.compression for r in results + timed])
-    return {
-        "mode": name,
-        "target_cr": target_cr,
-        "measured_cr": comp.overall,
-        "measured_cr_per_layer": comp.per_layer,
-        "kv_pages_per_seq": pages_per_seq,
-        "kv_bytes_per_seq": bytes_per_seq,
-        "max_batch_at_budget": fit,
-        "timed_batch": batch,
-        "decode_tokens": stats["decode_tokens"],
-        "decode_seconds": stats["decode_seconds"],
-        "decode_tokens_per_s": stats["decode_tokens"] / max(stats["decode_seconds"], 1e-9),
-        "prefill_tokens_per_s": stats["prefill_tokens"] / max(stats["prefill_seconds"], 1e-9),
-        "wall_seconds": wall,
-        "peak_pages": stats["peak_pages"],
-        "preemptions": stats["preemptions"],
-    }
+        raise RuntimeError(f"{mode.label}: probe request did not finish: {failed[0]}")
+    comp = CompressionStats.combine([r.compression for r in results])
+    pages = max(max(r.kv_pages for r in results),
+                math.ceil(engine.stats["peak_pages"] / args.probe))
+    return {"window": engine.cache.window, "pages_per_seq": pages, "policy_state_per_seq": state,
+            "kv_bytes_per_seq": sum(r.kv_bytes for r in results) / len(results),
+            "probe_cr": comp.overall, "probe_cr_per_layer": comp.per_layer}
+
+
+def run_all(args, models: dict, budget: int) -> list[dict]:
+    """Probe every mode, size its batch to the budget, run all modes interleaved; the rows."""
+    from dmc.inference import CompressionStats, SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.gen_len, temperature=1.0)
+    runs, rows = [], {}
+    for mode, (model, dmc, policy) in models.items():
+        row = {"mode": mode.label, "kind": mode.kind, "target": mode.value}
+        row.update(probe(mode, model, dmc, policy, args, params))
+        kv_heads = int(args.groups / mode.value) if mode.kind == "gqa" else args.groups
+        shape = dict(num_layers=args.layers, num_kv_heads=kv_heads,
+                     head_dim=args.hidden // args.heads, page_size=args.page_size,
+                     window=row.pop("window"), dtype=getattr(torch, args.dtype),
+                     max_seq_len=args.prompt_len + args.gen_len)
+        batch, num_pages = fit_batch(budget, row["pages_per_seq"], row["policy_state_per_seq"],
+                                     shape)
+        if batch == 0:
+            raise SystemExit(f"--budget-mib: {args.budget_mib} MiB holds no {mode.label} "
+                             f"sequence of {args.prompt_len + args.gen_len} tokens")
+        engine = engine_for(model, dmc, policy, args, batch, num_pages)
+        row["memory"] = cache_allocation(num_pages=num_pages, max_seqs=batch, **shape)
+        row["memory"]["policy_state"] = batch * row["policy_state_per_seq"]
+        row.update(batch=batch, num_pages=num_pages)
+        rows[mode] = row
+        runs.append(Run(mode, engine, batch, prompts_for(args, batch, args.seed + 2), params))
+    rounds = 0
+    while any(r.engine.has_unfinished() for r in runs):
+        shift = rounds % len(runs)
+        for run in runs[shift:] + runs[:shift]:
+            if run.engine.has_unfinished():
+                run.step(args.cuda)
+        rounds += 1
+    for run in runs:
+        row = rows[run.mode]
+        failed = [r.error for r in run.results if r.error]
+        if failed:
+            raise RuntimeError(f"{run.mode.label}: {len(failed)} requests did not finish: "
+                               f"{failed[0]}")
+        steps, tokens, seconds = run.steady(args.steady)
+        comp = CompressionStats.combine([r.compression for r in run.results])
+        stats = run.engine.stats
+        row.update(
+            measured_cr=comp.overall, measured_cr_per_layer=comp.per_layer,
+            steady_steps=steps, steady_tokens=tokens, steady_seconds=seconds,
+            tokens_per_s=tokens / seconds if seconds else 0.0,
+            all_decode_tokens_per_s=stats["decode_tokens"] / max(stats["decode_seconds"], 1e-9),
+            prefill_tokens_per_s=stats["prefill_tokens"] / max(stats["prefill_seconds"], 1e-9),
+            wall_seconds=sum(s for s, _, _ in run.steps), preemptions=stats["preemptions"],
+            peak_pages=stats["peak_pages"],
+        )
+        if steps < args.steady:
+            print(f"warning: {run.mode.label}: only {steps} decode steps ran at the full batch "
+                  f"(--steady {args.steady}); the figure averages those")
+    vanilla = next((r for m, r in rows.items() if m.kind == "vanilla"), None)
+    for row in rows.values():
+        row["speedup_vs_vanilla"] = (row["tokens_per_s"] / vanilla["tokens_per_s"]
+                                     if vanilla and vanilla["tokens_per_s"] else None)
+    return list(rows.values())
+
+
+def table(rows) -> str:
+    header = ("mode", "measured CR", "pages/seq", "batch", "budget used", "steady steps",
+              "tok/s", "x vanilla", "preempt")
+    lines = [" | ".join(f"{h:>12}" for h in header)]
+    for r in rows:
+        speedup = r["speedup_vs_vanilla"]
+        cells = (r["mode"], f"{r['measured_cr']:.2f}", str(r["pages_per_seq"]), str(r["batch"]),
+                 f"{r['memory']['total'] / 2**20:.2f} MiB", str(r["steady_steps"]),
+                 f"{r['tokens_per_s']:.1f}", "-" if speedup is None else f"{speedup:.2f}",
+                 str(r["preemptions"]))
+        lines.append(" | ".join(f"{c:>12}" for c in cells))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from dmc.megatron.compat import cuda_available
     from dmc.megatron.parallel import initialize_parallel
 
-    cuda = cuda_available()
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    args.target_crs = [float(x) for x in args.crs.split(",") if x.strip()]
-    if any(cr <= 1 for cr in args.target_crs):
-        raise SystemExit("--crs: DMC target CRs must be > 1 (vanilla is always measured)")
-    if not cuda:
+    if not args.cuda:
         torch.set_num_threads(max(1, min(args.threads, os.cpu_count() or 1)))
     initialize_parallel(1, 1, seed=args.seed)
-    vanilla, models = build_models(args)
-    max_seq = args.prompt_len + args.gen_len
-    per_head = math.ceil((max_seq - 1) / args.page_size)
-    vanilla_pages = per_head * args.layers * args.groups
-    budget = args.budget_pages or 8 * vanilla_pages
-    rows = [run_mode("vanilla", vanilla, 1.0, args, budget)]
-    for cr, model in models.items():
-        rows.append(run_mode("dmc", model, cr, args, budget))
-    head_dim = args.hidden // args.heads
-    page_bytes = 2 * args.page_size * head_dim * torch.tensor([], dtype=getattr(
-        torch, args.dtype)).element_size()
-    device = torch.cuda.get_device_name() if cuda else "cpu (PyTorch kernels)"
-    print(f"decode throughput on {device}: {args.layers} layers, hidden {args.hidden}, "
-          f"{args.heads} heads / {args.groups} KV heads, {args.dtype}, prompt {args.prompt_len} "
-          f"+ {args.gen_len} generated, page {args.page_size} slots ({page_bytes} B), "
-          f"budget {budget} pages ({budget * page_bytes / 2**20:.1f} MiB)")
+    models = build_models(args)
+    budget = int(args.budget_mib * 2**20)
+    rows = run_all(args, models, budget)
+    device = torch.cuda.get_device_name() if args.cuda else "cpu (PyTorch kernels)"
+    print(f"decode throughput on {device} ({args.preset} preset): {args.layers} layers, hidden "
+          f"{args.hidden}, {args.heads} heads / {args.groups} KV heads, {args.dtype}, prompt "
+          f"{args.prompt_len} + {args.gen_len} generated, page {args.page_size}, budget "
+          f"{args.budget_mib:g} MiB per mode, tokens/s over the last {args.steady} full-batch "
+          f"decode steps, modes interleaved step by step"
+          + (f", model {args.model}" if args.model else ", random weights"))
     print(table(rows))
     if args.out:
+        config = {k: v for k, v in vars(args).items() if k != "mode_list"}
         with open(args.out, "w") as f:
-            json.dump({"device": device, "args": vars(args), "budget_pages": budget,
-                       "page_bytes": page_bytes, "rows": rows}, f, indent=2)
+            json.dump({"device": device, "args": config, "budget_bytes": budget, "rows": rows},
+                      f, indent=2)
         print(f"wrote {args.out}")
     return 0
-
-
-def table(rows) -> str:
-    header = ("mode", "target CR", "measured CR", "KV KiB/seq", "pages/seq", "max batch",
-              "timed batch", "decode tok/s", "preempt")
-    lines = [" | ".join(f"{h:>12}" for h in header)]
-    for r in rows:
-        cells = (r["mode"], f"{r['target_cr']:.2f}", f"{r['measured_cr']:.2f}",
-                 f"{r['kv_bytes_per_seq'] / 1024:.1f}", str(r["kv_pages_per_seq"]),
-                 str(r["max_batch_at_budget"]), str(r["timed_batch"]),
-                 f"{r['decode_tokens_per_s']:.1f}", str(r["preemptions"]))
-        lines.append(" | ".join(f"{c:>12}" for c in cells))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

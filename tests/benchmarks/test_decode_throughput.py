@@ -1,0 +1,123 @@
+"""benchmarks/decode_throughput.py: the budget counts exactly the bytes the cache allocates, the
+batch is the largest that fits, bad flags exit 2 naming them, and a tiny run of the protocol end
+to end (modes interleaved, steady-state window, JSON)."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmc.inference import Engine, PagedKVCache
+from tiny_models import build_tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "decode_throughput", ROOT / "benchmarks" / "decode_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_benchmark()
+
+
+def allocated_bytes(root, device: torch.device) -> int:
+    """Bytes of every distinct tensor storage on ``device`` reachable from ``root`` through the
+    attributes of ``dmc`` objects (the cache, its allocator, ...)."""
+    seen_objects, storages, total = set(), set(), 0
+    pending = [root]
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen_objects:
+            continue
+        seen_objects.add(id(obj))
+        for value in vars(obj).values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                if value.device == device and storage.data_ptr() not in storages:
+                    storages.add(storage.data_ptr())
+                    total += storage.nbytes()
+            elif type(value).__module__.startswith("dmc.") and hasattr(value, "__dict__"):
+                pending.append(value)
+    return total
+
+
+@pytest.mark.parametrize("layers,kv_heads,head_dim,pages,page_size,seqs,window,dtype,max_len", [
+    (2, 4, 16, 37, 16, 3, None, torch.float32, 100),
+    (3, 2, 32, 10, 5, 4, 12, torch.bfloat16, 64),
+    (1, 1, 8, 1, 7, 1, 3, torch.float16, 13),
+])
+def test_budget_accounting_equals_the_bytes_the_cache_allocates(
+        layers, kv_heads, head_dim, pages, page_size, seqs, window, dtype, max_len):
+    cache = PagedKVCache(layers, kv_heads, head_dim, pages, page_size=page_size, max_seqs=seqs,
+                         window=window, dtype=dtype, max_seq_len=max_len)
+    counted = bench.cache_allocation(layers, kv_heads, head_dim, pages, page_size, seqs, window,
+                                     dtype, max_len)
+    assert counted["total"] == allocated_bytes(cache, cache.device)
+
+
+@pytest.mark.parametrize("window", ["vanilla", 3])
+def test_budget_accounting_of_an_engine_cache(parallel_1x1, window):
+    model, _ = build_tiny(2, window, max_seq=64)
+    engine = Engine(model, page_size=4, max_batch=3, num_pages=50, max_seq_len=64)
+    cache = engine.cache
+    counted = bench.cache_allocation(2, 2, 16, 50, 4, 3, cache.window, cache.dtype, 64)
+    assert counted["total"] == allocated_bytes(cache, cache.device)
+
+
+def test_fit_batch_is_the_largest_batch_within_the_budget():
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, window=12,
+                 dtype=torch.float32, max_seq_len=64)
+    budget = 200_000
+    batch, pages = bench.fit_batch(budget, 20, 100, shape)
+
+    def used(b, n):
+        return bench.cache_allocation(num_pages=n, max_seqs=b, **shape)["total"] + 100 * b
+
+    assert batch >= 1 and pages >= 20 * batch
+    assert used(batch, pages) <= budget < used(batch, pages + 1)
+    assert used(batch + 1, 20 * (batch + 1)) > budget
+    assert bench.fit_batch(1000, 20, 100, shape) == (0, 0)
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--modes", "dmc:1"], "--modes"),
+    (["--modes", "turbo"], "--modes"),
+    (["--modes", "policy:nope:2"], "tova"),
+    (["--modes", "model"], "--model"),
+    (["--modes", "gqa:3"], "--groups"),
+    (["--gen-len", "8", "--steady", "8"], "--steady"),
+    (["--budget-mib", "0"], "--budget-mib"),
+    (["--preset", "tpu"], "--preset"),
+])
+def test_bad_flags_exit_2_naming_them(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--preset", "cpu"] + flags)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_tiny_run_end_to_end(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    code = bench.main([
+        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
+        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "10", "--steady", "4",
+        "--budget-mib", "0.25", "--modes", "vanilla,dmc:4,gqa:2,policy:streamingllm:2",
+        "--out", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    rows = {row["mode"]: row for row in data["rows"]}
+    assert set(rows) == {"vanilla", "dmc 4x", "gqa 2x", "streamingllm 2x"}
+    for row in rows.values():
+        assert row["memory"]["total"] + row["memory"]["policy_state"] <= data["budget_bytes"]
+        assert row["steady_steps"] == 4 and row["steady_tokens"] == 4 * row["batch"]
+        assert row["preemptions"] == 0 and row["tokens_per_s"] > 0
+    assert rows["vanilla"]["speedup_vs_vanilla"] == 1.0
+    assert rows["dmc 4x"]["measured_cr"] > 2 and rows["dmc 4x"]["batch"] > rows["vanilla"]["batch"]
+    assert "x vanilla" in capsys.readouterr().out
