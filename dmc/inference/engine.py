@@ -1,25 +1,14 @@
 """``Engine``: a megatron-core GPT model (vanilla, GQA or DMC) served with a paged per-head cache.
 
 Each :meth:`Engine.step` asks the :class:`~dmc.inference.scheduler.Scheduler` for a plan (decode
-tokens of running sequences plus prefill chunks of several others, under one token budget, with
-the pages of its worst case reserved and any preemption done before the model runs), runs it as
-one forward of the :class:`~dmc.inference.model_runner.ModelRunner` and samples.
-
-DMC semantics are those of ``DMCSelfAttention`` in ``eval`` mode (whatever mode the model's runtime
-is in), Algorithm 1 of :mod:`dmc.ops.algorithm1`: ``alpha_t = [k_t[-1] - c > 0]`` (``alpha_0 =
-0``), ``omega_t = sigmoid(mean over the query group of q_t[-1] + c) + omega_offset``, both
-channels zeroed before and after RoPE, window-grouped (or exact) accumulation of pre-RoPE keys and
-values, RoPE at the newest token's position, attention over slots (a slot is visible to later
-queries once closed; the open slot is visible to the current query).
-
-Prefill is exact and chunked: a chunk attends to the already-compressed cache plus itself under
-the hard-decision mask, then is packed into the cache (:meth:`PagedKVCache.pack_prefill`); the
-open slot's pre-RoPE state is prepended to the next chunk so that merges across chunk boundaries
-equal the full-sequence accumulation. Decode is batched over sequences of any length and any
-per-head cache length; sequences finish independently (stop tokens, ``max_new_tokens``) and free
-their pages at once. A preempted sequence restarts by prefilling its prompt and the tokens it
-generated (its sampler state is kept, so its output is the same as without preemption); one that
-cannot fit in the whole pool on its own ends with ``finish_reason="cache_full"``.
+tokens plus prefill chunks of several sequences under one token budget, pages reserved and any
+preemption done before the model runs), runs it as one forward of the
+:class:`~dmc.inference.model_runner.ModelRunner` and samples. DMC semantics are those of
+``DMCSelfAttention`` in ``eval`` mode, Algorithm 1 (:mod:`dmc.ops.algorithm1`, through
+:class:`~dmc.inference.kv_write.DMCKV`); prefill is exact and chunked. A preempted sequence
+restarts by prefilling its prompt and the tokens it generated (its sampler state is kept, so its
+output is the same); one that cannot fit in the whole pool alone ends with
+``finish_reason="cache_full"``.
 """
 from __future__ import annotations
 
@@ -28,20 +17,20 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from dmc.inference.block_allocator import default_num_pages
+from dmc.inference.block_allocator import default_num_pages, pages_for
 from dmc.inference.cache import PagedKVCache
-from dmc.inference.kv_write import NoPolicy, make_kv_write
-from dmc.inference.loading import build_model_from_config, load_inference_state, load_model
-from dmc.inference.model_runner import ModelRunner, Segment, resolve_dmc, rope_frequencies
-from dmc.inference.sampling import SamplingParams, make_generator, sample_token
-from dmc.inference.scheduler import Scheduler, StepPlan
-from dmc.inference.sequence import (
-    CompressionStats,
-    GenerationResult,
-    ScoreResult,
-    Scorer,
-    Sequence,
+from dmc.inference.kv_write import make_kv_write, make_policy
+from dmc.inference.loading import (
+    build_model_from_config,
+    load_inference_state,
+    load_model,
+    load_plain,
 )
+from dmc.inference.model_runner import ModelRunner, resolve_dmc, rope_frequencies
+from dmc.inference.sampling import SamplingParams, make_generator, sample_next
+from dmc.inference.scheduler import Scheduler, StepPlan
+from dmc.inference.scoring import score_batch
+from dmc.inference.sequence import CompressionStats, GenerationResult, ScoreResult, Sequence
 from dmc.megatron.runtime import DMCConfig, DMCRuntime
 
 STATS = ("prefill_tokens", "prefill_seconds", "decode_steps", "decode_tokens", "decode_seconds",
@@ -138,7 +127,7 @@ class Engine:
             dtype=cache_dtype or self.dtype, device=self.device, max_seq_len=self.max_seq_len,
             inv_freq=rope_frequencies(model, self.head_dim),
         )
-        self.policy = NoPolicy(self.cache) if policy is None else self._policy(policy)
+        self.policy = make_policy(policy, self.dmc, self.cache, self.num_heads, self.scale)
         self.kv = make_kv_write(self.dmc, self.cache, self.num_heads, self.scale,
                                 self.cache.inv_freq, self.policy, use_triton)
         self.runner = ModelRunner(self.model, self.kv)
@@ -150,21 +139,11 @@ class Engine:
         self._unclaimed: list[GenerationResult] = []
         self.reset_stats()
 
-    def _policy(self, policy):
-        from dmc.policies import PolicyRunner
-
-        if self.dmc is not None:
-            raise ValueError("Engine: policy is not supported on a DMC model (dmc must be "
-                             "None for a vanilla or GQA model)")
-        return PolicyRunner(policy, self.cache, self.num_heads, self.scale)
-
     @classmethod
     def from_state_dict(cls, state_dict: dict, model_config: dict,
                         dmc_config: DMCConfig | dict | None = None, **engine_kwargs) -> Engine:
         """Build the model from ``model_config`` (see :func:`build_model_from_config`), load
         ``state_dict`` into it and wrap it; ``dmc_config`` None = a vanilla model."""
-        from dmc.inference.loading import load_plain
-
         model = build_model_from_config(model_config, dmc_config)
         load_plain(model, state_dict, "state_dict")
         return cls(model, **engine_kwargs)
@@ -183,22 +162,11 @@ class Engine:
         return cls.from_state_dict(saved["state_dict"], saved["model_config"],
                                    saved["dmc_config"], **engine_kwargs)
 
-    # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Seq[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (token ids); returns its request id (arrival order)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("add_request: the prompt must hold at least one token")
-        longest = len(prompt) + params.max_new_tokens - 1
-        if longest > self.max_seq_len:
-            raise ValueError(
-                f"add_request: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens})"
-                f" - 1 = {longest} tokens exceed max_seq_len = {self.max_seq_len}"
-            )
-        vocab = self.model.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"add_request: token ids must be in [0, {vocab})")
+        Sequence.check_prompt(prompt, params, self.max_seq_len, self.model.vocab_size)
         request_id = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else self.seed + request_id
@@ -227,8 +195,10 @@ class Engine:
         with torch.inference_mode():
             while True:
                 plan = self.scheduler.schedule()
-                finished += [self._fail(seq, error) for seq, error in plan.failed]
-                for part in [plan] if self.batch_prefill else _one_at_a_time(plan):
+                zero = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.long)
+                finished += [seq.result("cache_full", CompressionStats(0, zero), 0, 0, error)
+                             for seq, error in plan.failed]
+                for part in [plan] if self.batch_prefill else plan.one_at_a_time():
                     self._run(part, finished)
                 if plan.decode or not plan.prefill:
                     break
@@ -237,10 +207,7 @@ class Engine:
 
     def _run(self, plan: StepPlan, finished: list[GenerationResult]) -> None:
         """One forward of ``plan``; samples for the decode tokens and the finished prefills."""
-        segments = [Segment(s.slot, [s.tokens[-1]], len(s.tokens) - 1, decode=True)
-                    for s in plan.decode]
-        segments += [Segment(s.slot, s.tokens[s.cached:s.cached + n], s.cached)
-                     for s, n in plan.prefill]
+        segments = plan.segments()
         if not segments:
             return
         self._sync()
@@ -254,7 +221,7 @@ class Engine:
             self.stats["decode_seconds"] += elapsed
             self.stats["decode_steps"] += 1
             self.stats["decode_tokens"] += len(plan.decode)
-        sampled, rows = list(plan.decode), [row for row in logits[:len(plan.decode)]]
+        sampled, rows = list(plan.decode), logits[:len(plan.decode)]
         for (seq, n), row in zip(plan.prefill, logits[len(plan.decode):]):
             seq.cached += n
             self.stats["prefill_tokens"] += n
@@ -323,47 +290,14 @@ class Engine:
         return self.score_batch([tokens], return_logits=return_logits,
                                 prefill_tokens=prefill_tokens)[0]
 
-    @torch.inference_mode()
     def score_batch(self, sequences: Seq[Seq[int]], *, return_logits: bool = False,
                     prefill_tokens: int | Seq[int | None] | None = None) -> list[ScoreResult]:
         """:meth:`score` for several sequences: each is prefilled on its own, then their
         teacher-forced tokens are decoded as one batch (a sequence leaves the batch when its
         tokens run out). ``prefill_tokens`` is one value for all or one per sequence. At most
-        ``max_batch`` sequences (the cache's sequence slots)."""
-        sequences = [[int(t) for t in seq] for seq in sequences]
-        if not 1 <= len(sequences) <= self.max_batch:
-            raise ValueError(f"score_batch: need 1..{self.max_batch} (max_batch) sequences, "
-                             f"got {len(sequences)}")
-        if prefill_tokens is None or isinstance(prefill_tokens, int):
-            prefill_tokens = [prefill_tokens] * len(sequences)
-        if len(prefill_tokens) != len(sequences):
-            raise ValueError(f"score_batch: {len(sequences)} sequences but "
-                             f"{len(prefill_tokens)} prefill_tokens")
-        scorers = [Scorer(tokens, prefilled, self.max_seq_len, self.device, return_logits)
-                   for tokens, prefilled in zip(sequences, prefill_tokens)]
-        slots = []
-        try:
-            for scorer in scorers:
-                slots.append(self.cache.add_sequence())
-                for start in range(0, scorer.prefilled, self.chunk_size):
-                    chunk = scorer.tokens[start:min(start + self.chunk_size, scorer.prefilled)]
-                    [logits] = self.runner.forward([Segment(slots[-1], chunk, start,
-                                                            all_logits=True)])
-                    scorer.consume(start, logits)
-            position = min(s.prefilled for s in scorers)
-            while active := [(s, slot) for s, slot in zip(scorers, slots)
-                             if s.prefilled <= position < len(s.tokens)]:
-                logits = self.runner.forward([Segment(slot, [s.tokens[position]], position,
-                                                      decode=True) for s, slot in active])
-                for (scorer, _), row in zip(active, logits):
-                    scorer.consume(position, row)
-                position += 1
-            return [scorer.result(self._compression(slot, len(scorer.tokens)),
-                                  self.sequence_bytes(slot))
-                    for scorer, slot in zip(scorers, slots)]
-        finally:
-            for slot in slots:
-                self.cache.free_sequence(slot)
+        ``max_batch`` sequences (the cache's sequence slots); see
+        :func:`dmc.inference.scoring.score_batch`."""
+        return score_batch(self, sequences, return_logits, prefill_tokens)
 
     def sequence_bytes(self, slot: int) -> dict:
         """Bytes the cache holds for the sequence in ``slot``: its pages (``kv``), their block
@@ -380,47 +314,29 @@ class Engine:
         self.stats = {name: 0.0 if name.endswith("seconds") else 0 for name in STATS}
         self.scheduler.preemptions = 0
 
-    # ------------------------------------------------------------------ sampling and results
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
                 finished: list[GenerationResult]) -> None:
         """Sample the next token of each sequence from ``logits [batch, vocab]``; end the
-        sequences that reach a stop token or ``max_new_tokens``."""
-        greedy = torch.argmax(logits, dim=-1).tolist()
-        chosen = [greedy[i] if seq.params.greedy else sample_token(logits[i], seq.params,
-                                                                    seq.generator)
-                  for i, seq in enumerate(seqs)]
-        picked = torch.tensor(chosen, device=logits.device)[:, None]
-        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, picked)[:, 0].tolist()
-        for seq, token, token_logp in zip(seqs, chosen, logp):
+        sequences that reach a stop token or ``max_new_tokens`` (freeing their pages)."""
+        chosen, logps = sample_next(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq, token, logp in zip(seqs, chosen, logps):
             seq.generated.append(token)
-            seq.logprobs.append(token_logp)
+            seq.logprobs.append(logp)
             seq.decoding = True
             self.stats["generated_tokens"] += 1
-            if token in seq.params.stop_tokens:
-                finished.append(self._finish(seq, "stop"))
-            elif len(seq.generated) >= seq.params.max_new_tokens:
-                finished.append(self._finish(seq, "length"))
+            stop = token in seq.params.stop_tokens
+            if stop or len(seq.generated) >= seq.params.max_new_tokens:
+                pages = int(pages_for(self.cache.head_lengths(seq.slot).long(),
+                                      self.page_size).sum())
+                finished.append(seq.result("stop" if stop else "length",
+                                           self.compression(seq.slot, len(seq.tokens) - 1),
+                                           pages, self.cache.page_bytes))
+                self.cache.free_sequence(seq.slot)
+                self.scheduler.running.remove(seq)
 
-    def _finish(self, seq: Sequence, reason: str) -> GenerationResult:
-        lengths = self.cache.head_lengths(seq.slot).long()
-        pages = int(((lengths + self.page_size - 1) // self.page_size).sum())
-        compression = self._compression(seq.slot, len(seq.tokens) - 1)
-        self.cache.free_sequence(seq.slot)
-        self.scheduler.running.remove(seq)
-        return GenerationResult(
-            seq.request_id, seq.prompt, list(seq.generated), reason, list(seq.logprobs),
-            compression, pages, pages * self.cache.page_bytes, seq.preemptions,
-        )
-
-    def _fail(self, seq: Sequence, error: str) -> GenerationResult:
-        """The result of ``seq``, which the scheduler ended with ``finish_reason="cache_full"``."""
-        zero = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.long)
-        return GenerationResult(
-            seq.request_id, seq.prompt, list(seq.generated), "cache_full", list(seq.logprobs),
-            CompressionStats(0, zero), 0, 0, seq.preemptions, error,
-        )
-
-    def _compression(self, slot: int, tokens: int) -> CompressionStats:
+    def compression(self, slot: int, tokens: int) -> CompressionStats:
+        """The compression of the sequence in ``slot`` after ``tokens`` tokens (with a policy:
+        the slots it reports)."""
         return CompressionStats(tokens, self.policy.reported_slots(slot, tokens))
 
     def _note_usage(self) -> None:
@@ -430,8 +346,3 @@ class Engine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _one_at_a_time(plan: StepPlan) -> list[StepPlan]:
-    """``plan`` as separate forwards: each prefill chunk alone, then the decode tokens."""
-    return [StepPlan(prefill=[chunk]) for chunk in plan.prefill] + [StepPlan(decode=plan.decode)]

@@ -216,3 +216,17 @@ class DMCKV(KVWrite):
 def make_kv_write(dmc: DMCConfig | None, *args) -> KVWrite:
     """:class:`DMCKV` for a DMC config, else :class:`VanillaKV` (arguments of :class:`KVWrite`)."""
     return VanillaKV(*args) if dmc is None else DMCKV(dmc, *args)
+
+
+def make_policy(policy, dmc: DMCConfig | None, cache: PagedKVCache, num_heads: int,
+                scale: float):
+    """The policy hooks of an engine: :class:`NoPolicy` for None, else a
+    :class:`dmc.policies.PolicyRunner` driving ``policy`` (vanilla or GQA models only)."""
+    if policy is None:
+        return NoPolicy(cache)
+    if dmc is not None:
+        raise ValueError("Engine: policy is not supported on a DMC model (dmc must be "
+                         "None for a vanilla or GQA model)")
+    from dmc.policies import PolicyRunner
+
+    return PolicyRunner(policy, cache, num_heads, scale)

@@ -90,3 +90,15 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
 def make_generator(seed: int) -> torch.Generator:
     """A CPU generator seeded with ``seed``."""
     return torch.Generator().manual_seed(int(seed))
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits [batch, vocab]`` (greedy rows by argmax, others by
+    :func:`sample_token` with their generator) and its log-probability under the model (before
+    temperature, top-k, top-p)."""
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    chosen = [greedy[i] if p.greedy else sample_token(logits[i], p, generators[i])
+              for i, p in enumerate(params)]
+    picked = torch.tensor(chosen, device=logits.device)[:, None]
+    return chosen, torch.log_softmax(logits.float(), dim=-1).gather(-1, picked)[:, 0].tolist()

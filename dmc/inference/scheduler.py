@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dmc.inference.cache import PagedKVCache
+from dmc.inference.model_runner import Segment
 from dmc.inference.sequence import Sequence
 
 
@@ -47,6 +48,17 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+    def segments(self) -> list[Segment]:
+        """The forward's segments: each decode sequence's newest token, then each chunk."""
+        decode = [Segment(s.slot, [s.tokens[-1]], len(s.tokens) - 1, decode=True)
+                  for s in self.decode]
+        return decode + [Segment(s.slot, s.tokens[s.cached:s.cached + n], s.cached)
+                         for s, n in self.prefill]
+
+    def one_at_a_time(self) -> list[StepPlan]:
+        """The plan as separate forwards: each prefill chunk alone, then the decode tokens."""
+        return [StepPlan(prefill=[chunk]) for chunk in self.prefill] + [StepPlan(self.decode)]
 
 
 class Scheduler:

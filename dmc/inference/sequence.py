@@ -137,35 +137,25 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
+    @staticmethod
+    def check_prompt(prompt: list[int], params: SamplingParams, max_seq_len: int,
+                     vocab: int) -> None:
+        """ValueError unless ``prompt`` holds ids in ``[0, vocab)`` and, with
+        ``params.max_new_tokens``, fits in ``max_seq_len`` tokens."""
+        if not prompt:
+            raise ValueError("add_request: the prompt must hold at least one token")
+        longest = len(prompt) + params.max_new_tokens - 1
+        if longest > max_seq_len:
+            raise ValueError(
+                f"add_request: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens})"
+                f" - 1 = {longest} tokens exceed max_seq_len = {max_seq_len}"
+            )
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"add_request: token ids must be in [0, {vocab})")
 
-class Scorer:
-    """One sequence of :meth:`Engine.score_batch`: its tokens, and the log-probabilities (and
-    logits) gathered from prefill chunks and decode steps."""
-
-    def __init__(self, tokens: list[int], prefilled: int | None, max_seq_len: int,
-                 device: torch.device, keep_logits: bool):
-        if len(tokens) < 1 or len(tokens) > max_seq_len:
-            raise ValueError(f"score: need 1..{max_seq_len} tokens, got {len(tokens)}")
-        self.prefilled = len(tokens) if prefilled is None else int(prefilled)
-        if not 1 <= self.prefilled <= len(tokens):
-            raise ValueError(f"score: prefill_tokens must be None or in [1, {len(tokens)}], got "
-                             f"{prefilled!r}")
-        self.tokens = tokens
-        self.target = torch.tensor(tokens[1:] + [0], device=device)
-        self.keep_logits = keep_logits
-        self.logprobs: list[torch.Tensor] = []
-        self.logits: list[torch.Tensor] = []
-        self.seq: Sequence | None = None
-
-    def consume(self, start: int, logits: torch.Tensor) -> None:
-        """``logits [n, vocab]`` of the positions ``start .. start + n - 1``."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        picked = logp.gather(-1, self.target[start:start + logits.shape[0], None])[:, 0]
-        self.logprobs.append(picked.double().cpu())
-        if self.keep_logits:
-            self.logits.append(logits.float().cpu())
-
-    def result(self, compression: CompressionStats, cache_bytes: dict) -> ScoreResult:
-        return ScoreResult(torch.cat(self.logprobs)[:-1],
-                           torch.cat(self.logits) if self.keep_logits else None,
-                           compression, cache_bytes)
+    def result(self, reason: str, compression: CompressionStats, pages: int, page_bytes: int,
+               error: str | None = None) -> GenerationResult:
+        """Its :class:`GenerationResult` (``pages`` held at the end, of ``page_bytes`` each)."""
+        return GenerationResult(self.request_id, self.prompt, list(self.generated), reason,
+                                list(self.logprobs), compression, pages, pages * page_bytes,
+                                self.preemptions, error)
