@@ -171,7 +171,8 @@ class Engine:
         self._next_id += 1
         seed = params.seed if params.seed is not None else self.seed + request_id
         generator = None if params.greedy else make_generator(seed)
-        self.scheduler.add(Sequence(request_id, prompt, params, generator))
+        self.scheduler.add(Sequence(request_id, prompt, params, generator,
+                                    arrived=time.perf_counter()))
         return request_id
 
     def has_unfinished(self) -> bool:
@@ -322,7 +323,7 @@ class Engine:
         for seq, token, logp in zip(seqs, chosen, logps):
             seq.generated.append(token)
             seq.logprobs.append(logp)
-            seq.decoding = True
+            seq.decoding, seq.first_token = True, seq.first_token or time.perf_counter()
             self.stats["generated_tokens"] += 1
             stop = token in seq.params.stop_tokens
             if stop or len(seq.generated) >= seq.params.max_new_tokens:

@@ -75,6 +75,7 @@ class GenerationResult:
         fed back).
     kv_pages, kv_bytes: pages (and their K+V bytes) the sequence held at the end.
     preemptions: how many times it was preempted and restarted.
+    time_to_first_token: seconds from :meth:`Engine.add_request` to its first sampled token.
     """
 
     request_id: int
@@ -87,6 +88,7 @@ class GenerationResult:
     kv_bytes: int
     preemptions: int = 0
     error: str | None = None
+    time_to_first_token: float | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -119,7 +121,8 @@ class Sequence:
     ``slot`` is its cache sequence slot while it holds one (None while waiting); ``cached`` the
     tokens of :attr:`tokens` already written to the cache; ``decoding`` once its prefill is done
     and a token was sampled (each step then feeds its newest token). A preempted sequence starts
-    over: its prompt and the tokens it generated are prefilled again.
+    over: its prompt and the tokens it generated are prefilled again. ``arrived`` and
+    ``first_token`` are ``time.perf_counter()`` readings (queued, first token sampled).
     """
 
     request_id: int
@@ -132,6 +135,8 @@ class Sequence:
     cached: int = 0
     decoding: bool = False
     preemptions: int = 0
+    arrived: float = 0.0
+    first_token: float | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -156,6 +161,7 @@ class Sequence:
     def result(self, reason: str, compression: CompressionStats, pages: int, page_bytes: int,
                error: str | None = None) -> GenerationResult:
         """Its :class:`GenerationResult` (``pages`` held at the end, of ``page_bytes`` each)."""
+        ttft = None if self.first_token is None else self.first_token - self.arrived
         return GenerationResult(self.request_id, self.prompt, list(self.generated), reason,
                                 list(self.logprobs), compression, pages, pages * page_bytes,
-                                self.preemptions, error)
+                                self.preemptions, error, ttft)
