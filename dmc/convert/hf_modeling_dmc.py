@@ -34,32 +34,15 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-try:  # the exported folder: dmc/ops files shipped next to modeling_dmc.py
-    from .algorithm1 import (
-        CompressedChunk,
-        OpenSlot,
-        compress_chunk,
-        empty_prefix,
-        hard_decisions,
-        merge_into_open_slot,
-        pack_slots,
-        ring_from_tail,
-        slot_ends,
-    )
+try:  # the exported folder: the dmc/ops files shipped next to modeling_dmc.py
+    from .algorithm1 import CompressedChunk, OpenSlot, compress_chunk, empty_prefix, pack_slots
+    from .algorithm1 import hard_decisions, merge_into_open_slot, ring_from_tail, slot_ends
     from .decisions import zero_decision_channel
     from .rope import apply_rope, rope_inv_freq
 except ImportError:  # imported from the dmc package
-    from dmc.ops.algorithm1 import (
-        CompressedChunk,
-        OpenSlot,
-        compress_chunk,
-        empty_prefix,
-        hard_decisions,
-        merge_into_open_slot,
-        pack_slots,
-        ring_from_tail,
-        slot_ends,
-    )
+    from dmc.ops.algorithm1 import CompressedChunk, OpenSlot, compress_chunk, empty_prefix
+    from dmc.ops.algorithm1 import hard_decisions, merge_into_open_slot, pack_slots
+    from dmc.ops.algorithm1 import ring_from_tail, slot_ends
     from dmc.ops.decisions import zero_decision_channel
     from dmc.ops.rope import apply_rope, rope_inv_freq
 
