@@ -17,6 +17,16 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 warnings.filterwarnings("ignore", module="megatron")
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests skip on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (gpu mark)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def parallel_1x1():
     """Single-process megatron set-up (gloo on CPU), torn down after the module."""

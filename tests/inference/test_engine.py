@@ -44,11 +44,12 @@ def teacher_forced(model, tokens):
     layers = dmc_layers(model)
     for layer in layers:
         layer.reset_cr_stats()
-    ids = torch.tensor(tokens)[None]
+    device = next(model.parameters()).device
+    ids = torch.tensor(tokens, device=device)[None]
     with torch.no_grad():
-        logits = model(ids, torch.arange(ids.shape[1])[None], None)[0]
-    kept = torch.stack([layer.cr_kept for layer in layers]).long() if layers else None
-    return torch.log_softmax(logits.double(), dim=-1), kept
+        logits = model(ids, torch.arange(ids.shape[1], device=device)[None], None)[0]
+    kept = torch.stack([layer.cr_kept for layer in layers]).long().cpu() if layers else None
+    return torch.log_softmax(logits.double(), dim=-1).cpu(), kept
 
 
 def check_against_model(model, results, prompt_list, dmc):

@@ -110,22 +110,24 @@ def test_empty_head_gives_zeros(num_splits):
     torch.testing.assert_close(out, expected)
 
 
-def drive_identical_caches(window, dtype, steps=10):
+def drive_identical_caches(window, dtype, steps=10, *, device="cpu", kv_heads=2, head_dim=8,
+                           page_size=4):
     """The same random DMC writes (varying batches of sequences) into a reference and a Triton
-    cache."""
+    cache on ``device``."""
     gen = torch.Generator().manual_seed(7)
-    caches = [PagedKVCache(2, 2, 8, 40, page_size=4, max_seqs=3, window=window, dtype=dtype)
+    caches = [PagedKVCache(2, kv_heads, head_dim, 40 * kv_heads, page_size=page_size,
+                           max_seqs=3, window=window, dtype=dtype, device=device)
               for _ in range(2)]
     seqs = [[c.add_sequence() for _ in range(3)] for c in caches][0]
     position = [0, 20, 55]
     for step in range(steps):
         batch = seqs if step % 3 else [seqs[2], seqs[0]]
         n = len(batch)
-        k, v = torch.randn(2, n, 2, 8, generator=gen).to(dtype)
-        omega = torch.rand(n, 2, generator=gen) + 0.1
+        k, v = torch.randn(2, n, kv_heads, head_dim, generator=gen).to(device, dtype)
+        omega = (torch.rand(n, kv_heads, generator=gen) + 0.1).to(device)
         positions = torch.tensor([position[s] for s in batch])
         for layer in range(2):
-            alpha = (torch.rand(n, 2, generator=gen) < 0.6).float()
+            alpha = (torch.rand(n, kv_heads, generator=gen) < 0.6).float().to(device)
             for cache, use_triton in zip(caches, (False, True)):
                 cache.write(layer, batch, positions, k, v, omega, alpha, use_triton=use_triton)
         for s in batch:
@@ -133,17 +135,21 @@ def drive_identical_caches(window, dtype, steps=10):
     return caches
 
 
-@pytest.mark.parametrize(
-    "window,dtype", [(3, torch.float32), (None, torch.float32), (3, torch.bfloat16)]
-)
-def test_triton_write_matches_reference(window, dtype):
-    reference, triton_cache = drive_identical_caches(window, dtype)
+def assert_same_caches(reference, triton_cache, dtype):
+    """Pages to the dtype's rounding, merge state and metadata to float32 rounding."""
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=1 / 64)
     torch.testing.assert_close(triton_cache.k_pages.float(), reference.k_pages.float(), **tol)
     torch.testing.assert_close(triton_cache.v_pages.float(), reference.v_pages.float(), **tol)
     for name in ("open_k", "open_v", "open_omega", "open_count", "lengths", "block_tables"):
         got, want = getattr(triton_cache, name), getattr(reference, name)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "window,dtype", [(3, torch.float32), (None, torch.float32), (3, torch.bfloat16)]
+)
+def test_triton_write_matches_reference(window, dtype):
+    assert_same_caches(*drive_identical_caches(window, dtype), dtype)
 
 
 def test_dispatch(monkeypatch):

@@ -1,0 +1,45 @@
+"""Triton paged decode and DMC write compiled for a CUDA GPU against the PyTorch reference on the
+same device: fp16 / bf16, shuffled page layouts, GQA groups, long caches with split-K (gpu mark:
+skipped without CUDA; the interpreter versions are in test_kernels.py)."""
+import pytest
+import torch
+
+from dmc.inference.kernels import paged_decode_reference, run_paged_decode
+from test_kernels import TOLERANCE, assert_same_caches, drive_identical_caches, random_paged_kv
+
+pytestmark = pytest.mark.gpu
+
+DECODE_CASES = [  # batch, q_heads, kv_heads, head_dim, page_size, max_len, num_splits
+    (4, 8, 8, 64, 16, 300, 1),
+    (4, 32, 8, 128, 16, 4096, None),  # GQA 4, long cache, split-K by the heuristic
+    (3, 12, 4, 128, 16, 8192, 16),  # group of 3 (padded block), many splits
+    (2, 8, 1, 64, 32, 2500, 4),  # one KV head (MQA), larger pages
+    (5, 16, 2, 96, 8, 1000, 2),  # head_dim 96 (padded block)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch,q_heads,kv_heads,head_dim,page_size,max_len,num_splits", DECODE_CASES
+)
+def test_triton_decode_on_cuda_matches_reference(dtype, batch, q_heads, kv_heads, head_dim,
+                                                 page_size, max_len, num_splits):
+    gen = torch.Generator().manual_seed(batch * 1000 + max_len)
+    lengths = torch.randint(1, max_len + 1, (batch, kv_heads), generator=gen)
+    lengths[0, -1], lengths[-1, 0] = max_len, 1  # DMC-like ragged heads: longest and shortest
+    paged = [t.cuda() for t in random_paged_kv(lengths, head_dim, page_size, dtype, gen)]
+    q = torch.randn(batch, q_heads, head_dim, generator=gen).to("cuda", dtype)
+    scale = head_dim ** -0.5
+    expected = paged_decode_reference(q, *paged, scale)
+    out = run_paged_decode(q, *paged, scale, use_triton=True, num_splits=num_splits)
+    assert out.dtype == dtype and out.is_cuda
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window", [12, 3, None])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_write_on_cuda_matches_reference(window, dtype):
+    caches = drive_identical_caches(window, dtype, steps=40, device="cuda", kv_heads=4,
+                                    head_dim=128, page_size=16)
+    assert all(c.k_pages.is_cuda for c in caches)
+    assert_same_caches(*caches, dtype)
