@@ -195,8 +195,10 @@ class PagedKVCache:
         self.allocator.grow(seqs, layer, new_lengths)
         device = self.device
         run_dmc_write(
-            self, layer, seqs.to(device), (new_lengths - 1).to(device), append.to(device),
-            k, v, torch.as_tensor(omega, device=device), torch.as_tensor(positions, device=device),
+            self.k_pages, self.v_pages, self.block_tables, self.open_k, self.open_v,
+            self.open_omega, self.open_count, self.inv_freq, self.window, layer, seqs.to(device),
+            (new_lengths - 1).to(device), append.to(device), k, v,
+            torch.as_tensor(omega, device=device), torch.as_tensor(positions, device=device),
             use_triton=use_triton,
         )
 

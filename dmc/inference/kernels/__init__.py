@@ -69,13 +69,12 @@ def run_paged_decode(
     return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths, scale)
 
 
-def run_dmc_write(
-    cache, layer, seq_slots, slots, append, k, v, omega, positions, *, use_triton=None
-) -> None:
-    """DMC append/merge write (Algorithm 1, Eq. 9); arguments as :func:`dmc_write_reference`."""
-    if resolve_use_triton(cache.k_pages.device, use_triton):
+def run_dmc_write(*tensors, use_triton=None) -> None:
+    """DMC append/merge write (Algorithm 1, Eq. 9); arguments (plain tensors and ints) as
+    :func:`dmc_write_reference`."""
+    if resolve_use_triton(tensors[0].device, use_triton):
         from .dmc_write import dmc_write
 
-        dmc_write(cache, layer, seq_slots, slots, append, k, v, omega, positions)
+        dmc_write(*tensors)
     else:
-        dmc_write_reference(cache, layer, seq_slots, slots, append, k, v, omega, positions)
+        dmc_write_reference(*tensors)

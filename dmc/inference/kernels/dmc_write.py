@@ -101,25 +101,25 @@ def _dmc_write_kernel(
     tl.store(v_pages + dst + HALF + cols, v_hi.to(out_ty), mask=col_mask)
 
 
-def dmc_write(cache, layer, seq_slots, slots, append, k, v, omega, positions) -> None:
+def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count, inv_freq,
+              window, layer, seq_slots, slots, append, k, v, omega, positions) -> None:
     """Triton :func:`~dmc.inference.kernels.reference.dmc_write_reference` (same arguments).
 
-    Pages, block tables and open-slot state of ``cache`` must be contiguous (as the cache builds
-    them); ``k``, ``v`` ``[batch, kv_heads, head_dim]`` need a unit stride on the last dimension.
+    Pages, block tables and open-slot state must be contiguous (as the cache builds them); ``k``,
+    ``v`` ``[batch, kv_heads, head_dim]`` need a unit stride on the last dimension.
     """
     batch, heads = append.shape
-    head_dim = cache.head_dim
+    head_dim = k_pages.shape[-1]
     half = head_dim // 2
-    window = cache.window or 0
+    window = window or 0
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     _dmc_write_kernel[(batch, heads)](
-        cache.k_pages, cache.v_pages, cache.block_tables,
-        cache.open_k, cache.open_v, cache.open_omega, cache.open_count,
+        k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
         seq_slots, slots.to(torch.int32).contiguous(), append.to(torch.int32).contiguous(),
-        k, v, omega.contiguous(), positions, cache.inv_freq,
-        layer, cache.num_layers, cache.max_pages_per_head,
+        k, v, omega.contiguous(), positions, inv_freq,
+        layer, block_tables.shape[1], block_tables.shape[-1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
-        PAGE_SIZE=cache.page_size, WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
+        PAGE_SIZE=k_pages.shape[1], WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
     )

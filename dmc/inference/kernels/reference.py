@@ -60,8 +60,11 @@ def paged_decode_reference(
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
-def dmc_write_reference(cache, layer, seq_slots, slots, append, k, v, omega, positions) -> None:
-    """DMC append/merge of one token per (sequence, KV head) into ``cache`` (Algorithm 1, Eq. 9).
+def dmc_write_reference(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
+                        inv_freq, window, layer, seq_slots, slots, append, k, v, omega,
+                        positions) -> None:
+    """DMC append/merge of one token per (sequence, KV head) into the paged cache (Algorithm 1,
+    Eq. 9, through :func:`dmc.ops.algorithm1.merge_into_open_slot`).
 
     Pages must already be allocated: the cache decides ``append`` and ``slots`` on the host.
     For each (b, h) with pre-RoPE key ``k_t``, value ``v_t``, importance ``omega_t``:
@@ -75,7 +78,12 @@ def dmc_write_reference(cache, layer, seq_slots, slots, append, k, v, omega, pos
     token's position.
 
     Args:
-        cache: a :class:`~dmc.inference.cache.PagedKVCache` (pages, block tables, open-slot state).
+        k_pages, v_pages: ``[num_pages, page_size, head_dim]`` pools (written).
+        block_tables: ``[max_seqs, num_layers, kv_heads, max_pages]`` int page ids.
+        open_k, open_v: ``[max_seqs, num_layers, kv_heads, rows, head_dim]`` float32 open-slot
+            rings; open_omega ``[max_seqs, num_layers, kv_heads, rows]``; open_count
+            ``[max_seqs, num_layers, kv_heads]`` int32 (all updated).
+        inv_freq: ``[head_dim // 2]`` RoPE frequencies; window: ``w`` or None (exact).
         layer: layer index.
         seq_slots: ``[batch]`` cache sequence slots, distinct.
         slots: ``[batch, kv_heads]`` slot index written per head (the last one when merging).
@@ -88,14 +96,14 @@ def dmc_write_reference(cache, layer, seq_slots, slots, append, k, v, omega, pos
     seq = seq_slots.long().unsqueeze(1).expand(batch, heads)
     head = torch.arange(heads, device=seq.device).expand(batch, heads)
     state = (seq, layer, head)
-    ring = OpenSlot(cache.open_k[state], cache.open_v[state], cache.open_omega[state],
-                    cache.open_count[state])
-    ring, mean_k, mean_v = merge_into_open_slot(ring, append.bool(), k, v, omega, cache.window)
-    cache.open_k[state], cache.open_v[state], cache.open_omega[state] = ring.k, ring.v, ring.omega
-    cache.open_count[state] = ring.count.to(cache.open_count.dtype)
-    rotated = apply_rope(mean_k, positions.unsqueeze(1), cache.inv_freq)
+    ring = OpenSlot(open_k[state], open_v[state], open_omega[state], open_count[state])
+    ring, mean_k, mean_v = merge_into_open_slot(ring, append.bool(), k, v, omega, window)
+    open_k[state], open_v[state], open_omega[state] = ring.k, ring.v, ring.omega
+    open_count[state] = ring.count.to(open_count.dtype)
+    rotated = apply_rope(mean_k, positions.unsqueeze(1), inv_freq)
     slots = slots.long()
-    pages = cache.block_tables[seq, layer, head, slots // cache.page_size].long()
-    offsets = slots % cache.page_size
-    cache.k_pages[pages, offsets] = rotated.to(cache.dtype)
-    cache.v_pages[pages, offsets] = mean_v.to(cache.dtype)
+    page_size = k_pages.shape[1]
+    pages = block_tables[seq, layer, head, slots // page_size].long()
+    offsets = slots % page_size
+    k_pages[pages, offsets] = rotated.to(k_pages.dtype)
+    v_pages[pages, offsets] = mean_v.to(v_pages.dtype)
