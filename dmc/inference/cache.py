@@ -25,10 +25,8 @@ import torch
 
 from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
-from .block_allocator import BlockAllocator, CacheFullError, pages_for
+from .block_allocator import BlockAllocator, pages_for
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
-
-__all__ = ["CacheFullError", "PagedKVCache"]
 
 
 class PagedKVCache:

@@ -182,7 +182,8 @@ class DMCKV(KVWrite):
         self.config = config
 
     def _decide(self, query, key):
-        """:func:`hard_decisions` of ``query [batch, heads, n, dim]``, ``key [batch, kv, n, dim]``."""
+        """:func:`hard_decisions` of ``query [batch, heads, n, dim]``, ``key [batch, kv, n,
+        dim]``."""
         return hard_decisions(query, key, self.config.c, self.config.omega_offset)
 
     def write_token(self, layer, seqs, query, key, value, positions):
