@@ -344,10 +344,10 @@ def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None):
     that the batch starts decoding together."""
     from dmc.inference import Engine
 
-    return Engine(model, dmc, policy=policy and policy(), page_size=args.page_size, max_batch=max_batch,
-                  max_seq_len=args.prompt_len + args.gen_len, num_pages=num_pages,
-                  chunk_size=args.chunk_size, step_tokens=max_batch * (args.prompt_len + 1),
-                  seed=args.seed)
+    return Engine(model, dmc, policy=policy and policy(), page_size=args.page_size,
+                  max_batch=max_batch, max_seq_len=args.prompt_len + args.gen_len,
+                  num_pages=num_pages, chunk_size=args.chunk_size,
+                  step_tokens=max_batch * (args.prompt_len + 1), seed=args.seed)
 
 
 def probe(mode, model, dmc, policy, args, params) -> dict:

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One-command GPU validation kit: the `gpu` tests, then the decode, paged-kernel and train-step
+# benchmarks, every log and JSON written into RESULTS_DIR with a summary.
+#
+#   bash scripts/gpu_check.sh RESULTS_DIR
+#
+# Made for an H100 / H200 machine with Python 3.12, torch 2.11 (CUDA 13), triton 3.6, pytest,
+# numpy, pyyaml, psutil, tqdm and matplotlib but no megatron-core and no network. Fill a wheel
+# folder beforehand, on a machine with network, in the repository root (`.whl/` is then ignored
+# through .git/info/exclude; DMC_WHEELS names another folder):
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 -d .whl "megatron-core==0.16.1" "sentencepiece==0.2.3"
+#
+# (the versions within pyproject.toml's pins; one version of each package, or pip refuses the
+# folder). The script installs every wheel there with `pip install --no-index --no-deps --target
+# SITE` (SITE = $TMPDIR/dmc-gpu-check-site unless DMC_SITE is set) and runs with PYTHONPATH=REPO:SITE, so
+# `dmc` is imported from this checkout. Without a wheel folder the installed packages are used.
+#
+# Without CUDA it still runs end to end: the GPU tests are skipped and the benchmarks run their CPU
+# presets. Steps that fail are recorded in the summary and the script goes on; it exits 1 when a
+# step failed, 2 on bad usage.
+#
+# Files in RESULTS_DIR: environment.txt, install.log, gpu_tests.log, gpu_tests.xml (JUnit),
+# decode_throughput.{log,json}, paged_kernel.{log,json}, train_step.{log,json}, summary.txt,
+# summary.json. PYTHON (default python3) picks the interpreter.
+set -uo pipefail
+
+if [ "$#" -ne 1 ] || [ -z "$1" ]; then
+  echo "usage: bash scripts/gpu_check.sh RESULTS_DIR" >&2
+  exit 2
+fi
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$1" || { echo "gpu_check: RESULTS_DIR $1 cannot be created" >&2; exit 2; }
+RESULTS=$(cd "$1" && pwd)
+PYTHON=${PYTHON:-python3}
+WHEELS=${DMC_WHEELS:-$ROOT/.whl}
+SITE=${DMC_SITE:-${TMPDIR:-/tmp}/dmc-gpu-check-site}
+STEPS="$RESULTS/steps.tsv"
+: > "$STEPS"
+
+# run NAME CMD...: runs CMD with its output in RESULTS/NAME.log, records status and seconds.
+run() {
+  local name=$1; shift
+  local start=$SECONDS
+  echo "== $name: $*"
+  "$@" > "$RESULTS/$name.log" 2>&1
+  local status=$?
+  printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >> "$STEPS"
+  echo "   exit $status after $((SECONDS - start)) s (log: $RESULTS/$name.log)"
+}
+
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  run install "$PYTHON" -m pip install --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "gpu_check: no wheels in $WHEELS; using the installed packages" | tee "$RESULTS/install.log"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+
+"$PYTHON" - > "$RESULTS/environment.txt" 2>&1 <<'EOF'
+import platform, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, triton
+print("python", sys.version.split()[0], platform.machine())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"{p.total_memory / 2**30:.1f} GiB", p.multi_processor_count, "SMs")
+else:
+    print("device: no CUDA (GPU tests skip, benchmarks run their CPU presets)")
+import megatron.core
+print("megatron-core", megatron.core.__version__)
+EOF
+env_status=$?
+cat "$RESULTS/environment.txt"
+if [ "$env_status" -ne 0 ]; then
+  echo "gpu_check: torch, triton or megatron-core cannot be imported (see environment.txt)" >&2
+  exit 1
+fi
+CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
+
+cd "$ROOT" || exit 1
+run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rs \
+  --junitxml "$RESULTS/gpu_tests.xml" tests
+
+if [ "$CUDA" = 1 ]; then
+  run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu \
+    --out "$RESULTS/decode_throughput.json"
+  run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --out "$RESULTS/paged_kernel.json"
+  run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
+    --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 --out "$RESULTS/train_step.json"
+else
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
+    --out "$RESULTS/decode_throughput.json"
+  run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --cpu-reference --batch 4 --q-heads 8 \
+    --kv-heads 2 --head-dim 64 --length 512 --iters 5 --out "$RESULTS/paged_kernel.json"
+  run train_step "$PYTHON" benchmarks/train_step.py --layers 2 --hidden 128 --heads 4 \
+    --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 \
+    --out "$RESULTS/train_step.json"
+fi
+
+"$PYTHON" "$ROOT/scripts/gpu_check_summary.py" "$RESULTS"

@@ -1,0 +1,104 @@
+"""Summary of a scripts/gpu_check.sh results folder: every step's exit status and time, the GPU
+test counts, and the headline figures of the benchmarks against the issue's H100 goals.
+
+    python scripts/gpu_check_summary.py RESULTS_DIR
+
+Writes RESULTS_DIR/summary.txt and summary.json and prints the text; exits 1 when a step failed,
+2 when RESULTS_DIR holds no steps.tsv.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+GOALS = {  # issue 13, on an H100
+    "decode DMC 4x / vanilla": ">= 3.7",
+    "paged kernel fraction of copy bandwidth": ">= 0.80",
+    "train step DMC / vanilla time": "<= 1.15",
+}
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def test_counts(path: Path) -> dict | None:
+    """Totals of a JUnit XML file: tests, failures, errors, skipped (xfail counts as skipped)."""
+    if not path.is_file():
+        return None
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    return {key: sum(int(s.get(key, 0)) for s in suites)
+            for key in ("tests", "failures", "errors", "skipped")}
+
+
+def summarise(results: Path) -> dict:
+    steps = []
+    for line in (results / "steps.tsv").read_text().splitlines():
+        name, status, seconds = line.split("\t")
+        steps.append({"step": name, "exit": int(status), "seconds": int(seconds)})
+    summary = {"steps": steps, "gpu_tests": test_counts(results / "gpu_tests.xml"),
+               "environment": (results / "environment.txt").read_text().strip().splitlines()
+               if (results / "environment.txt").is_file() else [], "figures": {}, "goals": GOALS}
+    decode = read_json(results / "decode_throughput.json")
+    if decode:
+        summary["figures"]["decode"] = [
+            {k: row[k] for k in ("mode", "measured_cr", "batch", "tokens_per_s",
+                                 "speedup_vs_vanilla")} for row in decode["rows"]]
+    kernel = read_json(results / "paged_kernel.json")
+    if kernel:
+        summary["figures"]["paged_kernel"] = {k: kernel[k] for k in (
+            "path", "kernel_GBps", "copy_GBps", "fraction_of_copy")}
+    train = read_json(results / "train_step.json")
+    if train:
+        rows = train["results"]
+        summary["figures"]["train_step"] = {
+            "dmc_over_vanilla_time": rows["dmc"]["step_s"] / rows["vanilla"]["step_s"],
+            "dmc_over_vanilla_tokens_per_s": train["ratio"]}
+    return summary
+
+
+def as_text(summary: dict) -> str:
+    lines = ["gpu_check summary", *("  " + line for line in summary["environment"]), "", "steps:"]
+    lines += [f"  {s['step']:<18} exit {s['exit']:<3} {s['seconds']:>6} s"
+              for s in summary["steps"]]
+    counts = summary["gpu_tests"]
+    if counts:
+        lines.append(f"gpu tests: {counts['tests']} collected, {counts['failures']} failed, "
+                     f"{counts['errors']} errors, {counts['skipped']} skipped or xfailed")
+    figures = summary["figures"]
+    for row in figures.get("decode", []):
+        speedup = row["speedup_vs_vanilla"]
+        lines.append(f"decode {row['mode']:<16} CR {row['measured_cr']:5.2f}  batch "
+                     f"{row['batch']:>4}  {row['tokens_per_s']:10.1f} tok/s  "
+                     + ("" if speedup is None else f"x{speedup:.2f} vanilla"))
+    if "paged_kernel" in figures:
+        k = figures["paged_kernel"]
+        lines.append(f"paged kernel ({k['path']}): {k['kernel_GBps']:.1f} GB/s, "
+                     f"{k['fraction_of_copy']:.3f} of copy ({k['copy_GBps']:.1f} GB/s)")
+    if "train_step" in figures:
+        t = figures["train_step"]
+        lines.append(f"train step: DMC / vanilla time {t['dmc_over_vanilla_time']:.3f}")
+    lines.append("goals (H100): " + "; ".join(f"{k} {v}" for k, v in summary["goals"].items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not (Path(argv[0]) / "steps.tsv").is_file():
+        print("usage: python scripts/gpu_check_summary.py RESULTS_DIR (a folder written by "
+              "scripts/gpu_check.sh, with steps.tsv)", file=sys.stderr)
+        return 2
+    results = Path(argv[0])
+    summary = summarise(results)
+    text = as_text(summary)
+    (results / "summary.txt").write_text(text + "\n")
+    (results / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(text)
+    return 1 if any(s["exit"] for s in summary["steps"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
