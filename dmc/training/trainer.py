@@ -225,6 +225,14 @@ class Trainer:
                 + ", ".join(f"model.{k} is {ours[k]} but the checkpoint has {saved[k]}"
                             for k in wrong)
                 + "; override them, e.g. " + " ".join(f"model.{k}={saved[k]}" for k in wrong))
+        moved = [k for k in ("rotary_base", "rope_scaling_factor")
+                 if k in saved and saved[k] != ours[k]]
+        if moved:  # intended for a long-context extension (adjusted base frequency), else a slip
+            warnings.warn(f"checkpoint.load_base {base}: "
+                          + ", ".join(f"model.{k} is {ours[k]} but the checkpoint was trained with "
+                                      f"{saved[k]}" for k in moved)
+                          + "; positions change meaning (intended when extending the context, "
+                          "e.g. Llama 3's larger RoPE base; otherwise set them to the checkpoint's)")
 
     # ------------------------------------------------------------------ data
     def _microbatch(self, dataset, index: int) -> dict:

@@ -1,5 +1,6 @@
 """Tiny retrofits on CPU: phases, CR, checkpoints at CR crossings, exact resume."""
 import json
+import warnings
 
 import pytest
 
@@ -52,6 +53,19 @@ def test_checkpoints_at_crossed_crs_and_phase_ends(full_run, tiny_data, tmp_path
                                                  "schedule.zero_out_steps": 0}), "retrofit")
     ckpt.load_checkpoint(root / "cr_1.5", fresh.module)
     assert fresh.evaluate()["valid_loss"] > 0
+
+
+def test_load_base_warns_when_the_rope_base_changes(full_run, tiny_data, tmp_path):
+    _, _, run_dir = full_run
+    base = str(run_dir / "checkpoints" / "solidify")
+    with pytest.warns(UserWarning, match=r"model.rotary_base is 500000.0 but the checkpoint was "
+                                         r"trained with 10000.0"):
+        Trainer(_cfg(tiny_data, tmp_path / "a", **{"checkpoint.load_base": base,
+                                                   "model.rotary_base": 500000.0}), "retrofit")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(_cfg(tiny_data, tmp_path / "b", **{"checkpoint.load_base": base}), "retrofit")
+    assert not [w for w in caught if "positions change meaning" in str(w.message)]
 
 
 def test_every_evaluation_logs_the_cr_per_layer_and_head(full_run):
