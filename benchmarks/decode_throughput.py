@@ -49,7 +49,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -67,8 +67,7 @@ INT32 = 4
 FLOAT32 = 4
 
 
-@dataclass(frozen=True)
-class Mode:
+class Mode(NamedTuple):
     """One row of the benchmark: ``kind`` is vanilla, dmc, gqa, policy or model; ``value`` the
     target CR (dmc, policy) or GQA factor; ``policy`` the policy name."""
 

@@ -3,7 +3,6 @@ batch is the largest that fits, bad flags exit 2 naming them, and a tiny run of 
 to end (modes interleaved, steady-state window, JSON)."""
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ def load_benchmark():
     spec = importlib.util.spec_from_file_location(
         "decode_throughput", ROOT / "benchmarks" / "decode_throughput.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -121,3 +119,23 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     assert rows["vanilla"]["speedup_vs_vanilla"] == 1.0
     assert rows["dmc 4x"]["measured_cr"] > 2 and rows["dmc 4x"]["batch"] > rows["vanilla"]["batch"]
     assert "x vanilla" in capsys.readouterr().out
+
+
+def test_trained_checkpoint_with_model(parallel_1x1, tmp_path):
+    from dmc.inference import save_inference_state
+
+    model, runtime = build_tiny(2, 3, max_seq=64)
+    config = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                  num_query_groups=2, vocab_size=96, max_seq_length=64)
+    path = tmp_path / "model.pt"
+    save_inference_state(path, model, config, runtime.config)
+    out = tmp_path / "decode.json"
+    assert bench.main(["--preset", "cpu", "--model", str(path), "--prompt-len", "20",
+                       "--gen-len", "8", "--steady", "4", "--budget-mib", "0.2",
+                       "--modes", "vanilla,model", "--out", str(out)]) == 0
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["model"]["measured_cr"] > 1.2 and rows["vanilla"]["measured_cr"] == 1.0
+    assert rows["model"]["batch"] >= rows["vanilla"]["batch"]
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--model", str(path), "--modes", "dmc:2"])
+    assert exit_info.value.code == 2
