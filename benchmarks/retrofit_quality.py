@@ -195,8 +195,10 @@ def ensure_base(exp: dict, log) -> Path:
     if (final / "state.json").is_file():
         log(f"base: reusing the cached base {final}")
         return final
-    log("base: no cached base for these settings: PRETRAINING one now (about 45 min on 2 CPU "
-        "cores for the full config). Pass --base PATH to use another.")
+    missing = sum(not (d / "checkpoints" / "pretrain" / "state.json").is_file() for _, d in stages)
+    log(f"base: {missing} of {len(stages)} stages not cached for these settings: PRETRAINING them "
+        f"now (about 55 min on 2 CPU cores for the whole full config). Pass --base PATH to use "
+        f"another.")
     previous = []
     for i, ((data_settings, run_dir), stage) in enumerate(zip(stages, exp["base"]["stages"])):
         checkpoint = run_dir / "checkpoints" / "pretrain"
