@@ -13,7 +13,8 @@ temperature 1, no stop token) with the largest batch whose cache fits ONE memory
 3. all modes run together, interleaved step by step (one ``Engine.step`` of each mode in turn,
    the order rotated every round), so that drift of the machine lands on every mode alike;
 4. throughput is tokens/s over the last ``--steady`` decode steps at the full batch (steps that
-   prefill nothing and decode every sequence): the steady state at the longest contexts.
+   prefill nothing and decode every sequence): the steady state at the longest contexts; also
+   batch / the median of those step times, which a busy machine's bursts disturb less.
 
 Modes (``--modes``, comma separated):
 
@@ -326,11 +327,12 @@ class Run:
         self.steps.append((seconds, stats["decode_tokens"] - before[0],
                            stats["prefill_tokens"] - before[1]))
 
-    def steady(self, n: int) -> tuple[int, int, float]:
+    def steady(self, n: int) -> tuple[int, int, float, float]:
         """The last ``n`` steps that decoded the full batch and prefilled nothing: (steps,
-        tokens, seconds)."""
+        tokens, seconds, median step seconds)."""
         full = [(s, d) for s, d, p in self.steps if p == 0 and d == self.batch][-n:]
-        return len(full), sum(d for _, d in full), sum(s for s, _ in full)
+        median = sorted(s for s, _ in full)[len(full) // 2] if full else 0.0
+        return len(full), sum(d for _, d in full), sum(s for s, _ in full), median
 
 
 def prompts_for(args, n: int, seed: int) -> list[list[int]]:
@@ -411,13 +413,14 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
         if failed:
             raise RuntimeError(f"{run.mode.label}: {len(failed)} requests did not finish: "
                                f"{failed[0]}")
-        steps, tokens, seconds = run.steady(args.steady)
+        steps, tokens, seconds, median = run.steady(args.steady)
         comp = CompressionStats.combine([r.compression for r in run.results])
         stats = run.engine.stats
         row.update(
             measured_cr=comp.overall, measured_cr_per_layer=comp.per_layer,
             steady_steps=steps, steady_tokens=tokens, steady_seconds=seconds,
             tokens_per_s=tokens / seconds if seconds else 0.0,
+            median_step_tokens_per_s=run.batch / median if median else 0.0,
             all_decode_tokens_per_s=stats["decode_tokens"] / max(stats["decode_seconds"], 1e-9),
             prefill_tokens_per_s=stats["prefill_tokens"] / max(stats["prefill_seconds"], 1e-9),
             wall_seconds=sum(s for s, _, _ in run.steps), preemptions=stats["preemptions"],
@@ -428,20 +431,26 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
                   f"(--steady {args.steady}); the figure averages those")
     vanilla = next((r for m, r in rows.items() if m.kind == "vanilla"), None)
     for row in rows.values():
-        row["speedup_vs_vanilla"] = (row["tokens_per_s"] / vanilla["tokens_per_s"]
-                                     if vanilla and vanilla["tokens_per_s"] else None)
+        for key, ratio in (("tokens_per_s", "speedup_vs_vanilla"),
+                           ("median_step_tokens_per_s", "median_speedup_vs_vanilla")):
+            row[ratio] = row[key] / vanilla[key] if vanilla and vanilla[key] else None
     return list(rows.values())
 
 
 def table(rows) -> str:
+    """The rows as text: tok/s over the steady steps and from their median step time, each as a
+    multiple of vanilla's."""
     header = ("mode", "measured CR", "pages/seq", "batch", "budget used", "steady steps",
-              "tok/s", "x vanilla", "preempt")
+              "tok/s", "x vanilla", "median tok/s", "x vanilla", "preempt")
     lines = [" | ".join(f"{h:>12}" for h in header)]
     for r in rows:
-        speedup = r["speedup_vs_vanilla"]
+        def ratio(key):
+            return "-" if r[key] is None else f"{r[key]:.2f}"
+
         cells = (r["mode"], f"{r['measured_cr']:.2f}", str(r["pages_per_seq"]), str(r["batch"]),
                  f"{r['memory']['total'] / 2**20:.2f} MiB", str(r["steady_steps"]),
-                 f"{r['tokens_per_s']:.1f}", "-" if speedup is None else f"{speedup:.2f}",
+                 f"{r['tokens_per_s']:.1f}", ratio("speedup_vs_vanilla"),
+                 f"{r['median_step_tokens_per_s']:.1f}", ratio("median_speedup_vs_vanilla"),
                  str(r["preemptions"]))
         lines.append(" | ".join(f"{c:>12}" for c in cells))
     return "\n".join(lines)
