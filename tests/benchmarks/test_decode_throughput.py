@@ -12,17 +12,10 @@ from dmc.inference import Engine, PagedKVCache
 from tiny_models import build_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "decode_throughput", ROOT / "benchmarks" / "decode_throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_benchmark()
+SPEC = importlib.util.spec_from_file_location(
+    "decode_throughput", ROOT / "benchmarks" / "decode_throughput.py")
+bench = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(bench)
 
 
 def allocated_bytes(root, device: torch.device) -> int:
