@@ -74,7 +74,7 @@ if torch.cuda.is_available():
 else:
     print("device: no CUDA (GPU tests skip, benchmarks run their CPU presets)")
 import megatron.core
-print("megatron-core", megatron.core.__version__)
+print("megatron-core", megatron.core.__version__, "from", megatron.core.__path__[0])
 EOF
 env_status=$?
 cat "$RESULTS/environment.txt"
@@ -85,8 +85,10 @@ fi
 CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
 
 cd "$ROOT" || exit 1
+# a test module that cannot be imported there (another extra missing) must not stop the GPU
+# tests: it is counted as an error in gpu_tests.xml and the summary
 run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rs \
-  --junitxml "$RESULTS/gpu_tests.xml" tests
+  --continue-on-collection-errors --junitxml "$RESULTS/gpu_tests.xml" tests
 
 if [ "$CUDA" = 1 ]; then
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu \
