@@ -16,16 +16,20 @@
 #
 # (the versions within pyproject.toml's pins; one version of each package, or pip refuses the
 # folder). The script installs every wheel there with `pip install --no-index --no-deps --target
-# SITE` (SITE = $TMPDIR/dmc-gpu-check-site unless DMC_SITE is set) and runs with PYTHONPATH=REPO:SITE, so
-# `dmc` is imported from this checkout. Without a wheel folder the installed packages are used.
+# SITE` (SITE = $TMPDIR/dmc-gpu-check-site unless DMC_SITE is set) and runs with
+# PYTHONPATH=REPO:SITE, so `dmc` is imported from this checkout. Without a wheel folder the
+# installed packages are used.
 #
 # Without CUDA it still runs end to end: the GPU tests are skipped and the benchmarks run their CPU
 # presets. Steps that fail are recorded in the summary and the script goes on; it exits 1 when a
 # step failed, 2 on bad usage.
 #
 # Files in RESULTS_DIR: environment.txt, install.log, gpu_tests.log, gpu_tests.xml (JUnit),
-# decode_throughput.{log,json}, paged_kernel.{log,json}, train_step.{log,json}, summary.txt,
-# summary.json. PYTHON (default python3) picks the interpreter.
+# decode_throughput.{log,json}, paged_kernel.{log,json}, train_step.{log,json}, steps.tsv,
+# summary.txt, summary.json. PYTHON (default python3) picks the interpreter. DMC_CHECK_STEPS runs
+# some steps only (of: gpu_tests decode_throughput paged_kernel train_step), e.g. one per call
+# where a command's time is limited; steps.tsv keeps the earlier calls' records (the summary
+# reads the newest of each step).
 set -uo pipefail
 
 if [ "$#" -ne 1 ] || [ -z "$1" ]; then
@@ -39,11 +43,20 @@ PYTHON=${PYTHON:-python3}
 WHEELS=${DMC_WHEELS:-$ROOT/.whl}
 SITE=${DMC_SITE:-${TMPDIR:-/tmp}/dmc-gpu-check-site}
 STEPS="$RESULTS/steps.tsv"
-: > "$STEPS"
+ALL_STEPS="gpu_tests decode_throughput paged_kernel train_step"
+SELECTED=${DMC_CHECK_STEPS:-$ALL_STEPS}
+for step in $SELECTED; do
+  case " $ALL_STEPS " in
+    *" $step "*) ;;
+    *) echo "gpu_check: DMC_CHECK_STEPS: unknown step '$step'; accepted: $ALL_STEPS" >&2; exit 2 ;;
+  esac
+done
 
-# run NAME CMD...: runs CMD with its output in RESULTS/NAME.log, records status and seconds.
+# run NAME CMD...: runs CMD with its output in RESULTS/NAME.log, records status and seconds
+# (a step DMC_CHECK_STEPS leaves out does not run).
 run() {
   local name=$1; shift
+  case " install $SELECTED " in *" $name "*) ;; *) return 0 ;; esac
   local start=$SECONDS
   echo "== $name: $*"
   "$@" > "$RESULTS/$name.log" 2>&1

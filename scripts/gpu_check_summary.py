@@ -35,11 +35,11 @@ def test_counts(path: Path) -> dict | None:
 
 
 def summarise(results: Path) -> dict:
-    steps = []
+    steps = {}  # the newest record of each step (steps.tsv grows over calls)
     for line in (results / "steps.tsv").read_text().splitlines():
         name, status, seconds = line.split("\t")
-        steps.append({"step": name, "exit": int(status), "seconds": int(seconds)})
-    summary = {"steps": steps, "gpu_tests": test_counts(results / "gpu_tests.xml"),
+        steps[name] = {"step": name, "exit": int(status), "seconds": int(seconds)}
+    summary = {"steps": list(steps.values()), "gpu_tests": test_counts(results / "gpu_tests.xml"),
                "environment": (results / "environment.txt").read_text().strip().splitlines()
                if (results / "environment.txt").is_file() else [], "figures": {}, "goals": GOALS}
     decode = read_json(results / "decode_throughput.json")

@@ -9,14 +9,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = ROOT / "scripts" / "gpu_check_summary.py"
 
 
-def test_kit_without_a_results_folder_exits_2():
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True,
-                          text=True)
+def test_kit_usage_errors_exit_2(tmp_path):
+    kit = str(ROOT / "scripts" / "gpu_check.sh")
+    done = subprocess.run(["bash", kit], capture_output=True, text=True)
     assert done.returncode == 2 and "RESULTS_DIR" in done.stderr
+    done = subprocess.run(["bash", kit, str(tmp_path)], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "DMC_CHECK_STEPS": "gpu_tests bench"})
+    assert done.returncode == 2 and "DMC_CHECK_STEPS" in done.stderr and "train_step" in done.stderr
 
 
 def test_summary_of_a_results_folder(tmp_path):
-    (tmp_path / "steps.tsv").write_text("gpu_tests\t0\t60\ndecode_throughput\t1\t5\n")
+    (tmp_path / "steps.tsv").write_text(  # gpu_tests failed, then passed on a second call
+        "gpu_tests\t1\t60\ndecode_throughput\t1\t5\ngpu_tests\t0\t61\n")
     (tmp_path / "environment.txt").write_text("device: no CUDA\n")
     (tmp_path / "gpu_tests.xml").write_text(
         '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="2"/></testsuites>')
@@ -31,6 +35,8 @@ def test_summary_of_a_results_folder(tmp_path):
                           text=True)
     assert done.returncode == 1  # a step failed
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == [{"step": "gpu_tests", "exit": 0, "seconds": 61},
+                                {"step": "decode_throughput", "exit": 1, "seconds": 5}]
     assert summary["gpu_tests"] == {"tests": 4, "failures": 1, "errors": 0, "skipped": 2}
     assert summary["figures"]["decode"][1]["speedup_vs_vanilla"] == 3.0
     assert abs(summary["figures"]["train_step"]["dmc_over_vanilla_time"] - 1.2) < 1e-9
