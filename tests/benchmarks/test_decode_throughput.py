@@ -53,6 +53,23 @@ def test_budget_accounting_equals_the_bytes_the_cache_allocates(
     assert counted["total"] == allocated_bytes(cache, cache.device)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 12])
+def test_budget_accounting_on_cuda(window):
+    """On CUDA the host copies of the block tables and lengths are not counted: the budget is
+    device memory, which the caching allocator reports (each block rounded up to 512 bytes)."""
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    cache = PagedKVCache(4, 8, 128, 1000, page_size=16, max_seqs=32, window=window,
+                         dtype=torch.bfloat16, device=device, max_seq_len=4096)
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated(device) - before
+    counted = bench.cache_allocation(4, 8, 128, 1000, 16, 32, window, torch.bfloat16, 4096)
+    assert counted["total"] == allocated_bytes(cache, device)
+    assert 0 <= grown - counted["total"] < 512 * 16
+
+
 @pytest.mark.parametrize("window", ["vanilla", 3])
 def test_budget_accounting_of_an_engine_cache(parallel_1x1, window):
     model, _ = build_tiny(2, window, max_seq=64)
