@@ -214,19 +214,25 @@ def fit_batch(budget: int, pages_per_seq: int, state_per_seq: int, shape: dict) 
 
 
 # ---------------------------------------------------------------------------- models
-def model_config(args, groups: int) -> dict:
-    """The random model's hyper-parameters for :func:`build_model_from_config`."""
-    return dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                ffn_hidden_size=args.ffn, num_query_groups=groups, vocab_size=args.vocab,
-                max_seq_length=args.prompt_len + args.gen_len, params_dtype=args.dtype,
-                add_qkv_bias=True)
+def model_config(args, groups: int):
+    """The random model's :class:`~dmc.megatron.config.ModelConfig` (built with QKV biases:
+    :data:`QKV_BIAS`)."""
+    from dmc.megatron.config import ModelConfig
+
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                       num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
+                       num_query_groups=groups, vocab_size=args.vocab,
+                       max_seq_length=args.prompt_len + args.gen_len, params_dtype=args.dtype)
+
+
+QKV_BIAS = {"add_qkv_bias": True}  # the random models' TransformerConfig override
 
 
 def build_models(args) -> dict:
     """``{mode: (model, dmc argument of the Engine, policy factory or None)}`` for every mode (a
     policy serves one engine: each engine gets a new one)."""
-    from dmc.inference import build_model_from_config
-    from dmc.megatron.runtime import DMCConfig
+    from dmc.megatron.config import DMCConfig
+    from dmc.megatron.model import build_model_from_config
     from dmc.policies import get_policy
 
     torch.manual_seed(args.seed)
@@ -236,12 +242,11 @@ def build_models(args) -> dict:
         loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
         base = loaded.model.to("cuda" if args.cuda else "cpu")
         config = loaded.model_config
-        args.layers, args.hidden = config["num_layers"], config["hidden_size"]
-        args.heads = config["num_attention_heads"]
-        args.groups = config.get("num_query_groups") or args.heads
-        args.vocab = config["vocab_size"]
+        args.layers, args.hidden = config.num_layers, config.hidden_size
+        args.heads, args.groups = config.num_attention_heads, config.kv_heads
+        args.vocab = config.vocab_size
     else:
-        base = build_model_from_config(model_config(args, args.groups))
+        base = build_model_from_config(model_config(args, args.groups), **QKV_BIAS)
     models = {}
     for mode in args.mode_list:
         if mode.kind == "vanilla":
@@ -254,10 +259,10 @@ def build_models(args) -> dict:
         elif mode.kind == "gqa":
             torch.manual_seed(args.seed)
             config = model_config(args, int(args.groups / mode.value))
-            models[mode] = (build_model_from_config(config), None, None)
+            models[mode] = (build_model_from_config(config, **QKV_BIAS), None, None)
         else:
             dmc = DMCConfig(window=args.window or None, c=args.c)
-            model = build_model_from_config(model_config(args, args.groups), dmc)
+            model = build_model_from_config(model_config(args, args.groups), dmc, **QKV_BIAS)
             model.load_state_dict(base.state_dict())
             force_cr(model, mode.value, args)
             models[mode] = (model, "auto", None)

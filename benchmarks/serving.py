@@ -63,12 +63,14 @@ def parse_args(argv=None):
 
 
 def build_model(args):
-    from dmc.inference import build_model_from_config
+    from dmc.megatron.config import DMCConfig, ModelConfig
+    from dmc.megatron.model import build_model_from_config
 
-    config = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                  num_query_groups=args.groups, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
-                  max_seq_length=args.max_prompt + args.gen_len)
-    dmc = None if args.mode == "vanilla" else {"window": args.window or None, "c": args.c}
+    config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                         num_attention_heads=args.heads, num_query_groups=args.groups,
+                         ffn_hidden_size=args.ffn, vocab_size=args.vocab,
+                         max_seq_length=args.max_prompt + args.gen_len)
+    dmc = None if args.mode == "vanilla" else DMCConfig(window=args.window or None, c=args.c)
     torch.manual_seed(args.seed)
     model = build_model_from_config(config, dmc)
     if torch.cuda.is_available():

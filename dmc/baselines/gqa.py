@@ -13,12 +13,15 @@ so query head ``h`` stays head ``h`` and belongs to group ``h // (np / new_group
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from dmc.megatron.config import ModelConfig
 
 QKV_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 
@@ -55,11 +58,10 @@ def pool_qkv(tensor: torch.Tensor, num_heads: int, old_groups: int, new_groups: 
     return pooled.reshape(-1, *rest).to(tensor.dtype)
 
 
-def convert_state_dict(state_dict: dict, model_config: dict, num_query_groups: int) -> dict:
+def convert_state_dict(state_dict: dict, model_config: ModelConfig, num_query_groups: int) -> dict:
     """A copy of ``state_dict`` (a megatron GPTModel's, TP = 1) with every ``linear_qkv`` weight
     and bias mean-pooled to ``num_query_groups`` KV heads; other entries are shared, not copied."""
-    heads = model_config["num_attention_heads"]
-    old = model_config.get("num_query_groups") or heads
+    heads, old = model_config.num_attention_heads, model_config.kv_heads
     out = dict(state_dict)
     found = 0
     for name, tensor in state_dict.items():
@@ -79,8 +81,8 @@ def convert_to_gqa(checkpoint, num_query_groups: int, output) -> Path:
     ``dmc retrofit ... checkpoint.load_base=OUTPUT`` read it. Returns ``output``."""
     from megatron.core import dist_checkpointing
 
-    from dmc.inference import build_model_from_config
     from dmc.inference.loading import load_model
+    from dmc.megatron.model import build_model_from_config
 
     output = Path(output)
     if output.exists():
@@ -89,14 +91,13 @@ def convert_to_gqa(checkpoint, num_query_groups: int, output) -> Path:
     if loaded.dmc_config is not None:
         raise ValueError(f"--checkpoint {loaded.source} is a DMC model (dmc_config "
                          f"{loaded.dmc_config}); GQA conversion needs a vanilla model")
-    heads = loaded.model_config["num_attention_heads"]
-    groups = loaded.model_config.get("num_query_groups") or heads
+    groups = loaded.model_config.kv_heads
     if not isinstance(num_query_groups, int) or num_query_groups < 1 or groups % num_query_groups:
         accepted = [g for g in range(1, groups + 1) if groups % g == 0]
         raise ValueError(f"--num-query-groups must divide the model's {groups} KV heads; "
                          f"accepted: {accepted}; got {num_query_groups!r}")
-    model_config = dict(loaded.model_config, num_query_groups=num_query_groups)
-    model_config.pop("params_dtype", None)
+    model_config = dataclasses.replace(loaded.model_config, num_query_groups=num_query_groups,
+                                       params_dtype=None)
     model = build_model_from_config(model_config, None)
     state_dict = convert_state_dict(loaded.model.state_dict(), loaded.model_config,
                                     num_query_groups)
@@ -111,7 +112,7 @@ def convert_to_gqa(checkpoint, num_query_groups: int, output) -> Path:
         config = dict(config, model=dict(config.get("model", {}),
                                          num_query_groups=num_query_groups))
     state = {"kind": "gqa_conversion", "step": 0, "source": str(loaded.source),
-             "source_num_query_groups": groups, "model_config": model_config,
+             "source_num_query_groups": groups, "model_config": model_config.to_dict(),
              "dmc_config": None, "config": config, "tp": 1, "pp": 1}
     (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
     os.replace(tmp, output)

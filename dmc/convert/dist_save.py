@@ -12,7 +12,7 @@ def main(payload: str, folder: str) -> None:
     import torch
 
     from dmc.convert.mcore_io import load_full_state, save_model_checkpoint
-    from dmc.inference import build_model_from_config
+    from dmc.megatron.model import build_model_from_config
     from dmc.megatron.parallel import destroy_parallel, initialize_parallel
 
     saved = torch.load(payload, map_location="cpu", weights_only=True)

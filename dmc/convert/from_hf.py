@@ -6,6 +6,7 @@ is (its ``checkpoint.load_base`` points at the folder).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from dmc.convert.hf_config import model_config_from_hf
 from dmc.convert.hf_io import copy_tokenizer, read_hf_config, read_hf_weights
 from dmc.convert.mapping import hf_to_mcore_state
 from dmc.convert.mcore_io import write_checkpoint
+from dmc.megatron.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
@@ -41,22 +43,23 @@ def hf_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     weights = {k: v.to(DTYPES[dtype]) for k, v in weights.items()}
-    model_config["params_dtype"] = dtype
+    model_config = dataclasses.replace(model_config, params_dtype=dtype)
     full = hf_to_mcore_state(weights, model_config, str(hf_folder))
     write_checkpoint(out_folder, full, model_config, None, tp=tp, pp=pp,
                      extra={"source": {"format": "huggingface", "path": str(hf_folder)}})
     copied = copy_tokenizer(hf_folder, out_folder)
     yaml_path = write_model_yaml(out_folder, model_config, f"Hugging Face folder {hf_folder}")
-    return {"output": str(out_folder), "model_config": model_config, "tokenizer": copied,
+    return {"output": str(out_folder), "model_config": model_config.to_dict(), "tokenizer": copied,
             "yaml": str(yaml_path)}
 
 
-def write_model_yaml(folder: Path, model_config: dict, source: str) -> Path:
+def write_model_yaml(folder: Path, model_config: ModelConfig, source: str) -> Path:
     """``folder/model.yaml``: the ``model`` section, ``precision`` and ``checkpoint.load_base``."""
     folder = Path(folder).resolve()
-    model = {k: model_config[k] for k in YAML_KEYS if model_config.get(k) is not None}
+    fields = model_config.to_dict()
+    model = {k: fields[k] for k in YAML_KEYS if fields[k] is not None}
     body = {"model": model, "checkpoint": {"load_base": str(folder)},
-            "precision": PRECISION.get(model_config.get("params_dtype"), "auto")}
+            "precision": PRECISION.get(model_config.params_dtype, "auto")}
     header = (f"# Converted from {source} by `dmc convert`.\n"
               f"# Retrofit: dmc data prepare --tokenizer {folder} ...; then\n"
               f"#   dmc retrofit --config {folder / 'model.yaml'} --config "

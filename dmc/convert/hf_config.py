@@ -1,11 +1,12 @@
-"""Hugging Face ``config.json`` <-> this project's ``model_config`` dict.
-
-``model_config`` is what :func:`dmc.inference.loading.build_model_from_config` takes and
-``state.json`` records. Supported: Llama-family decoders (RMSNorm, SwiGLU, rotate-half RoPE, no
+"""Hugging Face ``config.json`` <-> this project's :class:`~dmc.megatron.config.ModelConfig` and
+:class:`~dmc.megatron.config.DMCConfig` (the ``dmc_*`` fields of the exported DMC model).
+Supported: Llama-family decoders (RMSNorm, SwiGLU, rotate-half RoPE, no
 biases), MHA or GQA, tied or untied embeddings, ``rope_theta`` and Llama 3.x RoPE scaling with
 megatron-core's fixed low/high frequency factors (1, 4) and original context (8192).
 """
 from __future__ import annotations
+
+from dmc.megatron.config import DMCConfig, ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -42,8 +43,8 @@ def _rope_settings(cfg: dict, source: str) -> tuple[float, float | None]:
     return float(theta), float(scaling["factor"])
 
 
-def model_config_from_hf(cfg: dict, source: str = "config.json") -> dict:
-    """The ``model_config`` of a HF Llama ``config.json`` dict; raises
+def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
+    """The :class:`ModelConfig` of a HF Llama ``config.json`` dict; raises
     :class:`UnsupportedModelError` naming the field for anything that would not convert exactly."""
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
@@ -71,43 +72,39 @@ def model_config_from_hf(cfg: dict, source: str = "config.json") -> dict:
         raise UnsupportedModelError(
             f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
     theta, scaling = _rope_settings(cfg, source)
-    model_config = {
-        "num_layers": cfg["num_hidden_layers"], "hidden_size": hidden,
-        "num_attention_heads": heads, "num_query_groups": groups,
-        "ffn_hidden_size": cfg["intermediate_size"], "vocab_size": cfg["vocab_size"],
-        "max_seq_length": cfg.get("max_position_embeddings", 4096), "rotary_base": theta,
-        "norm_epsilon": cfg.get("rms_norm_eps", 1e-5),
-        "share_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-    }
-    if scaling is not None:
-        model_config["rope_scaling_factor"] = scaling
-    return model_config
+    return ModelConfig(
+        num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=groups, ffn_hidden_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"], max_seq_length=cfg.get("max_position_embeddings", 4096),
+        rotary_base=theta, norm_epsilon=cfg.get("rms_norm_eps", 1e-5),
+        share_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling_factor=scaling)
 
 
-def hf_config_from_model_config(model_config: dict, dtype: str,
-                                dmc: dict | None = None) -> dict:
+def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig | None = None,
+                                dmc_extra: dict | None = None) -> dict:
     """A ``config.json`` dict: ``LlamaForCausalLM`` (``dmc`` None) or the exported DMC model
-    (``dmc``: ``dmc_*`` fields of :class:`dmc.convert.hf_modeling_dmc.DMCLlamaConfig`)."""
-    m = model_config
-    heads = m["num_attention_heads"]
+    (:class:`dmc.convert.hf_modeling_dmc.DMCLlamaConfig`: ``dmc``'s settings as its ``dmc_*``
+    fields, plus ``dmc_extra``, e.g. the target and measured CR and ``auto_map``)."""
+    heads = model.num_attention_heads
     cfg = {
-        "hidden_size": m["hidden_size"], "intermediate_size": m["ffn_hidden_size"],
-        "num_hidden_layers": m["num_layers"], "num_attention_heads": heads,
-        "num_key_value_heads": m.get("num_query_groups") or heads,
-        "vocab_size": m["vocab_size"], "max_position_embeddings": m.get("max_seq_length", 4096),
-        "rms_norm_eps": m.get("norm_epsilon", 1e-5), "rope_theta": m.get("rotary_base", 10000.0),
-        "tie_word_embeddings": bool(m.get("share_embeddings", False)), "torch_dtype": dtype,
-        "use_cache": True,
+        "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers, "num_attention_heads": heads,
+        "num_key_value_heads": model.kv_heads, "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_seq_length, "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": model.rotary_base, "tie_word_embeddings": model.share_embeddings,
+        "torch_dtype": dtype, "use_cache": True,
     }
-    scaling = m.get("rope_scaling_factor")
+    scaling = model.rope_scaling_factor
     llama3 = None if scaling is None else dict(MCORE_LLAMA3_SCALING, factor=scaling)
     if dmc is None:
         cfg.update(architectures=list(SUPPORTED_ARCHITECTURES), model_type="llama",
                    hidden_act="silu", attention_bias=False, mlp_bias=False,
-                   head_dim=m["hidden_size"] // heads)
+                   head_dim=model.head_dim)
         if llama3 is not None:
             cfg["rope_scaling"] = dict(llama3, rope_type="llama3")
         return cfg
     cfg.update(architectures=[DMC_ARCHITECTURE], model_type=DMC_MODEL_TYPE,
-               rope_llama3_scaling=llama3, **dmc)
+               rope_llama3_scaling=llama3, dmc_window=dmc.window, dmc_c=dmc.c,
+               dmc_omega_offset=dmc.omega_offset, dmc_channel="last", **(dmc_extra or {}))
     return cfg

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from dmc.megatron.config import ModelConfig
+
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -47,16 +49,15 @@ def _take(state: dict, name: str, source: str) -> torch.Tensor:
     return state.pop(name)
 
 
-def hf_to_mcore_state(hf: dict, model_config: dict, source: str = "HF checkpoint") -> dict:
+def hf_to_mcore_state(hf: dict, model_config: ModelConfig, source: str = "HF checkpoint") -> dict:
     """Full megatron state dict from a HF Llama state dict (consumed). Unknown or missing tensors
     raise :class:`KeyError`/:class:`ValueError` naming them; shapes are checked against
     ``model_config``."""
     hf = {k: v for k, v in hf.items() if not k.endswith(IGNORED_HF_SUFFIXES)}
     m = model_config
-    heads, groups = m["num_attention_heads"], m["num_query_groups"]
-    hidden, dim = m["hidden_size"], m["hidden_size"] // m["num_attention_heads"]
+    heads, groups, hidden, dim = m.num_attention_heads, m.kv_heads, m.hidden_size, m.head_dim
     out = {"embedding.word_embeddings.weight": _take(hf, "model.embed_tokens.weight", source)}
-    for i in range(m["num_layers"]):
+    for i in range(m.num_layers):
         p, o = f"model.layers.{i}.", f"decoder.layers.{i}."
         q, k, v = (_take(hf, f"{p}self_attn.{n}_proj.weight", source) for n in "qkv")
         _check(f"{p}self_attn.k_proj.weight", k, (groups * dim, hidden), source)
@@ -69,12 +70,12 @@ def hf_to_mcore_state(hf: dict, model_config: dict, source: str = "HF checkpoint
                                                     source)
         gate = _take(hf, p + "mlp.gate_proj.weight", source)
         up = _take(hf, p + "mlp.up_proj.weight", source)
-        _check(p + "mlp.gate_proj.weight", gate, (m["ffn_hidden_size"], hidden), source)
+        _check(p + "mlp.gate_proj.weight", gate, (m.ffn_hidden_size, hidden), source)
         out[o + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
         out[o + "mlp.linear_fc2.weight"] = _take(hf, p + "mlp.down_proj.weight", source)
     out["decoder.final_layernorm.weight"] = _take(hf, "model.norm.weight", source)
     head = hf.pop("lm_head.weight", None)
-    if not m.get("share_embeddings"):
+    if not m.share_embeddings:
         if head is None:
             raise KeyError(f"{source}: tensor 'lm_head.weight' is missing (tie_word_embeddings "
                            f"is false)")
@@ -83,16 +84,16 @@ def hf_to_mcore_state(hf: dict, model_config: dict, source: str = "HF checkpoint
         raise ValueError(f"{source}: unexpected tensors {sorted(hf)[:8]} (biases or another "
                          f"architecture?)")
     _check("model.embed_tokens.weight", out["embedding.word_embeddings.weight"],
-           (m["vocab_size"], hidden), source)
+           (m.vocab_size, hidden), source)
     return out
 
 
-def mcore_to_hf_state(state: dict, model_config: dict) -> dict:
+def mcore_to_hf_state(state: dict, model_config: ModelConfig) -> dict:
     """HF Llama state dict from a full megatron state dict (``_extra_state`` entries ignored)."""
     m = model_config
-    heads, groups = m["num_attention_heads"], m["num_query_groups"]
+    heads, groups = m.num_attention_heads, m.kv_heads
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"]}
-    for i in range(m["num_layers"]):
+    for i in range(m.num_layers):
         p, o = f"decoder.layers.{i}.", f"model.layers.{i}."
         q, k, v = split_qkv(state[p + "self_attention.linear_qkv.weight"], heads, groups)
         gate, up = state[p + "mlp.linear_fc1.weight"].chunk(2)
@@ -106,7 +107,7 @@ def mcore_to_hf_state(state: dict, model_config: dict) -> dict:
             o + "mlp.down_proj.weight": state[p + "mlp.linear_fc2.weight"],
         })
     out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-    if not m.get("share_embeddings"):
+    if not m.share_embeddings:
         out["lm_head.weight"] = state["output_layer.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 

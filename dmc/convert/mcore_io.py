@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from dmc.megatron.config import DMCConfig, ModelConfig
+
 COLUMN_PARALLEL = ("linear_qkv.weight", "linear_fc1.weight", "output_layer.weight",
                    "word_embeddings.weight")
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
@@ -84,9 +86,11 @@ def save_model_checkpoint(model, folder: Path, meta: dict) -> None:
         write_manifest(Path(folder))
 
 
-def write_checkpoint(folder: Path, full: dict, model_config: dict, dmc_config: dict | None,
-                     tp: int = 1, pp: int = 1, extra: dict | None = None) -> Path:
-    """Writes a converted checkpoint folder (see the module docstring) from ``full`` weights.
+def write_checkpoint(folder: Path, full: dict, model_config: ModelConfig | dict,
+                     dmc_config: DMCConfig | dict | None, tp: int = 1, pp: int = 1,
+                     extra: dict | None = None) -> Path:
+    """Writes a converted checkpoint folder (see the module docstring) from ``full`` weights
+    (the configs typed or as their ``to_dict`` dicts; ``dmc_config`` None = vanilla).
 
     The folder must not exist or be empty. ``tp * pp > 1`` runs the save in ``tp * pp`` gloo
     processes (``python -m torch.distributed.run``)."""
@@ -95,10 +99,11 @@ def write_checkpoint(folder: Path, full: dict, model_config: dict, dmc_config: d
         raise FileExistsError(f"output folder {folder} exists and is not empty")
     if tp < 1 or pp < 1:
         raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
-    _check_layout(model_config, dmc_config, tp, pp)
+    model_config, dmc_config = ModelConfig.of(model_config), DMCConfig.of(dmc_config)
+    _check_layout(model_config, tp, pp)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = dict(extra or {}, kind="converted", step=0, model_config=model_config,
-                dmc_config=dmc_config, tp=tp, pp=pp)
+    meta = dict(extra or {}, kind="converted", step=0, model_config=model_config.to_dict(),
+                dmc_config=None if dmc_config is None else dmc_config.to_dict(), tp=tp, pp=pp)
     if tp * pp == 1:
         _save_single(folder, full, model_config, dmc_config, meta)
     else:
@@ -106,14 +111,16 @@ def write_checkpoint(folder: Path, full: dict, model_config: dict, dmc_config: d
     return folder
 
 
-def _check_layout(model_config, dmc_config, tp, pp):
+def _check_layout(model_config: ModelConfig, tp, pp):
     m = model_config
     problems = []
-    if m["num_layers"] % pp:
-        problems.append(f"num_layers={m['num_layers']} is not divisible by pp={pp}")
-    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
-        if m[key] % tp:
-            problems.append(f"{key}={m[key]} is not divisible by tp={tp}")
+    if m.num_layers % pp:
+        problems.append(f"num_layers={m.num_layers} is not divisible by pp={pp}")
+    sizes = {"num_attention_heads": m.num_attention_heads, "num_query_groups": m.kv_heads,
+             "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": m.vocab_size}
+    for key, size in sizes.items():
+        if size % tp:
+            problems.append(f"{key}={size} is not divisible by tp={tp}")
     if problems:
         raise ValueError("cannot shard the model: " + "; ".join(problems))
 
@@ -121,7 +128,7 @@ def _check_layout(model_config, dmc_config, tp, pp):
 def _save_single(folder, full, model_config, dmc_config, meta):
     from megatron.core import parallel_state
 
-    from dmc.inference import build_model_from_config
+    from dmc.megatron.model import build_model_from_config
 
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() != 1
@@ -156,7 +163,7 @@ def _save_distributed(folder, full, meta, tp, pp):
                            f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
 
 
-def read_checkpoint(folder: Path) -> tuple[dict, dict, dict | None, dict]:
+def read_checkpoint(folder: Path) -> tuple[dict, ModelConfig, DMCConfig | None, dict]:
     """``(full state dict, model_config, dmc_config, state.json)`` of one of this project's
     checkpoints (any TP/PP, any phase; ``folder`` may also be a run or checkpoints folder)."""
     from dmc.inference.loading import load_model

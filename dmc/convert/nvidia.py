@@ -36,6 +36,7 @@ import torch
 from dmc.convert.from_hf import write_model_yaml
 from dmc.convert.hf_io import copy_tokenizer
 from dmc.convert.mcore_io import COLUMN_PARALLEL, ROW_PARALLEL, write_checkpoint
+from dmc.megatron.config import DMCConfig, ModelConfig
 
 CHECKPOINT_FILE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -180,7 +181,7 @@ def _arg(args, name, default=None):
 
 
 def configs_from_args(args, vocab_rows: int, dtype: torch.dtype, source: str
-                      ) -> tuple[dict, dict]:
+                      ) -> tuple[ModelConfig, DMCConfig]:
     """``(model_config, dmc_config)`` from the checkpoint's ``args``."""
     problems = []
     if not _arg(args, "swiglu", False):
@@ -206,20 +207,19 @@ def configs_from_args(args, vocab_rows: int, dtype: torch.dtype, source: str
         raise ValueError(f"{source}: " + "; ".join(problems))
     heads = args.num_attention_heads
     groups = _arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention") else heads
-    model_config = {
-        "num_layers": args.num_layers, "hidden_size": args.hidden_size,
-        "num_attention_heads": heads, "num_query_groups": groups,
-        "ffn_hidden_size": _arg(args, "ffn_hidden_size", 4 * args.hidden_size),
-        "vocab_size": vocab_rows,
-        "max_seq_length": _arg(args, "max_position_embeddings", _arg(args, "seq_length", 4096)),
-        "rotary_base": float(_arg(args, "rotary_base", 10000.0)),
-        "norm_epsilon": float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
-        "share_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
-        "params_dtype": str(dtype).removeprefix("torch."),
-    }
-    dmc_config = {"window": int(args.dmc_window_size), "tau": float(_arg(args, "dmc_temp", 0.1)),
-                  "c": float(_arg(args, "dmc_init_val", 5.0)), "hard": False, "hard_loss": True,
-                  "omega_offset": NVIDIA_OMEGA_OFFSET}
+    model_config = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=_arg(args, "ffn_hidden_size", 4 * args.hidden_size),
+        vocab_size=vocab_rows,
+        max_seq_length=_arg(args, "max_position_embeddings", _arg(args, "seq_length", 4096)),
+        rotary_base=float(_arg(args, "rotary_base", 10000.0)),
+        norm_epsilon=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
+        share_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
+        params_dtype=str(dtype).removeprefix("torch."))
+    dmc_config = DMCConfig(window=int(args.dmc_window_size), tau=float(_arg(args, "dmc_temp", 0.1)),
+                           c=float(_arg(args, "dmc_init_val", 5.0)), hard=False, hard_loss=True,
+                           omega_offset=NVIDIA_OMEGA_OFFSET)
     return model_config, dmc_config
 
 
@@ -272,5 +272,5 @@ def nvidia_dmc_to_mcore(source, out_folder, *, tokenizer=None, vocab_size: int |
     write_checkpoint(out_folder, full, model_config, dmc_config, tp=tp, pp=pp, extra=extra)
     copied = copy_tokenizer(Path(tokenizer), Path(out_folder)) if tokenizer else []
     yaml_path = write_model_yaml(Path(out_folder), model_config, f"NVIDIA DMC checkpoint {folder}")
-    return {"output": str(out_folder), "model_config": model_config, "dmc_config": dmc_config,
-            "tokenizer": copied, "yaml": str(yaml_path)}
+    return {"output": str(out_folder), "model_config": model_config.to_dict(),
+            "dmc_config": dmc_config.to_dict(), "tokenizer": copied, "yaml": str(yaml_path)}

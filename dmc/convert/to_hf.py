@@ -57,19 +57,17 @@ def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = N
     state = {k: v.detach().cpu() for k, v in loaded.model.state_dict().items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     hf_state = {k: v.to(DTYPES[dtype]) for k, v in mcore_to_hf_state(state, model_config).items()}
-    dmc_fields, measured = None, None
+    dmc_extra, measured = None, None
     if dmc_config is not None:
         if cr_tokens is not None:
             measured = measure_cr(loaded.model, cr_tokens)
-        dmc_fields = {"dmc_window": dmc_config.get("window"), "dmc_c": dmc_config.get("c", 5.0),
-                      "dmc_omega_offset": dmc_config.get("omega_offset", 0.0),
-                      "dmc_channel": "last", "dmc_target_cr": loaded.state.get("target_cr"),
-                      "dmc_measured_cr": measured, "auto_map": AUTO_MAP}
+        dmc_extra = {"dmc_target_cr": loaded.state.get("target_cr"),
+                     "dmc_measured_cr": measured, "auto_map": AUTO_MAP}
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config_from_model_config(model_config, dtype, dmc_fields)
+    config = hf_config_from_model_config(model_config, dtype, dmc_config, dmc_extra)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     files = write_safetensors(out, hf_state, max_shard_bytes)
-    if dmc_fields is not None:
+    if dmc_config is not None:
         shutil.copy2(Path(__file__).with_name("hf_modeling_dmc.py"), out / MODELING_FILE)
         ops = Path(dmc.ops.__file__).parent
         for name in OPS_FILES:

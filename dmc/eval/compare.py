@@ -158,10 +158,6 @@ def prefill_tokens(seq_len: int, fraction: float) -> int:
 
 
 # ----------------------------------------------------------------------------- running
-def kv_heads(model_config: dict) -> int:
-    return model_config.get("num_query_groups") or model_config["num_attention_heads"]
-
-
 def nominal_cr(method: Method, loaded, control_kv: int, measured: float) -> float:
     """The CR a result is reported at: the requested CR (policies that evict), the KV-head ratio
     (GQA), the checkpoint's target CR (DMC; the measured one rounded to 0.5 when it records
@@ -172,7 +168,7 @@ def nominal_cr(method: Method, loaded, control_kv: int, measured: float) -> floa
 
         return method.cr if POLICIES[method.policy].evicts else 1.0
     if method.kind == "gqa":
-        return control_kv / kv_heads(loaded.model_config)
+        return control_kv / loaded.model_config.kv_heads
     if method.kind == "dmc":
         target = loaded.state.get("target_cr")
         return float(target) if target else round(measured * 2) / 2
@@ -210,15 +206,14 @@ def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | No
     ppl = evaluate_perplexity(engine(), data.sequences, prefill_tokens=data.prefill,
                               reference=None if reference is None else reference["logprobs"],
                               keep_logprobs=reference is None)
-    control_kv = kv_heads(reference["model_config"]) if reference else \
-        kv_heads(loaded.model_config)
-    slots_cr = ppl["compression"]["cr"] * control_kv / kv_heads(loaded.model_config)
+    control_kv = (reference or {"model_config": loaded.model_config})["model_config"].kv_heads
+    slots_cr = ppl["compression"]["cr"] * control_kv / loaded.model_config.kv_heads
     control_bytes = (reference or ppl)["cache_bytes"]["total"]
     result = {"method": method.kind, "label": method.label, "path": method.path,
               "policy": method.policy, "requested_cr": method.cr,
               "nominal_cr": nominal_cr(method, loaded, control_kv, slots_cr),
               "slots_cr": slots_cr, "memory_cr": control_bytes / ppl["cache_bytes"]["total"],
-              "model_config": loaded.model_config,
+              "model_config": loaded.model_config.to_dict(),
               "perplexity": ppl["perplexity"], "perplexity_ci": ppl["perplexity_ci"],
               "kl": ppl.get("kl", 0.0), "kl_ci": ppl.get("kl_ci", [0.0, 0.0]),
               "top1_agreement": ppl.get("top1_agreement", 1.0),

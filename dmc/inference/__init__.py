@@ -3,7 +3,7 @@ the scheduler, the model runner and the generation engine, sampling and model lo
 from .block_allocator import CacheFullError
 from .cache import PagedKVCache
 from .engine import Engine
-from .loading import build_model_from_config, load_inference_state, save_inference_state
+from .loading import load_inference_state, save_inference_state
 from .sampling import SamplingParams
 from .sequence import CompressionStats, GenerationResult, ScoreResult
 
@@ -19,3 +19,13 @@ __all__ = [
     "load_inference_state",
     "save_inference_state",
 ]
+
+
+def __getattr__(name):
+    """``build_model_from_config`` (:mod:`dmc.megatron.model`) imported on first use, so that
+    importing ``dmc.inference`` does not import megatron-core."""
+    if name == "build_model_from_config":
+        from dmc.megatron.model import build_model_from_config
+
+        return build_model_from_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

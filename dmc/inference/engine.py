@@ -20,18 +20,14 @@ import torch
 from dmc.inference.block_allocator import default_num_pages, pages_for
 from dmc.inference.cache import PagedKVCache
 from dmc.inference.kv_write import make_kv_write, make_policy
-from dmc.inference.loading import (
-    build_model_from_config,
-    load_inference_state,
-    load_model,
-    load_plain,
-)
+from dmc.inference.loading import load_inference_state, load_model, load_plain
 from dmc.inference.model_runner import ModelRunner, resolve_dmc, rope_frequencies
 from dmc.inference.sampling import SamplingParams, make_generator, sample_next
 from dmc.inference.scheduler import Scheduler, StepPlan
 from dmc.inference.scoring import score_batch
 from dmc.inference.sequence import CompressionStats, GenerationResult, ScoreResult, Sequence
-from dmc.megatron.runtime import DMCConfig, DMCRuntime
+from dmc.megatron.config import DMCConfig, ModelConfig
+from dmc.megatron.runtime import DMCRuntime
 
 STATS = ("prefill_tokens", "prefill_seconds", "decode_steps", "decode_tokens", "decode_seconds",
          "generated_tokens", "preemptions", "peak_running", "peak_pages")
@@ -140,10 +136,13 @@ class Engine:
         self.reset_stats()
 
     @classmethod
-    def from_state_dict(cls, state_dict: dict, model_config: dict,
+    def from_state_dict(cls, state_dict: dict, model_config: ModelConfig | dict,
                         dmc_config: DMCConfig | dict | None = None, **engine_kwargs) -> Engine:
-        """Build the model from ``model_config`` (see :func:`build_model_from_config`), load
-        ``state_dict`` into it and wrap it; ``dmc_config`` None = a vanilla model."""
+        """Build the model from ``model_config`` (see
+        :func:`dmc.megatron.model.build_model_from_config`), load ``state_dict`` into it and
+        wrap it; ``dmc_config`` None = a vanilla model."""
+        from dmc.megatron.model import build_model_from_config
+
         model = build_model_from_config(model_config, dmc_config)
         load_plain(model, state_dict, "state_dict")
         return cls(model, **engine_kwargs)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from dmc.inference.cache import PagedKVCache
-from dmc.megatron.runtime import DMCConfig
+from dmc.megatron.config import DMCConfig
 from dmc.ops import zero_decision_channel
 from dmc.ops.algorithm1 import compress_chunk, empty_prefix, hard_decisions, open_slot_prefix
 from dmc.ops.mask import bias_from_log_keep, log_keep_next

@@ -13,24 +13,22 @@ model; later retrofit checkpoints are DMC models with the run's window and ``c``
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dmc.megatron.runtime import DMCConfig, DMCRuntime
+from dmc.megatron.config import DMCConfig, ModelConfig
 
 STATE_FORMAT = 1
-MODEL_CONFIG_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                         "vocab_size")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    model_config: dict
-    dmc_config: dict | None
+    model_config: ModelConfig
+    dmc_config: DMCConfig | None  # None = vanilla model
     source: Path
     state: dict  # the checkpoint's state.json ({} for inference files)
 
@@ -54,36 +52,43 @@ def resolve_checkpoint(path) -> Path:
     )
 
 
-def checkpoint_model_config(state: dict, source: Path) -> tuple[dict, dict | None]:
-    """``(model_config, dmc_config)`` recorded in a checkpoint's ``state.json``."""
-    if "model_config" not in state:
+def saved_configs(saved: dict, source: Path) -> tuple[ModelConfig, DMCConfig | None]:
+    """``(model_config, dmc_config)`` that a checkpoint's ``state.json`` or an inference file
+    records (as ``to_dict`` dicts)."""
+    if "model_config" not in saved:
         raise ValueError(
-            f"{source}/state.json has no 'model_config' (written by dmc before 2026-11-22?); "
+            f"{source}: no 'model_config' (a checkpoint written by dmc before 2026-11-22?); "
             f"re-save it with the current trainer"
         )
-    return dict(state["model_config"]), state.get("dmc_config")
+    dmc_config = saved.get("dmc_config")
+    return (ModelConfig.from_dict(saved["model_config"]),
+            None if dmc_config is None else DMCConfig.from_dict(dmc_config))
 
 
 def load_model(path, *, dtype: torch.dtype | None = None) -> LoadedModel:
     """Build and load the model stored at ``path`` (see the module docstring), TP = PP = 1,
     on CPU; ``dtype`` overrides the parameter dtype."""
+    from dmc.megatron.model import build_model_from_config
+
     path = Path(path)
     if path.is_file():
         saved = load_inference_state(path)
-        model_config = dict(saved["model_config"])
-        if dtype is not None:
-            model_config["params_dtype"] = str(dtype).removeprefix("torch.")
-        model = build_model_from_config(model_config, saved["dmc_config"])
-        load_plain(model, saved["state_dict"], path)
-        return LoadedModel(model, model_config, saved["dmc_config"], path, {})
+        model_config, dmc_config = saved_configs(saved, path)
+    else:
+        from dmc.megatron.checkpoint import read_state
 
-    from dmc.megatron.checkpoint import load_checkpoint, read_state
-
-    source = resolve_checkpoint(path)
-    model_config, dmc_config = checkpoint_model_config(read_state(source), source)
+        source = resolve_checkpoint(path)
+        model_config, dmc_config = saved_configs(read_state(source), source / "state.json")
     if dtype is not None:
-        model_config["params_dtype"] = str(dtype).removeprefix("torch.")
+        model_config = dataclasses.replace(model_config,
+                                           params_dtype=str(dtype).removeprefix("torch."))
     model = build_model_from_config(model_config, dmc_config)
+    if path.is_file():
+        load_plain(model, saved["state_dict"], path)
+        return LoadedModel(model, model_config, dmc_config, path, {})
+
+    from dmc.megatron.checkpoint import load_checkpoint
+
     try:
         state = load_checkpoint(source, model)
     except Exception as err:  # dist_checkpointing reports mismatches in many exception types
@@ -102,68 +107,23 @@ def load_plain(model: torch.nn.Module, state_dict: dict, source: Path) -> None:
                          f"{missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def build_model_from_config(model_config: dict, dmc_config: DMCConfig | dict | None = None):
-    """A megatron ``GPTModel`` (TP = PP = 1) from a plain dict of hyper-parameters.
-
-    ``model_config`` keys: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
-    ``ffn_hidden_size``, ``vocab_size`` (required); ``num_query_groups`` (default: heads),
-    ``max_seq_length`` (4096), ``norm_epsilon`` (1e-5), ``rotary_base`` (10000.0),
-    ``share_embeddings`` (False), ``rope_scaling_factor`` (None: Llama 3.x RoPE scaling off),
-    ``params_dtype`` ("float32", "bfloat16" or "float16");
-    any other key is passed to :func:`dmc.megatron.model.llama_transformer_config` as a
-    ``TransformerConfig`` override (e.g. ``add_qkv_bias``). ``dmc_config`` (a
-    :class:`DMCConfig` or its fields as a dict) makes a DMC model; None a vanilla one.
-    Initialises megatron's parallel state (1 x 1) when it is not yet.
-    """
-    from megatron.core import parallel_state
-
-    from dmc.megatron.model import build_gpt_model, llama_transformer_config
-    from dmc.megatron.parallel import initialize_parallel
-
-    missing = [k for k in MODEL_CONFIG_REQUIRED if k not in model_config]
-    if missing:
-        raise ValueError(f"model_config lacks {missing}; required: {list(MODEL_CONFIG_REQUIRED)}")
-    if not parallel_state.model_parallel_is_initialized():
-        initialize_parallel(1, 1)
-    cfg = dict(model_config)
-    vocab_size = int(cfg.pop("vocab_size"))
-    max_seq_length = int(cfg.pop("max_seq_length", 4096))
-    rotary_base = float(cfg.pop("rotary_base", 10000.0))
-    share = bool(cfg.pop("share_embeddings", False))
-    rope_scaling_factor = cfg.pop("rope_scaling_factor", None)
-    dtype = cfg.pop("params_dtype", "float32")
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"model_config params_dtype must be one of {list(_DTYPES)}")
-        dtype = _DTYPES[dtype]
-    config = llama_transformer_config(params_dtype=dtype, **cfg)
-    runtime = None
-    if dmc_config is not None:
-        if isinstance(dmc_config, dict):
-            dmc_config = DMCConfig(**dmc_config)
-        runtime = DMCRuntime(dmc_config)
-        runtime.set_mode("eval")
-    return build_gpt_model(config, vocab_size, max_seq_length, dmc=runtime,
-                           rotary_base=rotary_base, share_embeddings=share,
-                           rope_scaling_factor=rope_scaling_factor)
-
-
-def save_inference_state(path, model: torch.nn.Module, model_config: dict,
+def save_inference_state(path, model: torch.nn.Module, model_config: ModelConfig | dict,
                          dmc_config: DMCConfig | dict | None = None) -> None:
     """Write the single-file format that :meth:`Engine.from_file` and ``dmc generate
     --state-dict`` read (``torch.save`` of a plain dict, loadable with ``weights_only=True``)::
 
         {"format": 1,
-         "model_config": {...},          # see build_model_from_config
-         "dmc_config": {...} or None,    # DMCConfig fields; None = vanilla model
+         "model_config": {...},          # ModelConfig.to_dict()
+         "dmc_config": {...} or None,    # DMCConfig.to_dict(); None = vanilla model
          "state_dict": {name: tensor}}   # model.state_dict(), tensors only
+
+    The configs may be given typed or as dicts (checked by their ``from_dict``).
     """
-    if isinstance(dmc_config, DMCConfig):
-        dmc_config = asdict(dmc_config)
+    model_config, dmc_config = ModelConfig.of(model_config), DMCConfig.of(dmc_config)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor)}
-    torch.save({"format": STATE_FORMAT, "model_config": dict(model_config),
-                "dmc_config": None if dmc_config is None else dict(dmc_config),
+    torch.save({"format": STATE_FORMAT, "model_config": model_config.to_dict(),
+                "dmc_config": None if dmc_config is None else dmc_config.to_dict(),
                 "state_dict": state}, path)
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from dmc.inference.kv_write import KVWrite
-from dmc.megatron.runtime import DMCConfig, DMCRuntime
+from dmc.megatron.config import DMCConfig
+from dmc.megatron.runtime import DMCRuntime
 
 
 @dataclass

@@ -1,4 +1,9 @@
-"""Building Llama-family GPT models on megatron-core (vanilla, GQA or DMC)."""
+"""Building Llama-family GPT models on megatron-core (vanilla, GQA or DMC): the model factories.
+
+:func:`build_model` makes the model a :class:`~dmc.megatron.config.ModelConfig` describes (the
+trainer, loading, conversion and the baselines call it); :func:`build_model_from_config` also
+takes the configs as the dicts that checkpoints and inference files record.
+"""
 from __future__ import annotations
 
 import torch
@@ -8,8 +13,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from dmc.megatron.compat import CPU_CONFIG_OVERRIDES, cuda_available
+from dmc.megatron.config import DMCConfig, ModelConfig
 from dmc.megatron.layer_spec import dmc_layer_spec, vanilla_layer_spec
+from dmc.megatron.parallel import initialize_parallel
 from dmc.megatron.runtime import DMCRuntime
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def llama_transformer_config(
@@ -84,3 +93,37 @@ def build_gpt_model(
     if cuda_available():
         model = model.cuda()
     return model
+
+
+def build_model(model: ModelConfig, dmc: DMCRuntime | None = None,
+                params_dtype: torch.dtype | None = None, **overrides) -> GPTModel:
+    """The GPTModel (this pipeline stage) ``model`` describes; DMC attention when ``dmc`` is
+    given. ``params_dtype`` overrides ``model.params_dtype``; ``overrides`` are
+    :class:`TransformerConfig` fields (e.g. ``add_qkv_bias=True``). ``model.vocab_size`` must
+    be set. The TransformerConfig is the returned model's ``config``."""
+    if model.vocab_size is None:
+        raise ValueError("build_model: model.vocab_size is None; set it (e.g. from the data)")
+    dtype = params_dtype or DTYPES[model.params_dtype or "float32"]
+    config = llama_transformer_config(
+        model.num_layers, model.hidden_size, model.num_attention_heads, model.ffn_hidden_size,
+        num_query_groups=model.num_query_groups, norm_epsilon=model.norm_epsilon,
+        params_dtype=dtype, init_method_std=model.init_method_std, **overrides)
+    return build_gpt_model(config, model.vocab_size, model.max_seq_length, dmc=dmc,
+                           rotary_base=model.rotary_base, share_embeddings=model.share_embeddings,
+                           rope_scaling_factor=model.rope_scaling_factor)
+
+
+def build_model_from_config(model_config: ModelConfig | dict,
+                            dmc_config: DMCConfig | dict | None = None, **overrides) -> GPTModel:
+    """An eval-ready model (TP = PP = 1 unless megatron's parallel state is already set up)
+    from a :class:`ModelConfig` and a :class:`DMCConfig` (a DMC model, its runtime in ``eval``
+    mode; None = vanilla), each also accepted as its ``to_dict`` form. ``overrides``: as
+    :func:`build_model`. Initialises megatron's parallel state (1 x 1) when it is not yet."""
+    model_config, dmc_config = ModelConfig.of(model_config), DMCConfig.of(dmc_config)
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel(1, 1)
+    runtime = None
+    if dmc_config is not None:
+        runtime = DMCRuntime(dmc_config)
+        runtime.set_mode("eval")
+    return build_model(model_config, runtime, **overrides)

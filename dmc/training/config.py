@@ -14,28 +14,10 @@ from pathlib import Path
 
 import yaml
 
+from dmc.megatron.config import ATTENTION_BACKENDS, PRIORS, ConfigError, DMCConfig, ModelConfig
 
-class ConfigError(ValueError):
-    """A bad configuration key or value."""
-
-
-@dataclass
-class ModelConfig:
-    """Llama-family architecture. ``vocab_size`` null = taken from the prepared data.
-    ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling (null = off)."""
-
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 8
-    num_query_groups: int | None = None
-    ffn_hidden_size: int = 688
-    vocab_size: int | None = None
-    max_seq_length: int = 4096
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
-    share_embeddings: bool = False
-    rope_scaling_factor: float | None = None
+__all__ = ["ConfigError", "DMCSection", "ModelConfig", "RunConfig", "dump_config", "flatten",
+           "load_config", "parse_override", "to_dict"]
 
 
 @dataclass
@@ -78,28 +60,18 @@ class ScheduleConfig:
 
 
 @dataclass
-class DMCSection:
-    """DMC hyper-parameters (Sec. 4 of the paper). ``enabled: false`` makes ``dmc retrofit`` a
-    vanilla-attention up-training with the same steps and LR schedule (the GQA baseline).
-
-    ``hard``: straight-through hard decisions in the attention and the loss. ``hard_loss``:
-    straight-through hard decisions in the CR loss only, as NVIDIA's released code trains (the
-    paper's soft relaxation when both are false). ``prior``: ``global`` (Eq. 10, one hinge over the
-    whole model) or ``local`` (App. G, one hinge per layer). ``omega_offset``: added to omega
-    (2^-7 = 0.0078125 in NVIDIA's models; 0 in the paper); see
-    :class:`dmc.megatron.runtime.DMCConfig`.
-    """
+class DMCSection(DMCConfig):
+    """The model's DMC settings (:class:`dmc.megatron.config.DMCConfig`, Sec. 4 of the paper)
+    plus how a run trains them. ``enabled: false`` makes ``dmc retrofit`` a vanilla-attention
+    up-training with the same steps and LR schedule (the GQA baseline); ``target_cr``: the CR
+    that phase 1 anneals to."""
 
     enabled: bool = True
     target_cr: float = 2.0
-    window: int | None = 12
-    tau: float = 0.1
-    c: float = 5.0
-    hard: bool = False
-    hard_loss: bool = False
-    prior: str = "global"
-    omega_offset: float = 0.0
-    attention_backend: str = "auto"
+
+    def model_settings(self) -> DMCConfig:
+        """The :class:`DMCConfig` part (what the model and its checkpoints hold)."""
+        return DMCConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DMCConfig)})
 
 
 @dataclass
@@ -156,23 +128,22 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-CHOICES = {
+RUN_CHOICES = {
     "precision": ("auto", "fp32", "bf16"),
-    "dmc.attention_backend": ("auto", "dense", "flex"),
-    "dmc.prior": ("global", "local"),  # dmc.ops.PRIORS, spelled out to keep torch unimported
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
+# every field with a fixed set of values; the model and dmc sections check theirs when built
+CHOICES = dict(RUN_CHOICES, **{"dmc.attention_backend": ATTENTION_BACKENDS, "dmc.prior": PRIORS})
 POSITIVE = {
-    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.ffn_hidden_size",
-    "model.max_seq_length", "data.seq_length", "data.micro_batch_size", "data.global_batch_size",
-    "parallel.tensor", "parallel.pipeline", "dmc.tau", "optim.lr", "logging.log_interval",
-    "checkpoint.keep_last", "model.rotary_base", "model.norm_epsilon",
+    "data.seq_length", "data.micro_batch_size", "data.global_batch_size",
+    "parallel.tensor", "parallel.pipeline", "optim.lr", "logging.log_interval",
+    "checkpoint.keep_last",
 }
 NON_NEGATIVE = {
     "schedule.pretrain_steps", "schedule.zero_out_steps", "schedule.retrofit_steps",
     "schedule.solidify_steps", "checkpoint.save_interval", "logging.eval_interval",
     "logging.eval_iters", "optim.weight_decay", "optim.clip_grad", "optim.warmup_steps",
-    "optim.min_lr_ratio", "dmc.omega_offset",
+    "optim.min_lr_ratio",
 }
 
 
@@ -238,7 +209,7 @@ def _build(cls, values: dict, prefix: str = ""):
 
 def _validate(cfg: RunConfig) -> None:
     flat = flatten(cfg)
-    for key, choices in CHOICES.items():
+    for key, choices in RUN_CHOICES.items():
         if flat[key] not in choices:
             raise ConfigError(f"{key}: {flat[key]!r} is not one of {', '.join(choices)}")
     for key in POSITIVE:
@@ -249,20 +220,11 @@ def _validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: must be >= 0, got {flat[key]!r}")
     if cfg.dmc.target_cr < 1:
         raise ConfigError(f"dmc.target_cr: must be >= 1, got {cfg.dmc.target_cr}")
-    if cfg.dmc.window is not None and cfg.dmc.window < 1:
-        raise ConfigError(f"dmc.window: must be null or >= 1, got {cfg.dmc.window}")
     model = cfg.model
-    groups = model.num_query_groups or model.num_attention_heads
-    if model.hidden_size % model.num_attention_heads:
-        raise ConfigError(
-            f"model.hidden_size ({model.hidden_size}) must be divisible by "
-            f"model.num_attention_heads ({model.num_attention_heads})"
-        )
-    if model.num_attention_heads % groups:
-        raise ConfigError(
-            f"model.num_query_groups ({groups}) must divide model.num_attention_heads "
-            f"({model.num_attention_heads})"
-        )
+    if model.params_dtype is not None:
+        raise ConfigError(f"model.params_dtype: {model.params_dtype!r}; a run sets it from "
+                          f"precision ({', '.join(RUN_CHOICES['precision'])}): leave it null")
+    groups = model.kv_heads
     if groups % cfg.parallel.tensor:
         raise ConfigError(
             f"parallel.tensor ({cfg.parallel.tensor}) must divide model.num_query_groups ({groups})"

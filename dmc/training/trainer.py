@@ -9,6 +9,7 @@ uninterrupted one. SIGUSR1/SIGTERM end a run cleanly after a checkpoint
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -34,9 +35,10 @@ from dmc.data import build_gpt_dataset, load_meta, load_tokenizer, split_prefix
 from dmc.megatron import checkpoint as ckpt
 from dmc.megatron.attention import dmc_layers, zero_decision_rows_
 from dmc.megatron.compat import cuda_available
-from dmc.megatron.model import build_gpt_model, llama_transformer_config
+from dmc.megatron.config import DMCConfig, ModelConfig
+from dmc.megatron.model import build_model
 from dmc.megatron.parallel import initialize_parallel
-from dmc.megatron.runtime import DMCConfig, DMCRuntime
+from dmc.megatron.runtime import DMCRuntime
 from dmc.training.config import RunConfig, dump_config, to_dict
 from dmc.training.logging import RunLogger, save_cr_heatmap
 from dmc.training.phases import PhasePlan
@@ -125,19 +127,11 @@ class Trainer:
                                             cfg.data.cache_dir)
 
     def _build_model(self):
-        cfg, m = self.cfg, self.cfg.model
+        cfg = self.cfg
         dtype = _precision(cfg)
-        self.tconfig = llama_transformer_config(
-            m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size,
-            num_query_groups=m.num_query_groups, norm_epsilon=m.norm_epsilon,
-            params_dtype=dtype, init_method_std=m.init_method_std,
-        )
-        self.runtime = DMCRuntime(DMCConfig(**self._dmc_settings(), seed=cfg.seed,
-                                            attention_backend=cfg.dmc.attention_backend))
-        module = build_gpt_model(self.tconfig, self.vocab_size, m.max_seq_length,
-                                 dmc=self.runtime, rotary_base=m.rotary_base,
-                                 share_embeddings=m.share_embeddings,
-                                 rope_scaling_factor=m.rope_scaling_factor)
+        self.runtime = DMCRuntime(cfg.dmc.model_settings(), seed=cfg.seed)
+        module = build_model(self.model_config(), self.runtime, params_dtype=dtype)
+        self.tconfig = module.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
@@ -215,7 +209,7 @@ class Trainer:
         """A clear error when ``checkpoint.load_base`` holds another architecture (e.g. a GQA
         conversion with fewer KV heads than the model preset)."""
         saved = ckpt.read_state(base).get("model_config", {})
-        ours = self.model_config()
+        ours = self.model_config().to_dict()
         wrong = [k for k in ("num_layers", "hidden_size", "num_attention_heads",
                              "num_query_groups", "ffn_hidden_size", "vocab_size")
                  if k in saved and saved[k] != ours[k]]
@@ -369,37 +363,27 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def model_config(self) -> dict:
-        """The architecture as :func:`dmc.inference.build_model_from_config` takes it."""
+    def model_config(self) -> ModelConfig:
+        """The architecture of the model (the run's ``model`` section, the vocabulary size and
+        the query groups resolved)."""
         m = self.cfg.model
-        return {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
-                "num_attention_heads": m.num_attention_heads,
-                "num_query_groups": m.num_query_groups or m.num_attention_heads,
-                "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": self.vocab_size,
-                "max_seq_length": m.max_seq_length, "rotary_base": m.rotary_base,
-                "norm_epsilon": m.norm_epsilon, "share_embeddings": m.share_embeddings,
-                "rope_scaling_factor": m.rope_scaling_factor}
+        return dataclasses.replace(m, vocab_size=self.vocab_size, num_query_groups=m.kv_heads)
 
-    def dmc_config_for(self, step: int) -> dict | None:
+    def dmc_config_for(self, step: int) -> DMCConfig | None:
         """DMC settings of the model saved after ``step`` steps: None until the decision rows
         are zeroed (pretraining, zero_out), since the model then computes vanilla attention."""
         if not self.plan.dmc or step <= self.plan.ranges["retrofit"][0]:
             return None
-        return self._dmc_settings()
-
-    def _dmc_settings(self) -> dict:
-        """The ``dmc`` section's model settings as :class:`DMCConfig` fields."""
-        d = self.cfg.dmc
-        return {"window": d.window, "tau": d.tau, "c": d.c, "hard": d.hard,
-                "hard_loss": d.hard_loss, "prior": d.prior, "omega_offset": d.omega_offset}
+        return self.cfg.dmc.model_settings()
 
     def save(self, name: str, step: int, update_latest: bool = True) -> Path:
+        dmc_config = self.dmc_config_for(step)
         meta = {"kind": self.kind, "step": step, "phase": self.plan.phase_of(max(step - 1, 0)),
                 "target_cr": self.plan.target_cr(step - 1) if step else 1.0,
                 "measured_cr": (cr_summary(self.last_cr)["cr"]
                                 if self.last_cr is not None else None),
-                "config": to_dict(self.cfg), "model_config": self.model_config(),
-                "dmc_config": self.dmc_config_for(step),
+                "config": to_dict(self.cfg), "model_config": self.model_config().to_dict(),
+                "dmc_config": dmc_config and dmc_config.to_dict(),
                 "tp": parallel_state.get_tensor_model_parallel_world_size(),
                 "pp": parallel_state.get_pipeline_model_parallel_world_size()}
         path = ckpt.save_checkpoint(self.ckpt_dir, name, self.module, self.optimizer,

@@ -70,10 +70,10 @@ def test_legacy_tp2_checkpoint_converts_exactly(tmp_path):
     write_legacy(tmp_path / "nv", model, cfg, dmc)
     info = nvidia_dmc_to_mcore(tmp_path / "nv", tmp_path / "ours", vocab_size=VOCAB)
     assert info["dmc_config"] == {"window": 12, "tau": 0.1, "c": -1.0, "hard": False,
-                                  "hard_loss": True, "omega_offset": 2**-7}
+                                  "hard_loss": True, "prior": "global", "omega_offset": 2**-7}
     loaded = load_model(tmp_path / "ours")
-    assert loaded.model_config["vocab_size"] == VOCAB and loaded.state["target_cr"] == 4.0
-    assert loaded.dmc_config["omega_offset"] == 2**-7
+    assert loaded.model_config.vocab_size == VOCAB and loaded.state["target_cr"] == 4.0
+    assert loaded.dmc_config.omega_offset == 2**-7
     ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(4))
     diff = (megatron_logits(loaded.model, ids) - megatron_logits(model, ids)).abs().max().item()
     print(f"max |logit diff| NVIDIA legacy TP=2 -> ours: {diff:.2e}")

@@ -119,7 +119,7 @@ def test_engine_loads_run_checkpoints(full_run, capsys):
 
     trainer, _, run_dir = full_run
     loaded = load_model(run_dir)
-    assert loaded.source.name == "step_0000020" and loaded.dmc_config["window"] == 4
+    assert loaded.source.name == "step_0000020" and loaded.dmc_config.window == 4
     tokens = torch.arange(3, 19)[None]
     positions = torch.arange(16)[None]
     runtime = trainer.runtime

@@ -1,0 +1,158 @@
+"""The typed model configuration: one :class:`ModelConfig` (the architecture) and one
+:class:`DMCConfig` (the DMC settings), shared by training, checkpoints, loading, conversion,
+baselines and the Hugging Face config mapping.
+
+Plain Python (no torch, no megatron import), so that ``dmc.training.config`` loads without
+torch and ``dmc.inference`` / ``dmc.convert`` use it without importing ``dmc.training``.
+``to_dict`` gives what checkpoints, inference files and reports record; ``from_dict`` reads it
+back, dicts written by older versions (fewer fields) included. A bad value raises
+:class:`ConfigError` naming the field and the accepted values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+PRIORS = ("global", "local")  # dmc.ops.PRIORS, spelled out to keep torch unimported
+ATTENTION_BACKENDS = ("auto", "dense", "flex")
+PARAMS_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value (the CLI exits with status 2)."""
+
+
+def _fields_from(cls, values: dict, what: str) -> dict:
+    """``values`` as keyword arguments of ``cls``; an unknown key is a ConfigError."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{what}: expected a mapping, got {values!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown key {what}.{unknown[0]}; accepted keys under {what}: "
+                          f"{', '.join(sorted(names))}")
+    return dict(values)
+
+
+@dataclass
+class ModelConfig:
+    """Llama-family architecture. ``vocab_size`` None = taken from the prepared data (training
+    only; a saved model records it). ``num_query_groups`` None = one per attention head.
+    ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling (None = off). ``params_dtype``: the
+    dtype the weights are stored in (None = float32; training sets it from ``precision``)."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 8
+    num_query_groups: int | None = None
+    ffn_hidden_size: int = 688
+    vocab_size: int | None = None
+    max_seq_length: int = 4096
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    share_embeddings: bool = False
+    rope_scaling_factor: float | None = None
+    params_dtype: str | None = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "max_seq_length", "rotary_base", "norm_epsilon", "num_query_groups",
+                     "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"model.{name}: must be > 0, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads})")
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.num_query_groups ({self.kv_heads}) must divide "
+                f"model.num_attention_heads ({self.num_attention_heads})")
+        if self.params_dtype is not None and self.params_dtype not in PARAMS_DTYPES:
+            raise ConfigError(f"model.params_dtype: {self.params_dtype!r} is not one of "
+                              f"{', '.join(PARAMS_DTYPES)}")
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads (query groups) per layer."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        """The fields as a plain dict (``params_dtype`` only when set)."""
+        out = dataclasses.asdict(self)
+        if out["params_dtype"] is None:
+            del out["params_dtype"]
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        return cls(**_fields_from(cls, values, "model"))
+
+    @classmethod
+    def of(cls, value: ModelConfig | dict) -> ModelConfig:
+        """``value`` itself, or :meth:`from_dict` of a dict (APIs that take either)."""
+        return cls.from_dict(value) if isinstance(value, dict) else value
+
+
+@dataclass
+class DMCConfig:
+    """Static DMC settings (defaults: Sec. 4 of the paper and NVIDIA's recipe).
+
+    window: partial-accumulation window w (None = exact scan; 12 in the paper).
+    tau: Gumbel-sigmoid temperature. c: decision/importance offset.
+    hard: straight-through hard decisions in training, in the attention (mask and accumulation)
+        and in the loss (soft relaxation otherwise, as in the paper).
+    hard_loss: straight-through hard decisions in the CR loss only, soft ones in the attention:
+        NVIDIA's released training code (``hard=False, hard_loss=True``). Off: the paper's
+        soft relaxation.
+    prior: "global" (Eq. 10: one hinge over all layers) or "local" (App. G: one per layer).
+    omega_offset: added to omega = sigmoid(q[..., -1] + c); 2^-7 reproduces NVIDIA's models
+        (see :func:`dmc.ops.importance`), 0 is the paper's.
+    attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense" or "flex": how the
+        training attention is computed, not part of the model (``to_dict`` leaves it out).
+    """
+
+    window: int | None = 12
+    tau: float = 0.1
+    c: float = 5.0
+    hard: bool = False
+    hard_loss: bool = False
+    prior: str = "global"
+    omega_offset: float = 0.0
+    attention_backend: str = "auto"
+
+    def __post_init__(self):
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ConfigError(f"dmc.window: must be null or >= 1, got {self.window!r}")
+        if self.tau <= 0:
+            raise ConfigError(f"dmc.tau: must be > 0, got {self.tau!r}")
+        if self.omega_offset < 0:
+            raise ConfigError(f"dmc.omega_offset: must be >= 0, got {self.omega_offset!r}")
+        for name, choices in (("prior", PRIORS), ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"dmc.{name}: {getattr(self, name)!r} is not one of "
+                                  f"{', '.join(choices)}")
+
+    def to_dict(self) -> dict:
+        """The settings that define the model (what checkpoints and inference files record)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DMCConfig)
+                if f.name != "attention_backend"}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> DMCConfig:
+        """From :meth:`to_dict` or any subset of the fields (the rest keep their defaults);
+        ``seed``, which inference files written before 2026-11-23 record, is the noise seed of
+        a training run (:class:`dmc.megatron.runtime.DMCRuntime`), not a model setting."""
+        values = {k: v for k, v in values.items() if k != "seed"}
+        return cls(**_fields_from(cls, values, "dmc"))
+
+    @classmethod
+    def of(cls, value: DMCConfig | dict | None) -> DMCConfig | None:
+        """``value`` itself (None: a vanilla model), or :meth:`from_dict` of a dict."""
+        return cls.from_dict(value) if isinstance(value, dict) else value
