@@ -21,14 +21,12 @@ warnings.filterwarnings("ignore")
 
 def measure(model, runtime, mode, tokens, positions, steps, warmup):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    runtime.set_mode(mode)
-    runtime.target_cr = 2.0
     timings = []
     for i in range(warmup + steps):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        runtime.step = i
+        runtime.start_step(i, mode, target_cr=2.0)
         loss = model(tokens, positions, None, labels=tokens).float().mean()
         loss.backward()
         optimizer.step()

@@ -8,8 +8,8 @@ Modes (set on the shared :class:`~dmc.megatron.runtime.DMCRuntime`):
 - ``train``: alpha = GumbelSigmoid(k[..., -1] - c, tau) (Eq. 8), omega = sigmoid(q[..., -1] + c),
   decision channels zeroed before and after RoPE, window-grouped partial accumulation of pre-RoPE
   keys and values (Eq. 9), RoPE, attention with the additive log(1 - alpha) mask (App. H) and the
-  CR loss (Eq. 10, per sequence; global or App. G's local prior) attached through megatron's
-  aux-loss path;
+  CR loss (Eq. 10, per sequence; global or App. G's local prior; :mod:`dmc.megatron.cr_loss`)
+  attached through megatron's aux-loss path;
 - ``eval``: hard decisions alpha = [k[..., -1] - c > 0] and a -inf/0 mask: exactly what
   inference with a compressed cache computes (Algorithm 1).
 
@@ -20,15 +20,12 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from dmc.megatron import pipeline_sum
+from dmc.megatron.cr_loss import attach_cr_loss
 from dmc.megatron.runtime import DMCRuntime
 from dmc.ops import (
-    compression_loss_from_sums,
     dmc_attention,
     logistic_noise,
     partial_accumulate,
@@ -113,7 +110,7 @@ class DMCSelfAttention(SelfAttention):
         output, bias = self.linear_proj(context)
         kept = self._record_kept(alpha)
         if self.dmc.mode == "train" and torch.is_grad_enabled():
-            output = self._attach_cr_loss(output, kept, alpha.shape[2])
+            output = attach_cr_loss(self, output, kept, alpha.shape[2])
         return output, bias
 
     def _zero_out_forward(self, hidden_states, attention_mask, rotary_pos_emb):
@@ -175,7 +172,7 @@ class DMCSelfAttention(SelfAttention):
         key = apply_rotary_pos_emb(key, k_freqs, config=self.config, cp_group=cp_group)
         return query, key
 
-    # ------------------------------------------------------------------ CR bookkeeping
+    # ------------------------------------------------------------------ CR statistics
     def _record_kept(self, alpha):
         """Adds this forward's kept slots ``sum(1 - alpha)`` per local KV head to the CR stats
         and returns the differentiable kept slots per sequence ``[batch]`` (this rank's heads).
@@ -189,42 +186,6 @@ class DMCSelfAttention(SelfAttention):
         self.cr_kept += kept.detach().sum(dim=(0, 2)).double()
         self.cr_count += alpha.shape[0] * alpha.shape[2]
         return kept.sum(dim=(1, 2))
-
-    def _attach_cr_loss(self, output, kept, seq):
-        """Attaches the CR loss (Eq. 10, the hinge per sequence) to ``output`` with
-        ``MoEAuxLossAutoScaler`` (so it backpropagates under pipelining); ``kept [batch]`` is
-        this layer's differentiable kept-slot count per sequence, ``seq`` its tokens."""
-        if self.world_size > 1:
-            kept = reduce_from_tensor_model_parallel_region(kept, group=self.tp_group)
-        per_layer = seq * self.config.num_query_groups
-        if self.dmc.config.prior == "local":
-            loss = compression_loss_from_sums(kept, per_layer, self.dmc.target_cr,
-                                              num_groups=self.config.num_layers)
-            return self._attach(output, loss)
-        return self._attach_global(output, kept, per_layer * self.config.num_layers)
-
-    def _attach_global(self, output, kept, model_count):
-        """The paper's global prior: one hinge per sequence over every layer and KV head of the
-        model. The first DMC layer of the stage starts the stage's ``[batch]`` sum, the last one
-        adds it to the sum of the earlier pipeline stages (:mod:`dmc.megatron.pipeline_sum`).
-        The last stage applies the hinge; earlier stages pass their running sum on."""
-        layers = self.dmc.layers
-        if self is layers[0]:
-            self.dmc.stage_kept.clear()
-        self.dmc.stage_kept.append(kept)
-        if self is not layers[-1]:
-            return output
-        stage_kept = torch.stack(self.dmc.stage_kept).sum(dim=0)
-        self.dmc.stage_kept.clear()
-        total_kept = pipeline_sum.running_sum(stage_kept)
-        if not parallel_state.is_pipeline_last_stage():
-            return pipeline_sum.pass_on(output, total_kept)
-        return self._attach(output, compression_loss_from_sums(total_kept, model_count,
-                                                               self.dmc.target_cr))
-
-    def _attach(self, output, loss):
-        self.dmc.cr_losses.append(loss.detach())
-        return MoEAuxLossAutoScaler.apply(output, loss)
 
     def reset_cr_stats(self) -> None:
         self.cr_kept.zero_()

@@ -42,6 +42,13 @@ class DMCRuntime:
             raise ValueError(f"DMC mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
 
+    def start_step(self, step: int, mode: str, target_cr: float = 1.0,
+                   zero_out_scale: float = 1.0) -> None:
+        """Sets every per-step field at once: the mode, the step (it seeds the decision noise),
+        the CR loss's target and the zero-out scale. ``microbatch`` is set per forward."""
+        self.set_mode(mode)
+        self.step, self.target_cr, self.zero_out_scale = step, target_cr, zero_out_scale
+
     def noise_generator(self, layer_number: int, device: torch.device) -> torch.Generator:
         """A generator seeded from (seed, layer, step, micro-batch) alone."""
         key = f"{self.seed}:{layer_number}:{self.step}:{self.microbatch}".encode()

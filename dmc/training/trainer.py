@@ -314,9 +314,7 @@ class Trainer:
 
     def train_step(self, step: int) -> StepResult:
         plan = self.plan.at(step)
-        runtime = self.runtime
-        runtime.set_mode(plan.mode)
-        runtime.step, runtime.target_cr, runtime.zero_out_scale = step, plan.target_cr, plan.zero_out_scale
+        self.runtime.start_step(step, plan.mode, plan.target_cr, plan.zero_out_scale)
         self._reset_cr_stats()
         start = time.perf_counter()
         self.model.train()
