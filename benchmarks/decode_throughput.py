@@ -321,7 +321,7 @@ class Run:
 
     def step(self, cuda: bool) -> None:
         stats = self.engine.stats
-        before = (stats["decode_tokens"], stats["prefill_tokens"])
+        before = (stats.decode_tokens, stats.prefill_tokens)
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -329,8 +329,8 @@ class Run:
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-        self.steps.append((seconds, stats["decode_tokens"] - before[0],
-                           stats["prefill_tokens"] - before[1]))
+        self.steps.append((seconds, stats.decode_tokens - before[0],
+                           stats.prefill_tokens - before[1]))
 
     def steady(self, n: int) -> tuple[int, int, float, float]:
         """The last ``n`` steps that decoded the full batch and prefilled nothing: (steps,
@@ -374,7 +374,7 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
         raise RuntimeError(f"{mode.label}: probe request did not finish: {failed[0]}")
     comp = CompressionStats.combine([r.compression for r in results])
     pages = max(max(r.kv_pages for r in results),
-                math.ceil(engine.stats["peak_pages"] / args.probe))
+                math.ceil(engine.stats.peak_pages / args.probe))
     return {"window": engine.cache.window, "pages_per_seq": pages, "policy_state_per_seq": state,
             "kv_bytes_per_seq": sum(r.kv_bytes for r in results) / len(results),
             "probe_cr": comp.overall, "probe_cr_per_layer": comp.per_layer}
@@ -426,10 +426,10 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
             steady_steps=steps, steady_tokens=tokens, steady_seconds=seconds,
             tokens_per_s=tokens / seconds if seconds else 0.0,
             median_step_tokens_per_s=run.batch / median if median else 0.0,
-            all_decode_tokens_per_s=stats["decode_tokens"] / max(stats["decode_seconds"], 1e-9),
-            prefill_tokens_per_s=stats["prefill_tokens"] / max(stats["prefill_seconds"], 1e-9),
-            wall_seconds=sum(s for s, _, _ in run.steps), preemptions=stats["preemptions"],
-            peak_pages=stats["peak_pages"],
+            all_decode_tokens_per_s=stats.decode_tokens / max(stats.decode_seconds, 1e-9),
+            prefill_tokens_per_s=stats.prefill_tokens / max(stats.prefill_seconds, 1e-9),
+            wall_seconds=sum(s for s, _, _ in run.steps), preemptions=stats.preemptions,
+            peak_pages=stats.peak_pages,
         )
         if steps < args.steady:
             print(f"warning: {run.mode.label}: only {steps} decode steps ran at the full batch "

@@ -99,7 +99,7 @@ def serve(model, args, batched: bool, prompts) -> tuple[dict, list]:
     return {"end_to_end_s": seconds, "ttft_mean_s": statistics.fmean(ttft),
             "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
             "ttft_max_s": ttft[-1], "tokens_per_s": generated / seconds,
-            "preemptions": engine.stats["preemptions"]}, results
+            "preemptions": engine.stats.preemptions}, results
 
 
 def main(argv=None) -> dict:

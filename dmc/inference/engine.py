@@ -25,12 +25,15 @@ from dmc.inference.model_runner import ModelRunner, resolve_dmc, rope_frequencie
 from dmc.inference.sampling import SamplingParams, make_generator, sample_next
 from dmc.inference.scheduler import Scheduler, StepPlan
 from dmc.inference.scoring import score_batch
-from dmc.inference.sequence import CompressionStats, GenerationResult, ScoreResult, Sequence
+from dmc.inference.sequence import (
+    CompressionStats,
+    EngineStats,
+    GenerationResult,
+    ScoreResult,
+    Sequence,
+)
 from dmc.megatron.config import DMCConfig, ModelConfig
 from dmc.megatron.runtime import DMCRuntime
-
-STATS = ("prefill_tokens", "prefill_seconds", "decode_steps", "decode_tokens", "decode_seconds",
-         "generated_tokens", "preemptions", "peak_running", "peak_pages")
 
 
 class Engine:
@@ -63,9 +66,7 @@ class Engine:
         policy: a training-free KV policy from :func:`dmc.policies.get_policy` (vanilla or GQA
             models only): it evicts after every forward, freeing pages.
 
-    ``stats``: ``prefill_tokens``, ``prefill_seconds`` (forwards holding a prefill chunk),
-    ``decode_steps``, ``decode_tokens``, ``decode_seconds`` (forwards of decode tokens only),
-    ``generated_tokens``, ``preemptions``, ``peak_running``, ``peak_pages``.
+    ``stats``: an :class:`EngineStats`.
     """
 
     def __init__(
@@ -202,7 +203,7 @@ class Engine:
                     self._run(part, finished)
                 if plan.decode or not plan.prefill:
                     break
-            self.stats["preemptions"] = self.scheduler.preemptions
+            self.stats.preemptions = self.scheduler.preemptions
         return finished
 
     def _run(self, plan: StepPlan, finished: list[GenerationResult]) -> None:
@@ -216,15 +217,15 @@ class Engine:
         self._sync()
         elapsed = time.perf_counter() - started
         if plan.prefill:
-            self.stats["prefill_seconds"] += elapsed
+            self.stats.prefill_seconds += elapsed
         else:
-            self.stats["decode_seconds"] += elapsed
-            self.stats["decode_steps"] += 1
-            self.stats["decode_tokens"] += len(plan.decode)
+            self.stats.decode_seconds += elapsed
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(plan.decode)
         sampled, rows = list(plan.decode), logits[:len(plan.decode)]
         for (seq, n), row in zip(plan.prefill, logits[len(plan.decode):]):
             seq.cached += n
-            self.stats["prefill_tokens"] += n
+            self.stats.prefill_tokens += n
             if seq.cached == len(seq.tokens):
                 self.scheduler.prefilled(seq)
                 sampled.append(seq)
@@ -265,7 +266,7 @@ class Engine:
         while wanted - results.keys():
             if not self.has_unfinished():
                 raise RuntimeError("generate: requests vanished from the engine")
-            before = self.stats["generated_tokens"]
+            before = self.stats.generated_tokens
             for result in self.step():
                 if result.request_id not in wanted:  # queued by add_request: next step()
                     self._unclaimed.append(result)
@@ -274,7 +275,7 @@ class Engine:
                 if bar is not None:  # a stop token ends a request early: count its rest as done
                     bar.update(budget[result.request_id] - len(result.tokens))
             if bar is not None:
-                bar.update(self.stats["generated_tokens"] - before)
+                bar.update(self.stats.generated_tokens - before)
         if bar is not None:
             bar.close()
         return [results[i] for i in ids]
@@ -311,7 +312,7 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Zero the counters in ``self.stats``."""
-        self.stats = {name: 0.0 if name.endswith("seconds") else 0 for name in STATS}
+        self.stats = EngineStats()
         self.scheduler.preemptions = 0
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
@@ -323,7 +324,7 @@ class Engine:
             seq.generated.append(token)
             seq.logprobs.append(logp)
             seq.decoding, seq.first_token = True, seq.first_token or time.perf_counter()
-            self.stats["generated_tokens"] += 1
+            self.stats.generated_tokens += 1
             stop = token in seq.params.stop_tokens
             if stop or len(seq.generated) >= seq.params.max_new_tokens:
                 pages = int(pages_for(self.cache.head_lengths(seq.slot).long(),
@@ -340,8 +341,8 @@ class Engine:
         return CompressionStats(tokens, self.policy.reported_slots(slot, tokens))
 
     def _note_usage(self) -> None:
-        self.stats["peak_running"] = max(self.stats["peak_running"], self.num_running)
-        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.cache.pages_in_use)
+        self.stats.peak_running = max(self.stats.peak_running, self.num_running)
+        self.stats.peak_pages = max(self.stats.peak_pages, self.cache.pages_in_use)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

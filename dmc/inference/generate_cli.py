@@ -119,7 +119,7 @@ def run_generate(args: argparse.Namespace) -> int:
         records.append(record)
     status = EXIT_REQUEST_FAILED if any(r.error for r in results) else 0
     if args.json:
-        print(json.dumps({"results": records, "stats": engine.stats}, indent=2))
+        print(json.dumps({"results": records, "stats": engine.stats.to_dict()}, indent=2))
         return status
     for i, (record, result) in enumerate(zip(records, results)):
         comp = result.compression
@@ -131,10 +131,10 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"[{i}] failed: {result.error}", file=sys.stderr)
         print(record.get("text", " ".join(map(str, result.tokens))))
     stats = engine.stats
-    if stats["decode_seconds"]:
-        print(f"decode {stats['decode_tokens'] / stats['decode_seconds']:.1f} tok/s, "
-              f"prefill {stats['prefill_tokens'] / max(stats['prefill_seconds'], 1e-9):.1f} tok/s,"
-              f" preemptions {stats['preemptions']}")
+    if stats.decode_seconds:
+        print(f"decode {stats.decode_tokens / stats.decode_seconds:.1f} tok/s, "
+              f"prefill {stats.prefill_tokens / max(stats.prefill_seconds, 1e-9):.1f} tok/s,"
+              f" preemptions {stats.preemptions}")
     return status
 
 

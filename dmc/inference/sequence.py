@@ -165,3 +165,22 @@ class Sequence:
         return GenerationResult(self.request_id, self.prompt, list(self.generated), reason,
                                 list(self.logprobs), compression, pages, pages * page_bytes,
                                 self.preemptions, error, ttft)
+
+
+@dataclass
+class EngineStats:
+    """Counters since the last :meth:`Engine.reset_stats`. Seconds of forwards holding a prefill
+    chunk go to ``prefill_seconds``; ``decode_*`` count forwards of decode tokens only."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    peak_pages: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -92,7 +92,7 @@ def test_greedy_generation_equals_teacher_forced_model(parallel_1x1, groups, win
                        for a, b in zip(r.logprobs, o.logprobs))
     check_against_model(model, results, prompt_list, dmc=runtime is not None)
     assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
-    assert engine.stats["peak_running"] == 3 and engine.stats["preemptions"] == 0
+    assert engine.stats.peak_running == 3 and engine.stats.preemptions == 0
 
 
 def test_chunk_size_does_not_change_the_result(parallel_1x1):
@@ -208,7 +208,7 @@ def test_out_of_pages_preempts_the_youngest_and_restarts_it(parallel_1x1, window
     # that under DMC at CR ~2: the three sequences do not fit together
     tight = Engine(model, page_size=4, max_batch=3, chunk_size=8, num_pages=pages)
     results = tight.generate(prompt_list, [params] * 3)
-    assert tight.stats["preemptions"] > 0
+    assert tight.stats.preemptions > 0
     assert results[0].preemptions == 0  # the oldest request is never the one preempted
     assert max(r.preemptions for r in results) > 0
     for e, r in zip(expected, results):

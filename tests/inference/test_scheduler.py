@@ -74,7 +74,7 @@ def test_a_tiny_pool_preempts_before_the_forward_never_inside(window, pages):
 
     tight.runner.forward, tight.cache.free_sequence = tracking_forward, tracking_free
     results = tight.generate(prompts(LENGTHS[:6]), params)
-    assert tight.stats["preemptions"] > 0 and not any(preempted_inside)
+    assert tight.stats.preemptions > 0 and not any(preempted_inside)
     for want, got in zip(expected, results):
         assert got.tokens == want.tokens
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs),
