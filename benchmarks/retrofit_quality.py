@@ -221,6 +221,8 @@ def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, P
     (it does not depend on the target CR) through ``checkpoint.init_from``."""
     common = [*model_args(exp, data), *exp["retrofit"]["overrides"],
               "checkpoint.save_interval=0"]
+    model_yaml = ROOT / exp["model"]  # its text, not its path, keys the runs (any checkout)
+    portable = [model_yaml.read_text() if arg == str(model_yaml) else arg for arg in common]
     heads = _model_kv_heads(exp)
     plans = [("control", ["dmc.enabled=false"], base)]  # (name, overrides, start checkpoint)
     plans += [(f"dmc{cr:g}", ["dmc.enabled=true", f"dmc.target_cr={cr}"], base)
@@ -240,7 +242,7 @@ def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, P
     plain_dmc = {f"dmc{cr:g}" for cr in exp["dmc_crs"]}
     finals, shared_zero_out = {}, None
     for name, extra, start in plans:
-        run_dir = out / "runs" / f"{name}-{_hash(common, extra, str(start))}"
+        run_dir = out / "runs" / f"{name}-{_hash(portable, extra, str(start))}"
         finals[name] = run_dir / "checkpoints" / "solidify"
         if (finals[name] / "state.json").is_file():
             log(f"{name}: reusing {finals[name]}")
