@@ -103,7 +103,8 @@ class ScoreResult:
     token_logprobs: ``[n - 1]`` float64, ``log p(tokens[i + 1] | tokens[: i + 1])``.
     logits: ``[n, vocab]`` float32 when asked for, else None.
     compression: the cache after all ``n`` tokens (with a policy: the slots it kept, so CR is the
-        measured one; OmniKV reports its GPU-resident slots, see :mod:`dmc.policies.omnikv`).
+        measured one; OmniKV keeps every slot resident, so its CR is 1, see
+        :mod:`dmc.policies.omnikv`).
     cache_bytes: what the cache held for the sequence after all ``n`` tokens (see
         :meth:`Engine.sequence_bytes`).
     """
