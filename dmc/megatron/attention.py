@@ -196,24 +196,26 @@ class DMCSelfAttention(SelfAttention):
         return self.cr_count / self.cr_kept.clamp_min(1e-12)
 
 
-def zero_decision_rows_(model: torch.nn.Module) -> int:
-    """Zeroes the rows of ``linear_qkv`` that produce q[..., -1] (every query head) and
-    k[..., -1] (every KV head) in all DMC layers: the end of the zero-out phase.
+def decision_rows(module: "DMCSelfAttention") -> list[int]:
+    """Rows of ``module.linear_qkv`` that produce q[..., -1] (every query head, omega) and
+    k[..., -1] (every KV head, alpha): the borrowed decision channels. The fused weight is
+    grouped per query group as ``[q_1 .. q_G, k, v]`` (``dim`` rows each)."""
+    dim = module.hidden_size_per_attention_head
+    groups = module.num_query_groups_per_partition
+    per_group = module.num_attention_heads_per_partition // groups
+    rows = []
+    for g in range(groups):
+        base = g * (per_group + 2) * dim
+        rows += [base + i * dim + dim - 1 for i in range(per_group + 1)]
+    return rows
 
-    The fused weight is grouped per query group as ``[q_1 .. q_G, k, v]`` (``dim`` rows each).
-    Returns the number of layers changed.
-    """
+
+def zero_decision_rows_(model: torch.nn.Module) -> int:
+    """Zeroes the :func:`decision_rows` of ``linear_qkv`` in all DMC layers: the end of the
+    zero-out phase. Returns the number of layers changed."""
     changed = 0
-    for module in model.modules():
-        if not isinstance(module, DMCSelfAttention):
-            continue
-        dim = module.hidden_size_per_attention_head
-        groups = module.num_query_groups_per_partition
-        per_group = module.num_attention_heads_per_partition // groups
-        rows = []
-        for g in range(groups):
-            base = g * (per_group + 2) * dim
-            rows += [base + i * dim + dim - 1 for i in range(per_group + 1)]
+    for module in dmc_layers(model):
+        rows = decision_rows(module)
         with torch.no_grad():
             module.linear_qkv.weight[rows] = 0
             bias = getattr(module.linear_qkv, "bias", None)

@@ -35,7 +35,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW as in the paper's Llama-2 recipe; ``min_lr_ratio`` is the solidify floor."""
+    """AdamW as in the paper's Llama-2 recipe; ``min_lr_ratio`` is the solidify floor.
+    ``decision_lr_mult``: the DMC decision rows' update is multiplied by it during the retrofit
+    and solidify phases (:mod:`dmc.training.decision_lr`; 1.0 = the paper)."""
 
     lr: float = 3e-5
     min_lr_ratio: float = 0.1
@@ -45,6 +47,7 @@ class OptimConfig:
     adam_eps: float = 1e-5
     clip_grad: float = 1.0
     warmup_steps: int = 0
+    decision_lr_mult: float = 1.0
 
 
 @dataclass
@@ -136,7 +139,8 @@ RUN_CHOICES = {
 CHOICES = dict(RUN_CHOICES, **{"dmc.attention_backend": ATTENTION_BACKENDS, "dmc.prior": PRIORS})
 POSITIVE = {
     "data.seq_length", "data.micro_batch_size", "data.global_batch_size",
-    "parallel.tensor", "parallel.pipeline", "optim.lr", "logging.log_interval",
+    "parallel.tensor", "parallel.pipeline", "optim.lr", "optim.decision_lr_mult",
+    "logging.log_interval",
     "checkpoint.keep_last",
 }
 NON_NEGATIVE = {

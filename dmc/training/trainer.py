@@ -34,6 +34,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from dmc.data import build_gpt_dataset, load_meta, load_tokenizer, split_prefix
 from dmc.megatron import checkpoint as ckpt
 from dmc.megatron.attention import dmc_layers, zero_decision_rows_
+from dmc.training.decision_lr import DecisionUpdateScale
 from dmc.megatron.compat import cuda_available
 from dmc.megatron.config import DMCConfig, ModelConfig
 from dmc.megatron.model import build_model
@@ -147,6 +148,7 @@ class Trainer:
             [self.model],
         )
         self.scheduler = self._lr_scheduler()
+        self.decision_scale = DecisionUpdateScale(module, o.decision_lr_mult)
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.tconfig.no_sync_func = self.model.no_sync
 
@@ -321,7 +323,8 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         results = self._forward_backward(self._train_microbatches(step), forward_only=False)
-        success, grad_norm, _ = self.optimizer.step()
+        with self.decision_scale.around_step(enabled=plan.mode == "train"):
+            success, grad_norm, _ = self.optimizer.step()
         if not success:
             raise FloatingPointError(f"optimizer step {step} was skipped (non-finite gradients)")
         self.scheduler.step(1)
