@@ -56,5 +56,6 @@ def _attach_global(layer, output, kept, model_count):
 
 
 def _attach(runtime, output, loss):
+    """Logs the Eq. 10 value; backpropagates it times ``runtime.cr_loss_weight``."""
     runtime.cr_losses.append(loss.detach())
-    return MoEAuxLossAutoScaler.apply(output, loss)
+    return MoEAuxLossAutoScaler.apply(output, loss * runtime.cr_loss_weight)

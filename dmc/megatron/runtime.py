@@ -20,6 +20,7 @@ class DMCRuntime:
         ``zero_out_scale``), "train" (Gumbel decisions, accumulation, additive mask, CR loss),
         "eval" (hard decisions: what inference with a compressed cache computes).
     target_cr: the CR of the loss (Eq. 10) at the current step.
+    cr_loss_weight: the CR loss's weight in the objective (Eq. 11 has 1).
     zero_out_scale: the factor 1 - t / n_t of the decision channels in ``zero_out`` mode.
     seed, step, microbatch: with the layer number they seed the decision noise,
         so a resumed run draws the same noise (``microbatch`` should be the global micro-batch
@@ -29,6 +30,7 @@ class DMCRuntime:
     config: DMCConfig = field(default_factory=DMCConfig)
     mode: str = "vanilla"
     target_cr: float = 1.0
+    cr_loss_weight: float = 1.0
     zero_out_scale: float = 1.0
     step: int = 0
     microbatch: int = 0

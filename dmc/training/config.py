@@ -67,10 +67,13 @@ class DMCSection(DMCConfig):
     """The model's DMC settings (:class:`dmc.megatron.config.DMCConfig`, Sec. 4 of the paper)
     plus how a run trains them. ``enabled: false`` makes ``dmc retrofit`` a vanilla-attention
     up-training with the same steps and LR schedule (the GQA baseline); ``target_cr``: the CR
-    that phase 1 anneals to."""
+    that phase 1 anneals to; ``cr_loss_weight``: the CR loss's weight against the LM loss
+    (Eq. 11 and NVIDIA's code: 1; a small model whose few heads each matter more to the LM loss
+    may need more to follow the annealed target within a short budget; say so where you set it)."""
 
     enabled: bool = True
     target_cr: float = 2.0
+    cr_loss_weight: float = 1.0
 
     def model_settings(self) -> DMCConfig:
         """The :class:`DMCConfig` part (what the model and its checkpoints hold)."""
@@ -140,6 +143,7 @@ CHOICES = dict(RUN_CHOICES, **{"dmc.attention_backend": ATTENTION_BACKENDS, "dmc
 POSITIVE = {
     "data.seq_length", "data.micro_batch_size", "data.global_batch_size",
     "parallel.tensor", "parallel.pipeline", "optim.lr", "optim.decision_lr_mult",
+    "dmc.cr_loss_weight",
     "logging.log_interval",
     "checkpoint.keep_last",
 }

@@ -130,7 +130,8 @@ class Trainer:
     def _build_model(self):
         cfg = self.cfg
         dtype = _precision(cfg)
-        self.runtime = DMCRuntime(cfg.dmc.model_settings(), seed=cfg.seed)
+        self.runtime = DMCRuntime(cfg.dmc.model_settings(), seed=cfg.seed,
+                                  cr_loss_weight=cfg.dmc.cr_loss_weight)
         module = build_model(self.model_config(), self.runtime, params_dtype=dtype)
         self.tconfig = module.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,

@@ -161,9 +161,10 @@ def _expected_alpha_grad(counted, target_cr, prior):
 
 
 @pytest.mark.parametrize("prior", ["global", "local"])
-@pytest.mark.parametrize("hard_loss", [False, True])
-def test_train_mode_cr_loss_is_eq10_per_sequence(parallel_1x1, prior, hard_loss):
+@pytest.mark.parametrize("hard_loss,weight", [(False, 1.0), (True, 1.0), (False, 2.5)])
+def test_train_mode_cr_loss_is_eq10_per_sequence(parallel_1x1, prior, hard_loss, weight):
     _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, prior=prior, hard_loss=hard_loss))
+    runtime.cr_loss_weight = weight  # logged unweighted, backpropagated times the weight
     spread_decisions(dmc, scale=2.0)
     runtime.set_mode("train")
     tokens, positions = _batch(batch=3)
@@ -187,7 +188,7 @@ def test_train_mode_cr_loss_is_eq10_per_sequence(parallel_1x1, prior, hard_loss)
     (logits.sum() * 0).backward()  # only the attached CR loss produces gradients
     # the last layer's alphas reach the loss directly only (earlier ones also through the
     # hidden states that decide later layers' alphas)
-    expected = _expected_alpha_grad(counted, runtime.target_cr, prior)[:, -1]
+    expected = weight * _expected_alpha_grad(counted, runtime.target_cr, prior)[:, -1]
     torch.testing.assert_close(alphas[-1].grad.double(), expected, rtol=1e-5, atol=1e-9)
     assert dmc_layers(dmc)[0].linear_qkv.weight.grad[decision_rows(dmc_layers(dmc)[0])].any()
     # hard_loss changes the loss only, never the attention
