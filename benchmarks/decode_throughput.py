@@ -26,6 +26,9 @@ Modes (``--modes``, comma separated):
 * ``gqa:F``: a random model of the same shape with ``F`` times fewer KV heads (random models
   only);
 * ``policy:NAME:CR``: the base model with a training-free policy (``dmc.policies``) at CR;
+  ``NAME`` may name its schedule, ``NAME@SCHEDULE`` (``prefill``, ``prefill/N``, ``streaming``;
+  default: its paper's). Under ``prefill`` the decode phase grows, which the probe's pages at the
+  full length P + G count;
 * ``model``: the checkpoint given with ``--model`` as it was trained (DMC decisions when it is a
   DMC model), with its measured CR.
 
@@ -92,12 +95,15 @@ MODE_SYNTAX = "vanilla, model, dmc:CR, gqa:FACTOR, policy:NAME:CR"
 
 def parse_mode(text: str) -> Mode:
     """A :class:`Mode` from ``--modes`` syntax; ValueError naming the accepted forms."""
-    from dmc.policies import POLICY_NAMES
+    from dmc.policies import SPEC_SYNTAX, parse_policy_spec
 
     kind, *values = text.strip().split(":")
-    if kind == "policy" and len(values) == 2 and values[0] not in POLICY_NAMES:
-        raise ValueError(f"--modes: unknown policy {values[0]!r} in {text!r}; accepted: "
-                         f"{', '.join(POLICY_NAMES)}")
+    if kind == "policy" and len(values) == 2:
+        try:
+            parse_policy_spec(values[0])
+        except ValueError as err:
+            raise ValueError(f"--modes: {err} in {text!r}; NAME is spelled {SPEC_SYNTAX}"
+                             ) from None
     try:
         number = float(values[-1]) if values else None
     except ValueError:
@@ -233,7 +239,7 @@ def build_models(args) -> dict:
     policy serves one engine: each engine gets a new one)."""
     from dmc.megatron.config import DMCConfig
     from dmc.megatron.model import build_model_from_config
-    from dmc.policies import get_policy
+    from dmc.policies import policy_from_spec
 
     torch.manual_seed(args.seed)
     if args.model:
@@ -254,7 +260,7 @@ def build_models(args) -> dict:
         elif mode.kind == "model":
             models[mode] = (base, "auto", None)
         elif mode.kind == "policy":
-            models[mode] = (base, None, functools.partial(get_policy, mode.policy,
+            models[mode] = (base, None, functools.partial(policy_from_spec, mode.policy,
                                                           compression_ratio=mode.value))
         elif mode.kind == "gqa":
             torch.manual_seed(args.seed)

@@ -13,7 +13,10 @@ Per method (:func:`evaluate_method`):
 
 * perplexity of the decoded continuation only: the first ``--prefill-fraction`` of each sequence
   is prefilled (a policy compresses it as before generating), the rest is teacher-forced token by
-  token through the decode path and only those predictions are scored;
+  token through the decode path and only those predictions are scored. A policy compresses on
+  its schedule (``NAME@SCHEDULE``, each paper's by default, recorded as ``schedule``): under
+  ``prefill`` the decoded tokens are added uncompressed, so its slots and memory CR (measured at
+  the end) are below the requested CR of its row;
 * KL divergence ``KL(control || method)`` of the next-token distributions and greedy top-1
   agreement with the control, on the same decoded tokens;
 * needle-in-a-haystack exact match (:mod:`dmc.data.needle`) at several context lengths x 5
@@ -34,6 +37,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dmc.eval.compare_report import (  # noqa: F401 (the report's API, also imported from here)
+    _ci,
+    _row_labels,
+    format_needle_table,
+    format_table,
+    plot,
+    summary_line,
+    write_report,
+)
 from dmc.inference.cli_args import add_cache_arguments
 
 DEFAULT_POLICIES = "h2o,tova,snapkv,streamingllm"
@@ -77,7 +89,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="GQA checkpoints (dmc baseline gqa, then up-trained)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
                         help="comma-separated KV policies run on the control at every --crs, "
-                        "or 'none' (default: %(default)s)")
+                        "each NAME (its paper's schedule) or NAME@SCHEDULE (prefill, prefill/N: "
+                        "re-compress every N decode steps, or streaming), or 'none' (default: "
+                        "%(default)s)")
     parser.add_argument("--crs", default="2,4",
                         help="comma-separated compression ratios for the policies "
                         "(default: %(default)s)")
@@ -125,17 +139,24 @@ def parse_numbers(text: str, flag: str, low: float, high: float = math.inf,
 
 
 def parse_policies(text: str) -> list[str]:
-    """Policy names, checked against ``dmc.policies.POLICY_NAMES``; ``[]`` for 'none'."""
-    names = [x.strip().lower() for x in text.split(",") if x.strip()]
-    if names in ([], ["none"]):
+    """Policy specs (``NAME`` or ``NAME@SCHEDULE``, :func:`dmc.policies.parse_policy_spec`),
+    checked; ``[]`` for 'none'."""
+    specs = [x.strip().lower() for x in text.split(",") if x.strip()]
+    if specs in ([], ["none"]):
         return []
-    from dmc.policies import POLICY_NAMES
+    from dmc.policies import POLICY_NAMES, SPEC_SYNTAX, parse_policy_spec
 
-    unknown = [n for n in names if n not in POLICY_NAMES]
+    unknown = [s for s in specs if s.partition("@")[0] not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"--policies: unknown {', '.join(unknown)}; accepted: "
                          f"{', '.join(POLICY_NAMES)} (comma-separated) or none")
-    return names
+    for spec in specs:
+        try:
+            parse_policy_spec(spec)
+        except ValueError as err:
+            raise ValueError(f"--policies: {spec}: {err}; a policy is spelled {SPEC_SYNTAX}"
+                             ) from None
+    return specs
 
 
 def methods_from_args(args: argparse.Namespace) -> list[Method]:
@@ -164,9 +185,9 @@ def nominal_cr(method: Method, loaded, control_kv: int, measured: float) -> floa
     none), 1 (control, base, and a policy that keeps every page, OmniKV: its CR is the share of
     tokens its sparse layers attend to, not memory)."""
     if method.kind == "policy":
-        from dmc.policies import POLICIES
+        from dmc.policies import POLICIES, parse_policy_spec
 
-        return method.cr if POLICIES[method.policy].evicts else 1.0
+        return method.cr if POLICIES[parse_policy_spec(method.policy)[0]].evicts else 1.0
     if method.kind == "gqa":
         return control_kv / loaded.model_config.kv_heads
     if method.kind == "dmc":
@@ -184,11 +205,21 @@ def make_engine(method: Method, loaded, data: EvalData, *, batch_size: int,
     kwargs = dict(max_batch=batch_size, max_seq_len=longest, chunk_size=chunk_size,
                   page_size=page_size)
     if method.kind == "policy":
-        from dmc.policies import get_policy
+        from dmc.policies import policy_from_spec
 
-        policy = get_policy(method.policy, compression_ratio=method.cr)
+        policy = policy_from_spec(method.policy, compression_ratio=method.cr)
         return Engine(loaded.model, dmc=None, policy=policy, **kwargs)
     return Engine(loaded.model, dmc="auto" if method.kind == "dmc" else None, **kwargs)
+
+
+def schedule_of(method: Method) -> str | None:
+    """The compression schedule a policy row runs under (its spec's, else its paper's), e.g.
+    ``"prefill"``, ``"prefill/1"``, ``"streaming"``; None for other rows."""
+    if method.kind != "policy":
+        return None
+    from dmc.policies import policy_from_spec
+
+    return policy_from_spec(method.policy, compression_ratio=method.cr).plan.text
 
 
 def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | None, *,
@@ -210,7 +241,8 @@ def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | No
     slots_cr = ppl["compression"]["cr"] * control_kv / loaded.model_config.kv_heads
     control_bytes = (reference or ppl)["cache_bytes"]["total"]
     result = {"method": method.kind, "label": method.label, "path": method.path,
-              "policy": method.policy, "requested_cr": method.cr,
+              "policy": method.policy, "schedule": schedule_of(method),
+              "requested_cr": method.cr,
               "nominal_cr": nominal_cr(method, loaded, control_kv, slots_cr),
               "slots_cr": slots_cr, "memory_cr": control_bytes / ppl["cache_bytes"]["total"],
               "model_config": loaded.model_config.to_dict(),
@@ -256,106 +288,6 @@ def run_methods(methods: list[Method], data: EvalData, *, batch_size: int = 8,
         results.append(result)
         log("   " + summary_line(result))
     return results
-
-
-# ----------------------------------------------------------------------------- reporting
-def _ci(low: float, high: float, scale: float = 1.0, digits: int = 1) -> str:
-    return f"[{low * scale:.{digits}f}, {high * scale:.{digits}f}]"
-
-
-def summary_line(r: dict) -> str:
-    text = (f"ppl {r['perplexity']:.2f} {_ci(*r['perplexity_ci'], digits=2)}, KL {r['kl']:.4f}, "
-            f"top-1 {r['top1_agreement']:.1%}, slots CR {r['slots_cr']:.2f}, memory CR "
-            f"{r['memory_cr']:.2f}")
-    if "needle_accuracy" in r:
-        text += f", needle {r['needle_accuracy']:.1%} {_ci(*r['needle_ci'], 100)}"
-    return text
-
-
-def _row_labels(results: list[dict]) -> None:
-    """A policy reported at another CR than it was asked for (OmniKV, at 1x) names the share of
-    tokens it attends to; a second result with the same label and CR gets ``#2``, ..."""
-    seen: dict[tuple, int] = {}
-    for r in results:
-        label = r["label"]
-        if r["method"] == "policy" and r["nominal_cr"] != r["requested_cr"]:
-            label += f" (attends 1/{r['requested_cr']:g})"
-        key = (label, round(r["nominal_cr"], 2))
-        seen[key] = seen.get(key, 0) + 1
-        r["row"] = label if seen[key] == 1 else f"{label} #{seen[key]}"
-
-
-def format_table(results: list[dict]) -> str:
-    """A markdown table, rows sorted by nominal CR (the control first)."""
-    has_needle = any("needle_accuracy" in r for r in results)
-    head = ["method", "CR", "ppl [95% CI]", "KL vs control", "top-1 agree"]
-    head += ["needle % [95% CI]"] if has_needle else []
-    head += ["slots CR", "memory CR"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    order = sorted(range(len(results)),
-                   key=lambda i: (results[i]["nominal_cr"], results[i]["method"] != "control", i))
-    for i in order:
-        r = results[i]
-        cells = [r.get("row", r["label"]), f"{r['nominal_cr']:g}x",
-                 f"{r['perplexity']:.2f} {_ci(*r['perplexity_ci'], digits=2)}",
-                 f"{r['kl']:.4f}", f"{r['top1_agreement']:.1%}"]
-        if has_needle:
-            cells.append(f"{100 * r['needle_accuracy']:.1f} {_ci(*r['needle_ci'], 100)}"
-                         if "needle_accuracy" in r else "-")
-        cells += [f"{r['slots_cr']:.2f}x", f"{r['memory_cr']:.2f}x"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def format_needle_table(results: list[dict]) -> str:
-    """Needle exact match per context length (markdown), with 95% Wilson intervals."""
-    rows = [r for r in results if "needle" in r]
-    if not rows:
-        return ""
-    lengths = list(rows[0]["needle"]["per_length"])
-    head = ["method", "CR"] + [f"{length} tokens" for length in lengths]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["nominal_cr"], r["method"] != "control")):
-        cells = [r.get("row", r["label"]), f"{r['nominal_cr']:g}x"]
-        for length in lengths:
-            cell = r["needle"]["per_length"][length]
-            cells.append(f"{100 * cell['accuracy']:.0f} {_ci(*cell['accuracy_ci'], 100, 0)}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(results: list[dict], path: Path) -> None:
-    """Decoded-token perplexity, KL and needle accuracy against the memory CR, a line per
-    method (the control as a horizontal reference)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("perplexity", "decoded-token perplexity (lower is better)"),
-              ("kl", "KL vs control (lower is better)")]
-    if any("needle_accuracy" in r for r in results):
-        panels.append(("needle_accuracy", "needle exact match (higher is better)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
-    for label in dict.fromkeys(r["label"] for r in results):
-        group = sorted((r for r in results if r["label"] == label), key=lambda r: r["memory_cr"])
-        xs = [r["memory_cr"] for r in group]
-        for ax, (key, _) in zip(axes[0], panels):
-            ys = [r.get(key, float("nan")) for r in group]
-            if label in ("control", "base"):
-                ax.axhline(ys[0], linestyle="--", linewidth=1, label=label,
-                           color="black" if label == "control" else "grey")
-            else:
-                ax.plot(xs, ys, marker="o", label=label)
-    for ax, (key, title) in zip(axes[0], panels):
-        ax.set(xlabel="memory CR (control bytes / method bytes)", title=title)
-        ax.set_xscale("log", base=2)
-        if key == "kl":
-            ax.set_yscale("symlog", linthresh=1e-3)
-    axes[0, 0].legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def load_eval_data(data: str, seq_len: int, num_sequences: int, prefill_fraction: float,
@@ -413,18 +345,6 @@ def run_compare(args: argparse.Namespace) -> int:
         print(report["needle_table"])
         print(f"written: {Path(args.output) / 'compare.json'}, compare.md, compare.png")
     return 0
-
-
-def write_report(results: list[dict], out: Path, settings: dict) -> dict:
-    """``compare.json``, ``compare.md`` and ``compare.png`` in ``out``; returns the report."""
-    _row_labels(results)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"settings": settings, "table": format_table(results),
-              "needle_table": format_needle_table(results), "results": results}
-    (out / "compare.json").write_text(json.dumps(report, indent=1))
-    (out / "compare.md").write_text(report["table"] + "\n\n" + report["needle_table"] + "\n")
-    plot(results, out / "compare.png")
-    return report
 
 
 def special_ids(data) -> set[int]:

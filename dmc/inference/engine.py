@@ -64,7 +64,10 @@ class Engine:
         use_triton: kernel choice (None: Triton on CUDA, PyTorch on CPU).
         seed: base seed of requests that set none (request ``i`` uses ``seed + i``).
         policy: a training-free KV policy from :func:`dmc.policies.get_policy` (vanilla or GQA
-            models only): it evicts after every forward, freeing pages.
+            models only): it evicts after a forward when its schedule says so (after the prompt's
+            last chunk, or after every chunk and decode step), freeing pages; the compression
+            stats report the slots held, so under the ``"prefill"`` schedule the measured CR
+            falls as the decode phase grows.
 
     ``stats``: an :class:`EngineStats`.
     """
@@ -284,8 +287,8 @@ class Engine:
               prefill_tokens: int | None = None) -> ScoreResult:
         """Teacher forcing through the real compressed cache: the log-probability of every next
         token. The first ``prefill_tokens`` tokens (None: all) go through chunked prefill, the
-        others one at a time through the decode path, so that a policy evicts at every token as
-        in generation (DMC and vanilla give the same result either way). Uses one sequence slot
+        others one at a time through the decode path, so that a policy compresses as in
+        generation (DMC and vanilla give the same result either way). Uses one sequence slot
         and its pages for the duration of the call (no preemption: :class:`CacheFullError` when
         they do not fit). :meth:`score_batch` scores several sequences at once."""
         return self.score_batch([tokens], return_logits=return_logits,

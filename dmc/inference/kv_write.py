@@ -7,7 +7,7 @@ strategy per kind of cache, so that the model runner never branches on the model
   compressed at once and packed; queries see a slot once closed and the open one.
 
 A KV policy (:class:`dmc.policies.PolicyRunner`) or :class:`NoPolicy` observes the written slots,
-may replace decode attention and evicts after each forward.
+may replace decode attention and, when its schedule says so, evicts after a forward.
 
 Shapes: queries ``[tokens, heads, dim]``, keys and values ``[tokens, kv_heads, dim]`` as megatron's
 QKV split gives them for one batch row; chunk tensors ``[kv_heads, n, dim]``.
@@ -38,7 +38,7 @@ class NoPolicy:
     def observe(self, layer: int, seq_slots, queries, q_positions, prefill: bool) -> None:
         """Nothing to record."""
 
-    def evict(self, seq_slots, tokens) -> None:
+    def evict(self, seq_slots, tokens, *, decode: bool, prompt_end: bool = False) -> None:
         """Nothing to evict."""
 
     def decode_attention(self, layer: int, seq_slots, queries) -> None:

@@ -24,7 +24,9 @@ class Segment:
 
     slot: the sequence's cache slot; tokens: ids at positions ``start, start + 1, ...``;
     decode: one token written by the decode path (append or merge), else a prefill chunk;
-    all_logits: the logits of every token are returned, else those of the last one.
+    all_logits: the logits of every token are returned, else those of the last one;
+    prompt_end: a prefill chunk that ends what is prefilled before decoding (a policy under the
+    ``"prefill"`` schedule compresses after it).
     """
 
     slot: int
@@ -32,11 +34,13 @@ class Segment:
     start: int
     decode: bool = False
     all_logits: bool = False
+    prompt_end: bool = False
 
 
 class ModelRunner:
     """Runs ``model`` (a megatron-core ``GPTModel`` in eval mode) over segments, writing the
-    cache through ``kv`` and letting ``kv.policy`` evict after each forward."""
+    cache through ``kv`` and letting ``kv.policy`` evict after each forward (when its schedule
+    says so)."""
 
     def __init__(self, model: torch.nn.Module, kv: KVWrite):
         self.model, self.kv = model, kv
@@ -74,9 +78,10 @@ class ModelRunner:
                 start = end
             x = self._finish_layer(layer, x, torch.cat(parts).reshape(x.shape[0], 1, -1))
         if decode:
-            self.kv.policy.evict(decode_slots, decode_positions.cpu() + 1)
+            self.kv.policy.evict(decode_slots, decode_positions.cpu() + 1, decode=True)
         for seg in prefill:
-            self.kv.policy.evict([seg.slot], [seg.start + len(seg.tokens)])
+            self.kv.policy.evict([seg.slot], [seg.start + len(seg.tokens)], decode=False,
+                                 prompt_end=seg.prompt_end)
         return self._segment_logits(x, ordered)
 
     def _segment_logits(self, x: torch.Tensor, ordered: list[Segment]) -> list[torch.Tensor]:

@@ -8,7 +8,8 @@ sequence slots and pages allow (a prompt is admitted while others run only if it
 compression ratio measured so far, plus a page per head).
 
 Reservation: a head grows by at most one slot per token (DMC merges or appends; a policy evicts
-after the forward), so ``n`` tokens of a sequence need at most, per head of length ``L``,
+after the forward, if at all: under the ``"prefill"`` schedule a prompt is held whole until its
+last chunk), so ``n`` tokens of a sequence need at most, per head of length ``L``,
 ``ceil((L + n) / page_size) - ceil(L / page_size)`` new pages. Sequences are served oldest first;
 when the worst case of one does not fit in the pages left, the youngest running sequence is
 preempted (its pages freed, re-queued; it restarts by prefilling its prompt and the tokens it
@@ -50,10 +51,12 @@ class StepPlan:
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
 
     def segments(self) -> list[Segment]:
-        """The forward's segments: each decode sequence's newest token, then each chunk."""
+        """The forward's segments: each decode sequence's newest token, then each chunk (the
+        last one of a sequence's prefill marked ``prompt_end``)."""
         decode = [Segment(s.slot, [s.tokens[-1]], len(s.tokens) - 1, decode=True)
                   for s in self.decode]
-        return decode + [Segment(s.slot, s.tokens[s.cached:s.cached + n], s.cached)
+        return decode + [Segment(s.slot, s.tokens[s.cached:s.cached + n], s.cached,
+                                 prompt_end=s.cached + n == len(s.tokens))
                          for s, n in self.prefill]
 
     def one_at_a_time(self) -> list[StepPlan]:

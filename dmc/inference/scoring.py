@@ -50,8 +50,9 @@ def score_batch(engine: Engine, sequences, return_logits: bool = False,
     """Teacher forcing of ``sequences`` (token id lists) through ``engine``'s real compressed
     cache (:meth:`Engine.score_batch`): each sequence's first ``prefill_tokens`` tokens (None: all)
     are prefilled alone in ``chunk_size`` chunks, then the others are decoded as one batch (a
-    sequence leaves it when its tokens run out), so that a policy evicts at every token as in
-    generation. No preemption: :class:`CacheFullError` when they do not fit."""
+    sequence leaves it when its tokens run out), so that a policy compresses as in generation
+    (after the prefilled tokens under its ``"prefill"`` schedule, after every chunk and token
+    under ``"streaming"``). No preemption: :class:`CacheFullError` when they do not fit."""
     sequences = [[int(t) for t in seq] for seq in sequences]
     if not 1 <= len(sequences) <= engine.max_batch:
         raise ValueError(f"score_batch: need 1..{engine.max_batch} (max_batch) sequences, "
@@ -69,7 +70,8 @@ def score_batch(engine: Engine, sequences, return_logits: bool = False,
             slots.append(engine.cache.add_sequence())
             for start in range(0, scorer.prefilled, engine.chunk_size):
                 chunk = scorer.tokens[start:min(start + engine.chunk_size, scorer.prefilled)]
-                segment = Segment(slots[-1], chunk, start, all_logits=True)
+                segment = Segment(slots[-1], chunk, start, all_logits=True,
+                                  prompt_end=start + len(chunk) == scorer.prefilled)
                 [logits] = engine.runner.forward([segment])
                 scorer.consume(start, logits)
         position = min(s.prefilled for s in scorers)

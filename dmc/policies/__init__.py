@@ -1,8 +1,11 @@
-"""Training-free KV-cache policies on the paged cache: real eviction (pages freed) after every
-prompt chunk and every decode step, batched, per KV head (GQA).
+"""Training-free KV-cache policies on the paged cache: real eviction (pages freed), batched, per
+KV head (GQA), when each policy's schedule says (:mod:`.schedule`: once after the prompt, or after
+every prompt chunk and decode step; each paper's by default).
 
 ``get_policy(name, compression_ratio=2.0, **kwargs)`` builds one; pass it to
-``dmc.inference.Engine(model, dmc=None, policy=...)``. Names: see ``POLICY_NAMES``.
+``dmc.inference.Engine(model, dmc=None, policy=...)``. Names: see ``POLICY_NAMES``. Where a policy
+is named in a command line or an experiment file it is spelled ``NAME`` or ``NAME@SCHEDULE``
+(:func:`parse_policy_spec`, :func:`policy_from_spec`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from .omnikv import OmniKV
 from .pyramidkv import PyramidKV
 from .random import Random
 from .runner import PolicyRunner
+from .schedule import SCHEDULES, Schedule
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
@@ -48,9 +52,35 @@ def get_policy(name: str, compression_ratio: float = 2.0, **policy_kwargs) -> KV
     return cls(compression_ratio, **policy_kwargs)
 
 
+SPEC_SYNTAX = "NAME or NAME@SCHEDULE (SCHEDULE: prefill, prefill/N or streaming)"
+
+
+def parse_policy_spec(text: str) -> tuple[str, dict]:
+    """A policy as named in a command line or an experiment file: ``NAME`` (its paper's
+    schedule) or ``NAME@SCHEDULE`` with ``SCHEDULE`` one of ``prefill``, ``prefill/N`` (re-compress
+    every ``N`` decode steps) or ``streaming`` (:class:`Schedule`). Returns the name and the
+    :func:`get_policy` keywords the spec sets; ValueError naming the field and the accepted
+    values."""
+    name, at, schedule = text.strip().lower().partition("@")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid names: {list(POLICY_NAMES)}")
+    if not at:
+        return name, {}
+    plan = Schedule.parse(schedule)
+    return name, {"schedule": plan.kind, "recompress_every": plan.every}
+
+
+def policy_from_spec(text: str, compression_ratio: float = 2.0, **policy_kwargs) -> KVPolicy:
+    """A new policy from a spec (:func:`parse_policy_spec`) at ``compression_ratio``."""
+    name, kwargs = parse_policy_spec(text)
+    return get_policy(name, compression_ratio, **kwargs, **policy_kwargs)
+
+
 def _keywords(cls) -> list[str]:
-    params = inspect.signature(cls.__init__).parameters.values()
-    return [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    """Keyword-only options of ``cls`` (a wrapper's include :class:`PolicyWrapper`'s)."""
+    inits = [cls.__init__] + ([PolicyWrapper.__init__] if issubclass(cls, PolicyWrapper) else [])
+    params = [p for init in inits for p in inspect.signature(init).parameters.values()]
+    return list(dict.fromkeys(p.name for p in params if p.kind == p.KEYWORD_ONLY))
 
 
 def _base_accepts(cls: type[PolicyWrapper], kwargs: dict, unknown: list[str]) -> bool:
@@ -68,7 +98,8 @@ def _base_accepts(cls: type[PolicyWrapper], kwargs: dict, unknown: list[str]) ->
 
 
 __all__ = [
-    "CAOTE", "D2O", "H2O", "POLICIES", "POLICY_NAMES", "TOVA", "AdaKV", "FastCAOTE", "KNorm",
-    "KVPolicy", "KeyDiff", "LayerView", "OmniKV", "PolicyRunner", "PolicyShape", "PolicyWrapper",
-    "PyramidKV", "Random", "SnapKV", "StreamingLLM", "get_policy",
+    "CAOTE", "D2O", "H2O", "POLICIES", "POLICY_NAMES", "SCHEDULES", "SPEC_SYNTAX", "TOVA", "AdaKV",
+    "FastCAOTE", "KNorm", "KVPolicy", "KeyDiff", "LayerView", "OmniKV", "PolicyRunner",
+    "PolicyShape", "PolicyWrapper", "PyramidKV", "Random", "Schedule", "SnapKV", "StreamingLLM",
+    "get_policy", "parse_policy_spec", "policy_from_spec",
 ]

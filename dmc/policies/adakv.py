@@ -14,6 +14,9 @@ layer, KV head), so the uneven budgets are real memory, not a mask.
 Bases: policies whose scores differ across the heads of a layer: not TOVA (its scores are
 averaged over the layer's heads, so the layer-wide ranking would favour one head by tie order),
 StreamingLLM (no scores) or OmniKV (no eviction).
+
+Schedule: the base policy's paper's by default (Ada-KV changes the allocation, not when it
+happens: Ada-SnapKV and Ada-PyramidKV compress once after the prompt, ``"prefill"``).
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ class AdaKV(PolicyWrapper):
         base: ``"snapkv"`` (default, Ada-SnapKV), ``"pyramidkv"``, ``"h2o"``, ``"d2o"``,
             ``"knorm"``, ``"keydiff"`` or ``"random"``.
         safeguard: share of ``b`` every head keeps at least, in [0, 1] (Ada-KV: 0.2).
-        base_kwargs: passed to the base policy.
+        kwargs: ``schedule``, ``recompress_every``, ``rerotate`` (see
+            :class:`~dmc.policies.base.PolicyWrapper`), the others passed to the base policy.
     """
 
     name = "adakv"
@@ -44,8 +48,8 @@ class AdaKV(PolicyWrapper):
     default_base = "snapkv"
 
     def __init__(self, compression_ratio: float = 2.0, *, base: str | None = None,
-                 safeguard: float = 0.2, **base_kwargs):
-        super().__init__(compression_ratio, base=base, **base_kwargs)
+                 safeguard: float = 0.2, **kwargs):
+        super().__init__(compression_ratio, base=base, **kwargs)
         if not 0.0 <= float(safeguard) <= 1.0:
             raise ValueError(f"safeguard must be in [0, 1], got {safeguard!r}")
         self.safeguard = float(safeguard)

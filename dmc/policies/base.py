@@ -7,9 +7,14 @@ A policy sees, for one layer and a batch of sequences, a :class:`LayerView` of t
 (:meth:`KVPolicy.merge`). :class:`~dmc.policies.runner.PolicyRunner` drives it against a
 :class:`~dmc.inference.cache.PagedKVCache` and frees the evicted pages.
 
-Budgets follow the DMC paper's accounting: after ``n`` tokens a head keeps at most
-``ceil(n / CR)`` slots, so the measured CR (tokens / kept slots) is the requested one, at the end
-of the prompt and at every generated token alike.
+Budgets follow the DMC paper's accounting: when a policy compresses after ``n`` tokens, a head
+keeps at most ``ceil(n / CR)`` slots. When it compresses is its *schedule* (:mod:`.schedule`,
+each policy's paper by default): under ``"streaming"`` after every prefill chunk and decode step,
+so the measured CR (tokens / kept slots) is the requested one at every token; under
+``"prefill"`` once after the prompt, the decode phase then growing (or re-compressing every
+``recompress_every`` steps), so the measured CR falls below the requested one as it generates.
+Kept keys may be re-rotated to their cache positions after an eviction (``rerotate``,
+:mod:`.rerotate`).
 
 Per-slot state (e.g. H2O's accumulated attention) lives in policy-owned tensors
 ``[max_seqs, num_layers, kv_heads, max_slots]`` named in ``slot_state_names``; the runner moves
@@ -18,10 +23,12 @@ them along with the cache on every eviction and zeroes what lies past a head's l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import ClassVar
 
 import torch
+
+from .schedule import Schedule
 
 
 @dataclass
@@ -67,25 +74,40 @@ class LayerView:
         return torch.arange(self.positions.shape[-1], device=self.positions.device)[None, None]
 
 
-@dataclass(eq=False, repr=False)
+@dataclass(eq=False)
 class KVPolicy:
     """Score cached tokens, keep the best ones under a per-head budget, optionally merge.
 
     Subclasses set ``name`` and implement :meth:`scores` (higher = keep) and, when some slots are
     always kept (recent window, sinks, observation window), :meth:`protected`; they update
-    their state in :meth:`observe`. A small policy is a ``@dataclass(eq=False)`` subclass whose
+    their state in :meth:`observe`. A policy is a ``@dataclass(eq=False)`` subclass whose
     options follow ``_: KW_ONLY`` (so ``get_policy`` sees them as keywords) and are checked in
-    ``__post_init__`` after ``super().__post_init__()``.
+    ``__post_init__`` after ``super().__post_init__()``; it sets ``paper_schedule`` (and
+    ``paper_rerotate``) to what its paper does, citing the section in its docstring, and
+    ``needs_prompt_end`` when its selection reads the end of the prompt (an observation window,
+    prompt-wide statistics), which ``"streaming"`` with a chunk shorter than the prompt cuts off.
 
     Args:
-        compression_ratio: CR >= 1; a head keeps at most ``ceil(n / CR)`` slots after ``n``
-            tokens (per-layer policies keep the total over layers).
+        compression_ratio: CR >= 1; a head keeps at most ``ceil(n / CR)`` slots when the policy
+            compresses after ``n`` tokens (per-layer policies keep the total over layers).
+        schedule: ``"prefill"`` or ``"streaming"`` (:mod:`.schedule`); None: the paper's.
+        recompress_every: with ``"prefill"``, re-compress every this many decode steps (None:
+            never; with ``schedule=None``, None is the paper's).
+        rerotate: after an eviction, re-rotate the kept keys to their cache positions
+            (:mod:`.rerotate`); None: the paper's (StreamingLLM only).
     """
 
     compression_ratio: float = 2.0
+    _: KW_ONLY
+    schedule: str | None = None
+    recompress_every: int | None = None
+    rerotate: bool | None = None
 
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: nothing is freed (OmniKV)
+    paper_schedule: ClassVar[Schedule] = Schedule("streaming")
+    paper_rerotate: ClassVar[bool] = False
+    needs_prompt_end: ClassVar[bool] = False  # reads the prompt's end (window, prompt statistics)
     slot_state_names: ClassVar[tuple[str, ...]] = ()
     seq_state_names: ClassVar[tuple[str, ...]] = ()  # [max_seqs, ...] zeroed for a new sequence
 
@@ -95,10 +117,30 @@ class KVPolicy:
             raise ValueError(f"compression_ratio must be a finite number >= 1, got "
                              f"{self.compression_ratio!r}")
         self.compression_ratio = ratio
+        paper = self.paper_schedule
+        if self.schedule is None:
+            plan = Schedule(paper.kind, paper.every if self.recompress_every is None
+                            else self.recompress_every)
+        else:
+            plan = Schedule(self.schedule, self.recompress_every)
+        self.schedule, self.recompress_every = plan.kind, plan.every
+        if self.rerotate is None:
+            self.rerotate = self.paper_rerotate
+        if not isinstance(self.rerotate, bool):
+            raise ValueError(f"rerotate must be True, False or None (the paper's), got "
+                             f"{self.rerotate!r}")
         self.shape: PolicyShape | None = None
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(compression_ratio={self.compression_ratio})"
+    @property
+    def plan(self) -> Schedule:
+        """The compression schedule (:class:`~dmc.policies.schedule.Schedule`)."""
+        return Schedule(self.schedule, self.recompress_every)
+
+    def moving_slots(self) -> int | None:
+        """With ``rerotate``: most leading slots of a head that can sit away from their original
+        position after an eviction (they keep a float32 copy of their key, see
+        :mod:`.rerotate`); None: any slot."""
+        return None
 
     # ----------------------------------------------------------------- lifecycle
     def bind(self, shape: PolicyShape) -> None:
@@ -170,9 +212,12 @@ class PolicyWrapper(KVPolicy):
     """A policy over another one, ``base``: budgets, state, observation, protected slots, scores
     and merges are the base's; a subclass overrides what it changes (:meth:`scores`,
     :meth:`select`). Subclasses set ``bases`` (accepted names -> classes) and ``default_base``.
+    The schedule and ``rerotate`` are the wrapper's (the runner drives the wrapper); by default
+    the base's paper's.
 
     Args:
         base: a name in ``bases``.
+        schedule, recompress_every, rerotate: as :class:`KVPolicy`.
         base_kwargs: passed to the base policy (e.g. SnapKV's ``window``).
     """
 
@@ -180,15 +225,31 @@ class PolicyWrapper(KVPolicy):
     default_base: ClassVar[str] = ""
 
     def __init__(self, compression_ratio: float = 2.0, *, base: str | None = None,
-                 **base_kwargs):
-        super().__init__(compression_ratio)
+                 schedule: str | None = None, recompress_every: int | None = None,
+                 rerotate: bool | None = None, **base_kwargs):
         base = self.default_base if base is None else base
         if base not in self.bases:
             raise ValueError(f"base must be one of {list(self.bases)}, got {base!r}")
         self.base = self.bases[base](compression_ratio, **base_kwargs)
+        super().__init__(compression_ratio, schedule=schedule, recompress_every=recompress_every,
+                         rerotate=rerotate)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(base={self.base!r})"
+        return (f"{type(self).__name__}(base={self.base!r}, schedule={self.plan.text!r}, "
+                f"rerotate={self.rerotate})")
+
+    @property
+    def paper_schedule(self) -> Schedule:
+        """The base policy's (a wrapper that changes it says so)."""
+        return self.base.paper_schedule
+
+    @property
+    def paper_rerotate(self) -> bool:
+        return self.base.paper_rerotate
+
+    @property
+    def needs_prompt_end(self) -> bool:
+        return self.base.needs_prompt_end
 
     def bind(self, shape: PolicyShape) -> None:
         super().bind(shape)

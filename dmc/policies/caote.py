@@ -11,6 +11,10 @@ kept. FastCAOTE drops the need for the output: ``o`` is replaced by the mean of 
 
 Budgets and the base's protected slots are the base policy's. GQA: scores and values are per KV
 head (the base's group aggregation).
+
+Schedule: ``"streaming"`` by default, whatever the base, the paper's (Sec. 2 "Block-wise prompt
+prefill" and Sec. 4 "Prompt consumption": the prompt is consumed in blocks of 128 tokens with an
+eviction after each block, then one eviction per generated token).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 
 from .base import LayerView, PolicyWrapper
 from .h2o import H2O
+from .schedule import Schedule
 from .snapkv import SnapKV
 from .tova import TOVA
 
@@ -27,12 +32,16 @@ class CAOTE(PolicyWrapper):
 
     Args:
         base: ``"h2o"``, ``"tova"`` or ``"snapkv"``.
+        schedule, recompress_every, rerotate: see :class:`~dmc.policies.base.PolicyWrapper`.
         base_kwargs: passed to the base policy (e.g. SnapKV's ``window``).
     """
 
     name = "caote"
     bases = {"h2o": H2O, "tova": TOVA, "snapkv": SnapKV}
     default_base = "h2o"
+    paper_schedule = Schedule("streaming")
+    paper_rerotate = False
+    needs_prompt_end = False  # the paper's block-wise prefill, even over SnapKV
 
     def output(self, view: LayerView, alpha: torch.Tensor) -> torch.Tensor:
         """``o = sum_i alpha_i v_i``, ``[batch, kv, head_dim]``."""

@@ -16,9 +16,14 @@ causal attention, about ``n`` for a layer that puts everything on one sink), so 
 ``F_v^l / mean_l' F_v^l'``: the paper's order of layers, shares invariant to a common scale of the
 variances, uniform shares when every layer is alike (or before any prompt).
 
-With the prompt in several chunks, a token evicted after an early chunk keeps the column sum it
-had then; with the whole prompt in one chunk the variance is the paper's. The variance is frozen
-after the prompt (Eq. 4 uses the prompt encoding only).
+The variance is frozen after the prompt (Eq. 4 uses the prompt encoding only). Under
+``"streaming"`` with the prompt in several chunks, a token evicted after an early chunk keeps the
+column sum it had then; under ``"prefill"`` every prompt token is held at the prompt's end and
+the variance is the paper's whatever the chunk size.
+
+Schedule: ``"prefill"`` with ``recompress_every=1`` by default, the paper's: the prompt's cache is
+compressed once after prompt encoding (Sec. 4.1, Eq. 5: ``S = L_prompt``; Eq. 10 at ``t = 0``),
+then one token is evicted or merged at every generation step (Eq. 6 and Eq. 10 at ``t > 0``).
 
 Token level (Sec. 4.2.1, Eq. 6-8): H2O-style eviction (accumulated attention) that keeps the
 first ``T = sinks`` tokens, the most recent ``M`` and the ``N`` best-scored others,
@@ -38,14 +43,17 @@ GQA: accumulated attention sums the group's query heads (as :mod:`.h2o`); keys a
 from __future__ import annotations
 
 import math
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .base import LayerView, first_mask, layer_budgets, recent_mask
 from .h2o import H2O
+from .schedule import Schedule
 
 
+@dataclass(eq=False)
 class D2O(H2O):
     """Variance-based layer budgets, H2O eviction with sinks, EMA-threshold similarity merges.
 
@@ -56,12 +64,18 @@ class D2O(H2O):
     """
 
     name = "d2o"
+    paper_schedule = Schedule("prefill", every=1)
+    needs_prompt_end = True
     slot_state_names = ("accumulated", "prompt_columns", "prompt_slot")
     seq_state_names = ("folded", "threshold", "has_threshold")
+    _: KW_ONLY
+    sinks: int = 4
+    heavy_ratio: float = 3.0
+    beta: float = 0.7
 
-    def __init__(self, compression_ratio: float = 2.0, *, sinks: int = 4,
-                 heavy_ratio: float = 3.0, beta: float = 0.7):
-        super().__init__(compression_ratio)
+    def __post_init__(self):
+        super().__post_init__()
+        sinks, heavy_ratio, beta = self.sinks, self.heavy_ratio, self.beta
         if int(sinks) != sinks or sinks < 0:
             raise ValueError(f"sinks must be an integer >= 0, got {sinks!r}")
         if not float(heavy_ratio) >= 0.0:

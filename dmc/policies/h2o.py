@@ -8,6 +8,9 @@ split evenly between recent tokens (the last ``ceil(b / 2)`` slots, always kept)
 
 GQA: a KV head's score is the SUM over the query heads of its group (ranking-equivalent to the
 mean). Prompt chunks accumulate every query of the chunk; a decode step, the new query's row.
+
+Schedule: ``"streaming"`` by default, the paper's (Alg. 1: the cache of size ``k`` is brought
+back to ``k`` as every token ``i = k + 1 .. n`` arrives, one eviction per decoding step).
 """
 from __future__ import annotations
 

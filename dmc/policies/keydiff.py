@@ -8,6 +8,10 @@ similar to the cache's anchor: with ``k^_i = k_i / ||k_i||`` over the held keys,
 scores are kept. The anchor is taken over the keys held when the head is brought to its budget
 (after each chunk or step: the paper's block-wise eviction with blocks of one chunk). No
 attention needed.
+
+Schedule: ``"streaming"`` by default, the paper's (block-wise prompt processing under a fixed
+cache budget for resource-constrained devices, evicting after each block and each generated
+token; the paper is not in ``papers/``).
 """
 from __future__ import annotations
 

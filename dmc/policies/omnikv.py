@@ -22,8 +22,13 @@ Memory: the paper offloads the sparse layers' full cache to CPU and loads the se
 here every page stays resident (no offload yet), so the memory CR is 1: the policy reports the
 slots it holds (every token) and ``dmc eval compare`` lists it at 1x, its ``CR`` being the
 sparse layers' token budget, not memory.
+
+Schedule: none applies (nothing is evicted): the selection runs at every decode step (Algorithm
+1), the prefill is dense whatever ``schedule`` says; ``rerotate`` must stay off.
 """
 from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
@@ -33,6 +38,7 @@ SELECTORS = ("exponential", "uniform", "last")
 PAPER_FILTER_LAYERS, PAPER_NUM_LAYERS = (2, 8, 18), 32  # Llama-3-8B-262K, Sec. 5
 
 
+@dataclass(eq=False)
 class OmniKV(KVPolicy):
     """Filter layers pick a token subset over their observation window; the later sparse layers
     attend to it (no eviction).
@@ -46,10 +52,16 @@ class OmniKV(KVPolicy):
     name = "omnikv"
     evicts = False
     seq_state_names = ("selected", "window_queries")
+    _: KW_ONLY
+    filter_layers: tuple[int, ...] | None = None
+    selector: str = "exponential"
+    window: int = 16
 
-    def __init__(self, compression_ratio: float = 2.0, *, filter_layers=None,
-                 selector: str = "exponential", window: int = 16):
-        super().__init__(compression_ratio)
+    def __post_init__(self):
+        super().__post_init__()
+        if self.rerotate:
+            raise ValueError("rerotate: OmniKV evicts nothing, so no key moves; leave it off")
+        filter_layers, selector, window = self.filter_layers, self.selector, self.window
         if filter_layers is not None:
             layers = list(filter_layers)
             if not layers or any(int(x) != x or x < 0 for x in layers):

@@ -15,8 +15,14 @@ When ``b <= alpha`` nothing is left to shape (a layer's budget would be below th
 every layer gets ``b`` (uniform), the window shrinking to the budget as in :class:`SnapKV`.
 
 Selection (Sec. 4.2.2, Eq. 2-3): SnapKV's, with the last ``alpha`` queries voting.
+
+Schedule: ``"prefill"`` by default, the paper's (Sec. 4.2.2: the instruction tokens are the last
+``alpha`` of the input, ``[n - alpha, n]``, and the discarded KV "will not be utilized in any
+subsequent computations throughout the generation process": one compression after the prompt).
 """
 from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
@@ -33,6 +39,7 @@ def pyramid_weights(num_layers: int, beta: float) -> list[float]:
     return [bottom - (bottom - top) * layer / (num_layers - 1) for layer in range(num_layers)]
 
 
+@dataclass(eq=False)
 class PyramidKV(SnapKV):
     """SnapKV selection under pyramidal (arithmetic) per-layer budgets above the window.
 
@@ -43,14 +50,15 @@ class PyramidKV(SnapKV):
     """
 
     name = "pyramidkv"
+    _: KW_ONLY
+    beta: float = 20.0
+    window: int = 8
 
-    def __init__(self, compression_ratio: float = 2.0, *, beta: float = 20.0, window: int = 8,
-                 kernel_size: int = 5, pooling: str = "avgpool"):
-        super().__init__(compression_ratio, window=window, kernel_size=kernel_size,
-                         pooling=pooling)
-        if not float(beta) > 1.0:
-            raise ValueError(f"beta must be > 1, got {beta!r}")
-        self.beta = float(beta)
+    def __post_init__(self):
+        super().__post_init__()
+        if not float(self.beta) > 1.0:
+            raise ValueError(f"beta must be > 1, got {self.beta!r}")
+        self.beta = float(self.beta)
 
     def budgets(self, view_seqs, tokens):
         """``alpha + k^l`` slots per head of every layer, ``[batch, layers]``."""

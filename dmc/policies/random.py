@@ -7,6 +7,9 @@ tokens. kvpress draws fresh scores at its single compression; a priority fixed p
 draw made once, which keeps a token's fate consistent from step to step and the choice
 independent of how sequences are batched. Every sequence sees the same priorities per position;
 another ``seed`` draws others.
+
+Schedule: ``"prefill"`` by default, as kvpress's ``RandomPress`` (one compression after the
+prompt): the floor of the prompt-compressing policies it is compared with.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 
 from .base import KVPolicy, LayerView
+from .schedule import Schedule
 
 MASK = 0xFFFFFFFF
 MULTIPLIER = 0x45D9F3B  # < 2^27, so a 32-bit value times it stays within int64
@@ -36,6 +40,7 @@ class Random(KVPolicy):
     """
 
     name = "random"
+    paper_schedule = Schedule("prefill")
     _: KW_ONLY
     seed: int = 0
 

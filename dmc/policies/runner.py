@@ -7,9 +7,11 @@ The engine calls, for a sequence batch:
   decode step's append), with the post-RoPE queries of the new tokens: the runner records the
   slots' original positions, computes the queries' causal attention over the cached slots on the
   PyTorch path (GQA: ``[batch, kv_heads, group, n, L]``) and hands it to the policy;
-* :meth:`PolicyRunner.evict` once all layers of the chunk (step) are done: per layer, the policy
-  picks what each head keeps under its budget, the cache moves the kept slots to the front and
-  frees the pages past them (:meth:`PagedKVCache.compact`), and the per-slot state follows.
+* :meth:`PolicyRunner.evict` once all layers of the chunk (step) are done. When the policy's
+  schedule (:mod:`.schedule`) says the sequence compresses now, per layer the policy picks what
+  each head keeps under its budget, the cache moves the kept slots to the front and frees the
+  pages past them (:meth:`PagedKVCache.compact`), the per-slot state follows and, with
+  ``rerotate``, the kept keys move to their cache positions (:mod:`.rerotate`).
 
 Evicting after the last layer instead of after each one gives the same result (a layer's cache
 is read again only by the next chunk or step) and lets per-layer budgets (PyramidKV, D2O) see
@@ -17,11 +19,14 @@ every layer first.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from dmc.inference.cache import PagedKVCache
 
 from .base import KVPolicy, LayerView, PolicyShape
+from .rerotate import Rerotation
 
 
 class PolicyRunner:
@@ -48,10 +53,17 @@ class PolicyRunner:
         self.group = shape.group
         self.positions = torch.full((cache.max_seqs, cache.num_layers, kv, max_slots), -1,
                                     dtype=torch.long, device=cache.device)
+        self.plan = policy.plan
+        self.compressed_at = torch.zeros(cache.max_seqs, dtype=torch.long)  # tokens, host
+        self.warned = False
         policy.bind(shape)
+        width = policy.moving_slots()
+        self.rerotation = (Rerotation(shape, max_slots if width is None else min(width, max_slots))
+                           if policy.rerotate else None)
 
     def reset(self, seq: int) -> None:
         self.positions[seq] = -1
+        self.compressed_at[seq] = 0
         self.policy.reset(seq)
 
     def view(self, layer: int, seqs: torch.Tensor, tokens: torch.Tensor) -> LayerView:
@@ -77,15 +89,30 @@ class PolicyRunner:
         h = torch.arange(lengths.shape[1], device=device)[None, :, None].expand_as(slot)
         self.positions[rows[b], layer, h, slot] = q_positions[:, None, :].expand_as(slot)
         view = self.view(layer, seqs, q_positions[:, -1] + 1)
+        if self.rerotation is not None:
+            new = torch.zeros_like(view.valid)
+            new[b, h, slot] = True
+            self.rerotation.record(view, new)
         probs = causal_probs(queries.float(), view, q_positions, self.policy.shape.scale)
         self.policy.observe(view, queries.float(), q_positions, probs, prefill)
 
-    def evict(self, seq_slots, tokens) -> None:
-        """Bring every layer of ``seq_slots`` to its budget after ``tokens [batch]`` tokens."""
+    def evict(self, seq_slots, tokens, *, decode: bool, prompt_end: bool = False) -> None:
+        """After a decode step (``decode``) or a prefill chunk (ending the prompt or not) of
+        ``seq_slots``, at ``tokens [batch]`` tokens: bring every layer of the sequences whose
+        schedule compresses now to its budget."""
         if not self.policy.evicts:
             return
         seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
+        if not (decode or prompt_end):
+            self._warn_early_eviction()
+        due = torch.tensor([self.plan.due(decode=decode, prompt_end=prompt_end, since=int(since))
+                            for since in tokens - self.compressed_at[seqs]], dtype=torch.bool)
+        if due.any():
+            self.compressed_at[seqs[due]] = tokens[due]
+            self._compress(seqs[due], tokens[due])
+
+    def _compress(self, seqs: torch.Tensor, tokens: torch.Tensor) -> None:
         budgets = self.policy.budgets(seqs, tokens.to(self.cache.device))
         for layer in range(self.cache.num_layers):
             view = self.view(layer, seqs, tokens)
@@ -95,8 +122,22 @@ class PolicyRunner:
                 continue
             merged = self.policy.merge(view, keep)
             keys, values = merged if merged is not None else (None, None)
+            if self.rerotation is not None:
+                keys = self.rerotation.rotate(view, keep, keys)
             self.cache.compact(layer, seqs, keep, keys, values)
             self._compact_state(layer, seqs, keep)
+
+    def _warn_early_eviction(self) -> None:
+        """Once: a policy that reads the end of the prompt evicts after a chunk that does not end
+        it (``"streaming"`` with a chunk shorter than the prompt)."""
+        if self.warned or self.plan.kind != "streaming" or not self.policy.needs_prompt_end:
+            return
+        self.warned = True
+        warnings.warn(f"{type(self.policy).__name__} reads the end of the prompt (its paper "
+                      f"compresses once after the whole prompt, schedule='prefill'), but runs "
+                      f"with schedule='streaming' and a prefill chunk shorter than the prompt: "
+                      f"it evicts before it has seen the end of the prompt", UserWarning,
+                      stacklevel=3)
 
     def decode_attention(self, layer: int, seq_slots, queries: torch.Tensor):
         """Attention override of a decode step (OmniKV's sparse layers), or None."""
@@ -108,15 +149,21 @@ class PolicyRunner:
 
     def state_bytes(self, seq: int) -> int:
         """Bytes of policy state held for sequence slot ``seq``: per kept slot, its original
-        position (int64) and the policy's per-slot state; plus the policy's per-sequence state
-        (e.g. SnapKV's observation-window queries)."""
-        slots = int(self.cache.head_lengths(seq).sum())
+        position (int64) and the policy's per-slot state; the float32 key copies of the slots
+        that may move (``rerotate``); plus the policy's per-sequence state (e.g. SnapKV's
+        observation-window queries)."""
+        lengths = self.cache.head_lengths(seq).long()
         per_slot = self.positions.element_size() + sum(
             state[0, 0, 0, 0].numel() * state.element_size()
             for state in self.policy.slot_states())
         per_seq = sum(state[seq].numel() * state.element_size()
                       for state in self.policy.seq_states())
-        return slots * per_slot + per_seq
+        copies = 0
+        if self.rerotation is not None:
+            anchors = self.rerotation.anchors  # [seqs, layers, kv, width, head_dim]
+            held = int(lengths.clamp(max=anchors.shape[3]).sum())
+            copies = held * anchors.shape[4] * anchors.element_size()
+        return int(lengths.sum()) * per_slot + copies + per_seq
 
     def reported_slots(self, seq: int, tokens: int) -> torch.Tensor:
         """Slots held per (layer, KV head) after ``tokens`` tokens, ``[layers, kv_heads]``: the

@@ -6,24 +6,32 @@ smoothed by a 1-D pooling of ``kernel_size`` (stride 1, padding ``k // 2``; the 
 is average pooling); the window tokens are always kept and the ``b - window`` best prefix tokens
 join them (Eq. 3).
 
-The paper compresses once, at the end of the prompt. Here it runs after every prompt chunk and
-every decode step, the observation window always being the last ``window`` tokens seen (their
-post-RoPE queries are kept, ``[seqs, layers, q_heads, window, head_dim]``), so that the budget
-grows like ``ceil(n / CR)``; with the whole prompt in one chunk the prompt step is the paper's.
-When the budget is smaller than the window, the window shrinks to the budget.
+Schedule: ``"prefill"`` by default, the paper's (Sec. 4.1 and its Listing 1; the paper is not in
+``papers/``): the prompt's cache is compressed once, after the prompt, the observation window
+being its end; the generated tokens are appended uncompressed. Chunked prefill changes nothing:
+the prompt is compressed after its last chunk, every prompt token still held. The observation
+window is always the last ``window`` tokens seen (their post-RoPE queries are kept, ``[seqs,
+layers, q_heads, window, head_dim]``), so ``"streaming"`` (after every chunk and decode step) and
+``"prefill"`` with ``recompress_every`` also work; streaming with a chunk shorter than the prompt
+evicts before the end of the prompt is seen (the runner warns). When the budget is smaller than
+the window, the window shrinks to the budget.
 
 GQA: a KV head's vote is the MEAN over the query heads of its group (as kvpress).
 """
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .base import KVPolicy, LayerView, recent_mask
+from .schedule import Schedule
 
 POOLINGS = ("avgpool", "maxpool")
 
 
+@dataclass(eq=False)
 class SnapKV(KVPolicy):
     """SnapKV eviction: observation-window votes, pooled; the window is kept.
 
@@ -34,18 +42,24 @@ class SnapKV(KVPolicy):
     """
 
     name = "snapkv"
+    paper_schedule = Schedule("prefill")
+    needs_prompt_end = True
     seq_state_names = ("window_queries",)
+    _: KW_ONLY
+    window: int = 32
+    kernel_size: int = 5
+    pooling: str = "avgpool"
 
-    def __init__(self, compression_ratio: float = 2.0, *, window: int = 32, kernel_size: int = 5,
-                 pooling: str = "avgpool"):
-        super().__init__(compression_ratio)
+    def __post_init__(self):
+        super().__post_init__()
+        window, kernel_size = self.window, self.kernel_size
         if int(window) != window or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
         if int(kernel_size) != kernel_size or kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be an odd integer >= 1, got {kernel_size!r}")
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
-        self.window, self.kernel_size, self.pooling = int(window), int(kernel_size), pooling
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
+        self.window, self.kernel_size = int(window), int(kernel_size)
 
     def bind(self, shape) -> None:
         super().bind(shape)

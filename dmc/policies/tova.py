@@ -6,6 +6,9 @@ the same token is dropped in every head of the layer). A prompt chunk is scored 
 token's attention, as the authors' prefill does; a decode step by the new token's.
 
 GQA: the average runs over all query heads of the layer, so every KV head keeps the same tokens.
+
+Schedule: ``"streaming"`` by default, the paper's (Sec. 3.3: a multi-state RNN of bounded size,
+one state dropped at every decoding step once the limit is reached).
 """
 from __future__ import annotations
 

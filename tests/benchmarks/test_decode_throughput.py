@@ -98,6 +98,7 @@ def test_fit_batch_is_the_largest_batch_within_the_budget():
     (["--modes", "dmc:1"], "--modes"),
     (["--modes", "turbo"], "--modes"),
     (["--modes", "policy:nope:2"], "tova"),
+    (["--modes", "policy:snapkv@later:2"], "schedule must be one of ['prefill', 'streaming']"),
     (["--modes", "model"], "--model"),
     (["--modes", "gqa:3"], "--groups"),
     (["--gen-len", "8", "--steady", "8"], "--steady"),

@@ -103,6 +103,8 @@ def test_table_json_png_and_numbers(setup, capsys):
 
 @pytest.mark.parametrize("flags,message", [
     (["--policies", "h2o,nope"], "--policies: unknown nope; accepted: h2o, tova"),
+    (["--policies", "snapkv@later"],
+     "--policies: snapkv@later: schedule must be one of ['prefill', 'streaming'], got 'later'"),
     (["--crs", "2,0.5"], "--crs: expected comma-separated numbers in [1, inf]"),
     (["--prefill-fraction", "0"], r"--prefill-fraction: expected 0 < f < 1"),
     (["--needle-depths", "0.5,2"], "--needle-depths: expected comma-separated numbers in [0, 1]"),
@@ -133,3 +135,22 @@ def test_a_policy_that_keeps_every_page_is_reported_at_1x():
     cells = [[c.strip() for c in line.split("|")[1:3]] for line in lines]
     assert cells == [["control", "1x"], ["OMNIKV (attends 1/2)", "1x"],
                      ["OMNIKV (attends 1/4)", "1x"], ["H2O", "2x"]]
+
+
+def test_policies_are_spelled_with_their_schedule():
+    """--policies NAME (the paper's schedule) or NAME@SCHEDULE; each row records its schedule."""
+    from dmc.eval.compare import Method, _row_labels, nominal_cr, parse_policies, schedule_of
+
+    assert parse_policies("SnapKV, snapkv@streaming,h2o@prefill/4") == [
+        "snapkv", "snapkv@streaming", "h2o@prefill/4"]
+    rows = [Method("policy", spec.upper(), policy=spec, cr=4.0)
+            for spec in ("snapkv", "snapkv@streaming", "d2o", "omnikv@prefill")]
+    assert [schedule_of(m) for m in rows] == ["prefill", "streaming", "prefill/1", "prefill"]
+    assert [nominal_cr(m, None, 4, 3.0) for m in rows] == [4.0, 4.0, 4.0, 1.0]
+    assert schedule_of(Method("control", "control", "x")) is None
+    results = [{"method": "policy", "label": m.label, "requested_cr": 4.0, "schedule": schedule,
+                "nominal_cr": nominal_cr(m, None, 4, 3.0)}
+               for m, schedule in zip(rows, ["prefill", "streaming", "prefill/1", "prefill"])]
+    _row_labels(results)
+    assert [r["row"] for r in results] == ["SNAPKV (prefill)", "SNAPKV@STREAMING",
+                                           "D2O (prefill/1)", "OMNIKV@PREFILL (attends 1/4)"]

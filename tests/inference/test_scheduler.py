@@ -86,3 +86,26 @@ def test_step_tokens_must_hold_every_decode_token_and_a_chunk():
     model, _ = build_tiny(2, "vanilla", -1.0, max_seq=160)
     with pytest.raises(ValueError, match="max_batch \\+ chunk_size"):
         Engine(model, page_size=4, max_batch=4, chunk_size=8, step_tokens=11)
+
+
+def test_the_last_chunk_of_each_prefill_ends_the_prompt():
+    """Segments mark ``prompt_end`` on the chunk that ends what is prefilled before decoding
+    (there a policy under the "prefill" schedule compresses): in batched generation and in
+    score(prefill_tokens=...)."""
+    model, _ = build_tiny(2, "vanilla", -1.0, max_seq=160)
+    engine = Engine(model, page_size=4, max_batch=6, chunk_size=8, step_tokens=40)
+    chunks, forward = [], engine.runner.forward
+
+    def recording(segments):
+        chunks.extend(s for s in segments if not s.decode)
+        return forward(segments)
+
+    engine.runner.forward = recording
+    engine.generate(prompts(), SamplingParams(max_new_tokens=3))
+    ends = [(s.start + len(s.tokens), s.prompt_end) for s in chunks]
+    assert sorted(end for end, last in ends if last) == sorted(LENGTHS)
+    assert all(end % 8 == 0 for end, last in ends if not last)
+    chunks.clear()
+    engine.score(prompts()[1], prefill_tokens=20)
+    assert [(s.start + len(s.tokens), s.prompt_end) for s in chunks] == [(8, False), (16, False),
+                                                                         (20, True)]

@@ -1,5 +1,7 @@
-"""Policies served by the Engine on a tiny GQA model: pages freed for real, measured CR = the
-requested one, batched == batch-1, score(prefill_tokens) semantics, bad arguments."""
+"""Policies served by the Engine on a tiny GQA model under the "streaming" schedule (evicting
+after every chunk and decode step): pages freed for real, measured CR = the requested one,
+batched == batch-1, score(prefill_tokens) semantics, bad arguments. The "prefill" schedule:
+test_engine_schedules.py."""
 import math
 
 import pytest
@@ -33,8 +35,9 @@ def tokens(n, seed=1):
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def engine(model, name=None, cr=2.0, **kw):
-    policy = None if name is None else get_policy(name, cr, **SMALL_WINDOW.get(name, {}))
+def engine(model, name=None, cr=2.0, schedule="streaming", **kw):
+    policy = None if name is None else get_policy(name, cr, schedule=schedule,
+                                                  **SMALL_WINDOW.get(name, {}))
     return Engine(model, dmc=None, page_size=PAGE, max_batch=3, chunk_size=kw.pop("chunk", 16),
                   policy=policy, **kw)
 

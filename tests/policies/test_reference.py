@@ -1,6 +1,7 @@
 """Each policy's scores and kept sets, driven through PolicyRunner on a real PagedKVCache, equal a
 float64 reference written from its paper (tests/policies/reference.py), step by step: a prompt in
-one chunk, then one token at a time."""
+one chunk, then one token at a time, evicting after each (the "streaming" schedule; the
+"prefill" schedule is tested in test_schedule.py)."""
 import math
 from types import SimpleNamespace
 
@@ -9,59 +10,12 @@ import torch
 
 from dmc.inference import PagedKVCache
 from dmc.inference.kernels import apply_rope, rope_inv_freq
-from dmc.policies import PolicyRunner, get_policy
+from dmc.policies import get_policy
 from dmc.policies.base import split_budget
 from dmc.policies.pyramidkv import pyramid_weights
 
 from . import reference
-
-KV, GROUP, DIM, TOTAL, PROMPT = 2, 2, 8, 26, 15
-SCALE = DIM ** -0.5
-
-
-def inputs(seed, layers=1):
-    """Post-RoPE queries ``[layers, heads, T, d]``, keys and values ``[layers, kv, T, d]``."""
-    gen = torch.Generator().manual_seed(seed)
-    positions = torch.arange(TOTAL)
-    inv_freq = rope_inv_freq(DIM)
-    q = apply_rope(torch.randn(layers, KV * GROUP, TOTAL, DIM, generator=gen) * 1.5, positions,
-                   inv_freq)
-    k = apply_rope(torch.randn(layers, KV, TOTAL, DIM, generator=gen), positions, inv_freq)
-    v = torch.randn(layers, KV, TOTAL, DIM, generator=gen)
-    return q, k, v
-
-
-def drive(policy, q, k, v, prompt=PROMPT, batch_seqs=None):
-    """Prompt in one chunk, then single tokens; yields (kept positions per layer and head,
-    scores per layer, cache) after each step, the scores taken just before eviction (none for a
-    policy that does not evict)."""
-    layers = q.shape[0]
-    cache = PagedKVCache(layers, KV, DIM, num_pages=200, page_size=4, max_seqs=4, window=None,
-                         dtype=torch.float64, max_seq_len=64)
-    runner = PolicyRunner(policy, cache, KV * GROUP, SCALE)
-    seq = cache.add_sequence()
-    runner.reset(seq)
-    out = []
-    for end in [prompt] + list(range(prompt + 1, TOTAL + 1)):
-        start = 0 if end == prompt else end - 1
-        for layer in range(layers):
-            n = end - start
-            cache.pack_prefill(layer, seq, k[layer, :, start:end], v[layer, :, start:end],
-                               torch.full((KV,), n), torch.zeros(KV, 1, DIM),
-                               torch.zeros(KV, 1, DIM), torch.zeros(KV, 1), torch.zeros(KV))
-            runner.observe(layer, [seq], q[layer, :, start:end][None],
-                           torch.arange(start, end)[None], prefill=end == prompt)
-        budgets = policy.budgets(torch.tensor([seq]), torch.tensor([end]))
-        scores = []
-        for layer in range(layers if policy.evicts else 0):
-            view = runner.view(layer, torch.tensor([seq]), torch.tensor([end]))
-            scores.append(policy.scores(view, budgets[:, layer])[0])
-        runner.evict([seq], [end])
-        kept = [[runner.positions[seq, layer, h, :int(cache.lengths[seq, layer, h])].tolist()
-                 for h in range(KV)] for layer in range(layers)]
-        out.append((kept, scores, cache))
-    return out
-
+from .driver import DIM, GROUP, KV, PROMPT, SCALE, TOTAL, drive, inputs
 
 # the papers' values, which are the policies' defaults
 PAPER = {"d2o": {"sinks": 4, "beta": 0.7}, "pyramidkv": {"window": 8, "kernel_size": 5},
@@ -73,7 +27,7 @@ def check(name, ref_name, seed=0, **kw):
     ref_kw.update({key: val for key, val in kw.items() if key in ("window", "kernel_size",
                                                                   "sinks", "beta", "safeguard")})
     q, k, v = inputs(seed)
-    got = drive(get_policy(name, 2.0, **kw), q, k, v)
+    got = drive(get_policy(name, 2.0, schedule="streaming", **kw), q, k, v)
     want = reference.run(ref_name, q[0], k[0], v[0], PROMPT, 2.0, SCALE,
                          fast=name == "fastcaote", **ref_kw)
     evicted_somewhere = False
@@ -139,7 +93,8 @@ def test_adakv_over_snapkv_matches_reference(window):
 
 def test_random_priorities_are_uniform_fixed_by_the_seed_and_evict_the_lowest():
     q, k, v = inputs(0)
-    runs = [drive(get_policy("random", 2.0, seed=seed), q, k, v) for seed in (0, 0, 1)]
+    runs = [drive(get_policy("random", 2.0, seed=seed, schedule="streaming"), q, k, v)
+            for seed in (0, 0, 1)]
     kept = [[step[0] for step in run] for run in runs]
     assert kept[0] == kept[1] and kept[0] != kept[2]
     before = [list(range(PROMPT))] * KV
@@ -241,7 +196,7 @@ def test_pyramidkv_budgets_are_the_window_plus_the_pyramid_over_the_rest(cr):
     formula (a layer capped at its tokens excepted: CR 1.2 gives layer 0 more than it holds);
     a budget at or below the window is uniform."""
     layers = 4
-    policy = get_policy("pyramidkv", cr)
+    policy = get_policy("pyramidkv", cr, schedule="streaming")
     q, k, v = inputs(2, layers)
     got = drive(policy, q, k, v)
     for step, (kept, _, _) in enumerate(got):
@@ -268,7 +223,7 @@ def test_pyramidkv_at_its_defaults_selects_as_snapkv_under_each_layer_budget():
     """Sec. 4.2.2: in every layer, SnapKV's selection (window = alpha = 8, pooled votes) under
     that layer's budget, against the float64 SnapKV reference."""
     layers = 3
-    policy = get_policy("pyramidkv", 1.5)
+    policy = get_policy("pyramidkv", 1.5, schedule="streaming")
     q, k, v = inputs(6, layers)
     got = drive(policy, q, k, v)
     seq = torch.tensor([0])
@@ -284,8 +239,8 @@ def test_pyramidkv_at_its_defaults_selects_as_snapkv_under_each_layer_budget():
 def test_pyramidkv_selection_is_snapkv_under_its_budget():
     """With one layer the pyramid is flat: PyramidKV == SnapKV (same window)."""
     q, k, v = inputs(4)
-    pyramid = drive(get_policy("pyramidkv", 2.0, window=3), q, k, v)
-    snap = drive(get_policy("snapkv", 2.0, window=3), q, k, v)
+    pyramid = drive(get_policy("pyramidkv", 2.0, window=3, schedule="streaming"), q, k, v)
+    snap = drive(get_policy("snapkv", 2.0, window=3, schedule="streaming"), q, k, v)
     assert [a[0] for a in pyramid] == [b[0] for b in snap]
 
 
