@@ -40,7 +40,7 @@ def test_experiment_files_load_and_merge():
         [main, ROOT / "configs" / "experiments" / "uneven_layers.yaml"], quick=False)
     assert ablation["name"] == "uneven_layers" and ablation["data"] == full["data"]
     # every variant against the plain DMC run of the same target (reused from the main file)
-    assert {v["cr"] for v in ablation["variants"]} == set(ablation["dmc_crs"]) == {2}
+    assert {v["cr"] for v in ablation["variants"]} == set(ablation["dmc_crs"]) == {4}
 
 
 @pytest.mark.parametrize("change,message", [
