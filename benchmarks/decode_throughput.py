@@ -35,10 +35,18 @@ Modes (``--modes``, comma separated):
 ``--model PATH`` (an inference ``.pt`` file or a training checkpoint, run or checkpoints folder)
 replaces the random base model; its shape then comes from the checkpoint.
 
+Each mode also gets its roofline (:mod:`dmc.eval.roofline`): the bytes a steady step reads
+(weights, the K/V pages held, the DMC merge state it updates), the bandwidth it achieves, and the
+fraction of its bound ``max(bytes / read bandwidth, flops / GEMM rate)`` it reaches at the median
+step time, the bandwidth and GEMM rate measured by microbenchmarks after the run, in the same
+process and thread count.
+
 Presets: ``gpu`` (default with CUDA): a ~1B-shaped Llama (16 layers, hidden 2048, 16 heads, FFN
 5504, vocab 32000), bf16, P = G = 2048, 12 GiB per mode, modes vanilla and DMC 2x / 4x / 8x;
 ``cpu`` (default otherwise): 2 layers, hidden 256, 4 heads, P = 256, G = 64, 8 MiB per mode, fp32,
-vanilla and DMC 2x / 4x. Any flag overrides its preset value.
+vanilla and DMC 2x / 4x; ``cpu-kv``: a KV-heavy CPU shape where the cache, not the weights,
+dominates a step (2 layers, hidden 512, 8 heads and 8 KV heads, P = 1024, G = 64, 136 MiB per
+mode), vanilla, DMC 2x / 4x, GQA 2x / 4x. Any flag overrides its preset value.
 
 Prints a table; ``--out FILE.json`` writes every number. On CUDA the Triton kernels run, on CPU
 the PyTorch ones.
@@ -46,16 +54,18 @@ the PyTorch ones.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
 import sys
 import time
 import warnings
-from typing import NamedTuple
 
 import torch
+
+from dmc.eval.decode_modes import MODE_SYNTAX, Mode, build_models, parse_mode
+from dmc.eval.kv_budget import cache_allocation, fit_batch
+from dmc.eval.roofline import attention_flops, measure_machine, roofline, weight_bytes_and_flops
 
 warnings.filterwarnings("ignore", module="megatron")
 
@@ -66,55 +76,10 @@ PRESETS = {
     "cpu": dict(layers=2, hidden=256, heads=4, groups=4, ffn=512, vocab=512,
                 prompt_len=256, gen_len=64, steady=32, budget_mib=8, modes="vanilla,dmc:2,dmc:4",
                 dtype="float32", probe=2),
+    "cpu-kv": dict(layers=2, hidden=512, heads=8, groups=8, ffn=1024, vocab=512,
+                   prompt_len=1024, gen_len=64, steady=32, budget_mib=136,
+                   modes="vanilla,dmc:2,dmc:4,gqa:2,gqa:4", dtype="float32", probe=2),
 }
-INT32 = 4
-FLOAT32 = 4
-
-
-class Mode(NamedTuple):
-    """One row of the benchmark: ``kind`` is vanilla, dmc, gqa, policy or model; ``value`` the
-    target CR (dmc, policy) or GQA factor; ``policy`` the policy name."""
-
-    kind: str
-    value: float = 1.0
-    policy: str = ""
-
-    @property
-    def label(self) -> str:
-        if self.kind == "dmc":
-            return f"dmc {self.value:g}x"
-        if self.kind == "gqa":
-            return f"gqa {self.value:g}x"
-        if self.kind == "policy":
-            return f"{self.policy} {self.value:g}x"
-        return self.kind
-
-
-MODE_SYNTAX = "vanilla, model, dmc:CR, gqa:FACTOR, policy:NAME:CR"
-
-
-def parse_mode(text: str) -> Mode:
-    """A :class:`Mode` from ``--modes`` syntax; ValueError naming the accepted forms."""
-    from dmc.policies import SPEC_SYNTAX, parse_policy_spec
-
-    kind, *values = text.strip().split(":")
-    if kind == "policy" and len(values) == 2:
-        try:
-            parse_policy_spec(values[0])
-        except ValueError as err:
-            raise ValueError(f"--modes: {err} in {text!r}; NAME is spelled {SPEC_SYNTAX}"
-                             ) from None
-    try:
-        number = float(values[-1]) if values else None
-    except ValueError:
-        number = None
-    if kind in ("vanilla", "model") and not values:
-        return Mode(kind)
-    if kind in ("dmc", "gqa") and len(values) == 1 and number and number > 1:
-        return Mode(kind, number)
-    if kind == "policy" and len(values) == 2 and number and number > 1:
-        return Mode(kind, number, values[0])
-    raise ValueError(f"--modes: bad mode {text!r}; accepted: {MODE_SYNTAX} (CR and FACTOR > 1)")
 
 
 def parse_args(argv=None):
@@ -180,140 +145,6 @@ def parse_args(argv=None):
     return args
 
 
-# ---------------------------------------------------------------------------- memory accounting
-def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
-                     page_size: int, max_seqs: int, window: int | None, dtype: torch.dtype,
-                     max_seq_len: int) -> dict:
-    """Bytes a :class:`~dmc.inference.PagedKVCache` built with these arguments allocates on its
-    device, by part: ``pages`` (K and V pools), ``block_tables`` (one int32 row of
-    ``ceil(max_seq_len / page_size)`` page ids per (sequence slot, layer, KV head)), ``lengths``
-    (int32 per head), ``dmc_state`` (float32 ring of ``window`` pre-RoPE keys and values, or the
-    running mean, their weights, and the int32 token count, per head), ``rope`` (the float32
-    frequencies); ``total`` sums them."""
-    heads = max_seqs * num_layers * num_kv_heads
-    rows = window or 1
-    element = torch.empty((), dtype=dtype).element_size()
-    out = {
-        "pages": 2 * num_pages * page_size * head_dim * element,
-        "block_tables": heads * math.ceil(max_seq_len / page_size) * INT32,
-        "lengths": heads * INT32,
-        "dmc_state": heads * (2 * rows * head_dim * FLOAT32 + rows * FLOAT32 + INT32),
-        "rope": head_dim // 2 * FLOAT32,
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-def fit_batch(budget: int, pages_per_seq: int, state_per_seq: int, shape: dict) -> tuple:
-    """The largest batch whose cache (:func:`cache_allocation` with ``batch * pages_per_seq``
-    pages) plus ``state_per_seq`` bytes per sequence fits ``budget`` bytes, and the pages the
-    budget then holds: ``(batch, num_pages)``; batch 0 when not even one sequence fits."""
-    def fixed(batch):
-        return cache_allocation(num_pages=0, max_seqs=batch, **shape)["total"] \
-            + batch * state_per_seq
-
-    page = cache_allocation(num_pages=1, max_seqs=0, **shape)["pages"]
-    batch = 0
-    while fixed(batch + 1) + (batch + 1) * pages_per_seq * page <= budget:
-        batch += 1
-    return batch, (budget - fixed(batch)) // page if batch else 0
-
-
-# ---------------------------------------------------------------------------- models
-def model_config(args, groups: int):
-    """The random model's :class:`~dmc.megatron.config.ModelConfig` (built with QKV biases:
-    :data:`QKV_BIAS`)."""
-    from dmc.megatron.config import ModelConfig
-
-    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
-                       num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
-                       num_query_groups=groups, vocab_size=args.vocab,
-                       max_seq_length=args.prompt_len + args.gen_len, params_dtype=args.dtype)
-
-
-QKV_BIAS = {"add_qkv_bias": True}  # the random models' TransformerConfig override
-
-
-def build_models(args) -> dict:
-    """``{mode: (model, dmc argument of the Engine, policy factory or None)}`` for every mode (a
-    policy serves one engine: each engine gets a new one)."""
-    from dmc.megatron.config import DMCConfig
-    from dmc.megatron.model import build_model_from_config
-    from dmc.policies import policy_from_spec
-
-    torch.manual_seed(args.seed)
-    if args.model:
-        from dmc.inference.loading import load_model
-
-        loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
-        base = loaded.model.to("cuda" if args.cuda else "cpu")
-        config = loaded.model_config
-        args.layers, args.hidden = config.num_layers, config.hidden_size
-        args.heads, args.groups = config.num_attention_heads, config.kv_heads
-        args.vocab = config.vocab_size
-    else:
-        base = build_model_from_config(model_config(args, args.groups), **QKV_BIAS)
-    models = {}
-    for mode in args.mode_list:
-        if mode.kind == "vanilla":
-            models[mode] = (base, None, None)
-        elif mode.kind == "model":
-            models[mode] = (base, "auto", None)
-        elif mode.kind == "policy":
-            models[mode] = (base, None, functools.partial(policy_from_spec, mode.policy,
-                                                          compression_ratio=mode.value))
-        elif mode.kind == "gqa":
-            torch.manual_seed(args.seed)
-            config = model_config(args, int(args.groups / mode.value))
-            models[mode] = (build_model_from_config(config, **QKV_BIAS), None, None)
-        else:
-            dmc = DMCConfig(window=args.window or None, c=args.c)
-            model = build_model_from_config(model_config(args, args.groups), dmc, **QKV_BIAS)
-            model.load_state_dict(base.state_dict())
-            force_cr(model, mode.value, args)
-            models[mode] = (model, "auto", None)
-    return models
-
-
-@torch.no_grad()
-def force_cr(model, cr: float, args) -> None:
-    """Set the decision rows of every DMC layer so that about ``1 - 1/cr`` of calibration tokens
-    merge (see the module docstring)."""
-    from dmc.megatron.attention import dmc_layers
-
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    calib = torch.randint(0, args.vocab, (8, min(args.prompt_len + args.gen_len, 1024)),
-                          generator=gen)
-    device = next(model.parameters()).device
-    calib = calib.to(device)
-    positions = torch.arange(calib.shape[1], device=device).expand_as(calib)
-    for layer in dmc_layers(model):
-        dim = layer.hidden_size_per_attention_head
-        groups = layer.num_query_groups_per_partition
-        per_group = layer.num_attention_heads_per_partition // groups
-        weight, bias = layer.linear_qkv.weight, layer.linear_qkv.bias
-        k_rows = []
-        for g in range(groups):
-            base = g * (per_group + 2) * dim
-            for i in range(per_group):  # q[-1] rows: omega = sigmoid(c) for every token
-                weight[base + i * dim + dim - 1] = 0
-                bias[base + i * dim + dim - 1] = 0
-            k_row = base + per_group * dim + dim - 1
-            weight[k_row] = torch.randn(weight.shape[1], generator=gen).to(weight) / math.sqrt(
-                weight.shape[1])
-            bias[k_row] = 0
-            k_rows.append(k_row)
-        captured = []
-        hook = layer.linear_qkv.register_forward_hook(
-            lambda mod, inp, out: captured.append(out[0][..., k_rows].float()))
-        model(calib, positions, None)
-        hook.remove()
-        raw = captured[0].reshape(-1, groups)  # [tokens, groups]
-        threshold = torch.quantile(raw, 1.0 / cr, dim=0)
-        for g, k_row in enumerate(k_rows):
-            bias[k_row] = args.c - threshold[g]
-
-
 # ---------------------------------------------------------------------------- runs
 class Run:
     """One mode's engine in the interleaved timed run, with its per-step records."""
@@ -321,7 +152,7 @@ class Run:
     def __init__(self, mode: Mode, engine, batch: int, prompts, params):
         self.mode, self.engine, self.batch = mode, engine, batch
         self.results = []
-        self.steps = []  # (seconds, decode tokens, prefill tokens) per Engine.step
+        self.steps = []  # (seconds, decode tokens, prefill tokens, KV bytes, slots) per step
         for prompt in prompts:
             engine.add_request(prompt, params)
 
@@ -335,15 +166,25 @@ class Run:
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
+        cache = self.engine.cache
         self.steps.append((seconds, stats.decode_tokens - before[0],
-                           stats.prefill_tokens - before[1]))
+                           stats.prefill_tokens - before[1], cache.bytes_in_use,
+                           int(cache.allocator.lengths.sum())))
 
     def steady(self, n: int) -> tuple[int, int, float, float]:
         """The last ``n`` steps that decoded the full batch and prefilled nothing: (steps,
         tokens, seconds, median step seconds)."""
-        full = [(s, d) for s, d, p in self.steps if p == 0 and d == self.batch][-n:]
-        median = sorted(s for s, _ in full)[len(full) // 2] if full else 0.0
-        return len(full), sum(d for _, d in full), sum(s for s, _ in full), median
+        full = self._full(n)
+        median = sorted(s[0] for s in full)[len(full) // 2] if full else 0.0
+        return len(full), sum(s[1] for s in full), sum(s[0] for s in full), median
+
+    def steady_cache(self, n: int) -> tuple[float, float]:
+        """Mean K/V page bytes and cached slots the cache held after those steps."""
+        full = self._full(n) or [(0, 0, 0, 0, 0)]
+        return (sum(s[3] for s in full) / len(full), sum(s[4] for s in full) / len(full))
+
+    def _full(self, n: int) -> list[tuple]:
+        return [s for s in self.steps if s[2] == 0 and s[1] == self.batch][-n:]
 
 
 def prompts_for(args, n: int, seed: int) -> list[list[int]]:
@@ -434,12 +275,13 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
             median_step_tokens_per_s=run.batch / median if median else 0.0,
             all_decode_tokens_per_s=stats.decode_tokens / max(stats.decode_seconds, 1e-9),
             prefill_tokens_per_s=stats.prefill_tokens / max(stats.prefill_seconds, 1e-9),
-            wall_seconds=sum(s for s, _, _ in run.steps), preemptions=stats.preemptions,
+            wall_seconds=sum(s[0] for s in run.steps), preemptions=stats.preemptions,
             peak_pages=stats.peak_pages,
         )
         if steps < args.steady:
             print(f"warning: {run.mode.label}: only {steps} decode steps ran at the full batch "
                   f"(--steady {args.steady}); the figure averages those")
+    add_rooflines(args, runs, rows)
     vanilla = next((r for m, r in rows.items() if m.kind == "vanilla"), None)
     for row in rows.values():
         for key, ratio in (("tokens_per_s", "speedup_vs_vanilla"),
@@ -448,11 +290,32 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
     return list(rows.values())
 
 
+def add_rooflines(args, runs: list[Run], rows: dict) -> None:
+    """Each row's steady step cost (``step_bytes``: weights, K/V pages held, DMC merge state;
+    ``step_flops``) and :func:`~dmc.eval.roofline.roofline` at its median step time, against
+    the machine, measured now."""
+    machine = measure_machine(torch.device("cuda" if args.cuda else "cpu"),
+                              getattr(torch, args.dtype))
+    for run in runs:
+        row = rows[run.mode]
+        weights, linear = weight_bytes_and_flops(run.engine.model, run.batch)
+        kv, slots = run.steady_cache(args.steady)
+        state = row["memory"]["dmc_state"] if run.engine.kv.keeps_merge_state else 0
+        cache = run.engine.cache
+        step_bytes = {"weights": weights, "kv": kv, "dmc_state": state}
+        step_bytes["total"] = sum(step_bytes.values())
+        flops = linear + attention_flops(slots, args.heads // cache.num_kv_heads, cache.head_dim)
+        row.update(step_bytes=step_bytes, step_flops=flops, machine=machine._asdict(),
+                   roofline=roofline(step_bytes["total"], flops, run.steady(args.steady)[3],
+                                     machine))
+
+
 def table(rows) -> str:
     """The rows as text: tok/s over the steady steps and from their median step time, each as a
     multiple of vanilla's."""
     header = ("mode", "measured CR", "pages/seq", "batch", "budget used", "steady steps",
-              "tok/s", "x vanilla", "median tok/s", "x vanilla", "preempt")
+              "tok/s", "x vanilla", "median tok/s", "x vanilla", "preempt", "MiB/step",
+              "GB/s", "roofline")
     lines = [" | ".join(f"{h:>12}" for h in header)]
     for r in rows:
         def ratio(key):
@@ -462,7 +325,9 @@ def table(rows) -> str:
                  f"{r['memory']['total'] / 2**20:.2f} MiB", str(r["steady_steps"]),
                  f"{r['tokens_per_s']:.1f}", ratio("speedup_vs_vanilla"),
                  f"{r['median_step_tokens_per_s']:.1f}", ratio("median_speedup_vs_vanilla"),
-                 str(r["preemptions"]))
+                 str(r["preemptions"]), f"{r['step_bytes']['total'] / 2**20:.1f}",
+                 f"{r['roofline']['achieved_bytes_per_s'] / 1e9:.2f}",
+                 f"{r['roofline']['fraction']:.3f} {r['roofline']['bound'][:3]}")
         lines.append(" | ".join(f"{c:>12}" for c in cells))
     return "\n".join(lines)
 

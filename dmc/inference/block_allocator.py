@@ -25,6 +25,12 @@ class CacheFullError(RuntimeError):
     """The cache cannot hold a request (pages, per-head table width or sequence slots)."""
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a stream sync: ``non_blocking`` from pageable memory
+    stages the bytes before returning, so the (temporary) source may change afterwards."""
+    return tensor.to(device, non_blocking=True)
+
+
 def pages_for(lengths: torch.Tensor, page_size: int) -> torch.Tensor:
     """Pages heads of ``lengths`` slots own: ``ceil(lengths / page_size)``."""
     return torch.div(lengths + page_size - 1, page_size, rounding_mode="floor")
@@ -153,12 +159,12 @@ class BlockAllocator:
         """Device ``(page, offset)`` of slot ``slots`` of heads ``(seqs, layer, heads)`` (host
         long tensors of one shape)."""
         pages = self.tables[seqs, layer, heads, slots // self.page_size].long()
-        return pages.to(self.device), (slots % self.page_size).to(self.device)
+        return to_device(pages, self.device), to_device(slots % self.page_size, self.device)
 
     def publish(self, seqs: torch.Tensor, layer) -> None:
         """Copy the host block tables and lengths of ``[seqs, layer]`` to the device."""
         if self.device_tables is self.tables:
             return
-        rows = seqs.to(self.device)
-        self.device_tables[rows, layer] = self.tables[seqs, layer].to(self.device)
-        self.device_lengths[rows, layer] = self.lengths[seqs, layer].to(self.device)
+        rows = to_device(seqs, self.device)
+        self.device_tables[rows, layer] = to_device(self.tables[seqs, layer], self.device)
+        self.device_lengths[rows, layer] = to_device(self.lengths[seqs, layer], self.device)

@@ -25,7 +25,7 @@ import torch
 
 from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
-from .block_allocator import BlockAllocator, pages_for
+from .block_allocator import BlockAllocator, pages_for, to_device
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
 
 
@@ -194,9 +194,9 @@ class PagedKVCache:
         device = self.device
         run_dmc_write(
             self.k_pages, self.v_pages, self.block_tables, self.open_k, self.open_v,
-            self.open_omega, self.open_count, self.inv_freq, self.window, layer, seqs.to(device),
-            (new_lengths - 1).to(device), append.to(device), k, v,
-            torch.as_tensor(omega, device=device), torch.as_tensor(positions, device=device),
+            self.open_omega, self.open_count, self.inv_freq, self.window, layer,
+            to_device(seqs, device), to_device(new_lengths - 1, device), to_device(append, device),
+            k, v, torch.as_tensor(omega, device=device), torch.as_tensor(positions, device=device),
             use_triton=use_triton,
         )
 
@@ -262,12 +262,13 @@ class PagedKVCache:
         Returns ``[batch, q_heads, head_dim]``; ``scale`` defaults to ``head_dim ** -0.5``.
         """
         seqs = self.allocator.seq_index(seq_slots)
-        rows = seqs.to(self.device)
+        rows = to_device(seqs, self.device)
+        host_lengths = self.allocator.lengths[seqs, layer]
         return run_paged_decode(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer],
             self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
-            num_splits=num_splits, max_length=int(self.allocator.lengths[seqs, layer].max()),
+            num_splits=num_splits, max_length=int(host_lengths.max()), host_lengths=host_lengths,
         )
 
     # ------------------------------------------------------------- eviction

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dmc.inference.block_allocator import to_device
 from dmc.inference.kv_write import KVWrite
 from dmc.megatron.config import DMCConfig
 from dmc.megatron.runtime import DMCRuntime
@@ -53,9 +54,9 @@ class ModelRunner:
         decode = [s for s in segments if s.decode]
         prefill = [s for s in segments if not s.decode]
         ordered = decode + prefill  # rows: the decode tokens, then each chunk
-        ids = torch.tensor([t for s in ordered for t in s.tokens], device=self.device)
-        positions = torch.tensor([s.start + i for s in ordered for i in range(len(s.tokens))],
-                                 device=self.device)
+        ids = to_device(torch.tensor([t for s in ordered for t in s.tokens]), self.device)
+        positions = to_device(torch.tensor([s.start + i for s in ordered
+                                            for i in range(len(s.tokens))]), self.device)
         for seg in prefill:
             if seg.start == 0:
                 self.kv.policy.reset(seg.slot)
@@ -78,7 +79,8 @@ class ModelRunner:
                 start = end
             x = self._finish_layer(layer, x, torch.cat(parts).reshape(x.shape[0], 1, -1))
         if decode:
-            self.kv.policy.evict(decode_slots, decode_positions.cpu() + 1, decode=True)
+            self.kv.policy.evict(decode_slots, torch.tensor([s.start + 1 for s in decode]),
+                                 decode=True)
         for seg in prefill:
             self.kv.policy.evict([seg.slot], [seg.start + len(seg.tokens)], decode=False,
                                  prompt_end=seg.prompt_end)
@@ -93,7 +95,7 @@ class ModelRunner:
             picked.extend(wanted)
             sizes.append(len(wanted))
             row += n
-        hidden = self.model.decoder.final_layernorm(x[torch.tensor(picked, device=x.device)])
+        hidden = self.model.decoder.final_layernorm(x[to_device(torch.tensor(picked), x.device)])
         weight = None
         if self.model.share_embeddings_and_output_weights:
             weight = self.model.shared_embedding_or_output_weight()

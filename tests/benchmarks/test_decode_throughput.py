@@ -1,6 +1,6 @@
 """benchmarks/decode_throughput.py: the budget counts exactly the bytes the cache allocates, the
 batch is the largest that fits, bad flags exit 2 naming them, and a tiny run of the protocol end
-to end (modes interleaved, steady-state window, JSON)."""
+to end (modes interleaved, steady-state window, JSON, bytes per step and roofline)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -129,7 +129,52 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
         assert row["preemptions"] == 0 and row["tokens_per_s"] > 0
     assert rows["vanilla"]["speedup_vs_vanilla"] == 1.0
     assert rows["dmc 4x"]["measured_cr"] > 2 and rows["dmc 4x"]["batch"] > rows["vanilla"]["batch"]
-    assert "x vanilla" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x vanilla" in out and "GB/s" in out and "roofline" in out
+    for row in rows.values():  # the roofline columns
+        parts = row["step_bytes"]
+        assert parts["total"] == parts["weights"] + parts["kv"] + parts["dmc_state"]
+        assert 0 < parts["kv"] <= row["memory"]["pages"]
+        assert (parts["dmc_state"] > 0) == (row["kind"] == "dmc")
+        roof = row["roofline"]
+        assert 0 < roof["fraction"] and roof["bound_seconds"] > 0 and row["step_flops"] > 0
+        median = row["batch"] / row["median_step_tokens_per_s"]
+        assert roof["achieved_bytes_per_s"] == pytest.approx(parts["total"] / median)
+        assert roof["fraction"] == pytest.approx(roof["bound_seconds"] / median)
+    assert rows["gqa 2x"]["step_bytes"]["weights"] < rows["vanilla"]["step_bytes"]["weights"]
+
+
+def test_roofline_counts_and_bound(parallel_1x1):
+    """Weights read once (an untied input embedding only for the batch's rows), 2 flops per
+    weight and token, 4 * head_dim per (query head, slot); the bound is the slower resource."""
+    from dmc.eval.roofline import (
+        Machine,
+        attention_flops,
+        measure_machine,
+        roofline,
+        weight_bytes_and_flops,
+    )
+
+    model, _ = build_tiny(2, None, max_seq=64)
+    params = dict(model.named_parameters())
+    table = params["embedding.word_embeddings.weight"]
+    total = sum(p.numel() * 4 for p in params.values())
+    matrices = sum(p.numel() for p in params.values() if p.dim() == 2)
+    weights, flops = weight_bytes_and_flops(model, batch=3)
+    if model.share_embeddings_and_output_weights:
+        assert (weights, flops) == (total, 2 * 3 * matrices)
+    else:
+        assert weights == total - (table.shape[0] - 3) * table.shape[1] * 4
+        assert flops == 2 * 3 * (matrices - table.numel())
+    assert attention_flops(100, 2, 16) == 4 * 100 * 2 * 16
+    machine = Machine(read_bytes_per_s=1e9, gemm_flops_per_s=1e10)
+    memory = roofline(2e6, 1e6, 4e-3, machine)  # 2 ms of bytes, 0.1 ms of flops, in 4 ms
+    assert memory["bound"] == "memory" and memory["fraction"] == pytest.approx(0.5)
+    assert memory["achieved_bytes_per_s"] == pytest.approx(5e8)
+    assert roofline(1e3, 1e8, 2e-2, machine)["fraction"] == pytest.approx(0.5)
+    measured = measure_machine(torch.device("cpu"), torch.float32, read_mib=4, gemm_size=64,
+                               repeats=1)
+    assert measured.read_bytes_per_s > 0 and measured.gemm_flops_per_s > 0
 
 
 def test_trained_checkpoint_with_model(parallel_1x1, tmp_path):

@@ -1,5 +1,5 @@
 """Paged decode and DMC write kernels: the PyTorch reference against float64, Triton (the
-interpreter on CPU) against the reference."""
+interpreter on CPU) and the batched CPU path against the reference."""
 import itertools
 import math
 
@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from dmc.inference import PagedKVCache
-from dmc.inference.kernels import paged_decode_reference, resolve_use_triton, run_paged_decode
+from dmc.inference.kernels import (
+    paged_decode_batched,
+    paged_decode_reference,
+    resolve_use_triton,
+    run_paged_decode,
+)
+from dmc.inference.kernels.paged_cpu import length_buckets
 
 TOLERANCE = {  # output rounding of the dtype, plus one ulp for the interpreter's truncating casts
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -158,3 +164,47 @@ def test_dispatch(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         resolve_use_triton(cpu, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,page_size,seed", [
+    (4, 4, 16, 0), (8, 2, 16, 1), (6, 3, 5, 2), (4, 1, 7, 3),
+])
+def test_batched_decode_matches_reference(dtype, q_heads, kv_heads, page_size, seed):
+    """Random page layouts (NaN past every head's length), lengths 1..2000 with empty heads, GQA:
+    the batched CPU path equals the oracle to float32 rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = 5
+    lengths = torch.randint(1, 2001, (batch, kv_heads), generator=gen)
+    lengths[lengths % 5 == 0] //= 40  # short heads next to long ones: several buckets
+    lengths[0, 0], lengths[-1, -1], lengths[1, 0] = 0, 2000, 1
+    k_pages, v_pages, tables, lengths = random_paged_kv(lengths, 16, page_size, dtype, gen)
+    q = torch.randn(batch, q_heads, 16, generator=gen).to(dtype)
+    expected = paged_decode_reference(q, k_pages, v_pages, tables, lengths, 0.25)
+    out = paged_decode_batched(q, k_pages, v_pages, tables, lengths, 0.25)
+    assert out.dtype == dtype and out[0, :q_heads // kv_heads].eq(0).all()
+    tol = TOLERANCE[torch.float32] if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, expected, **tol)
+    dispatched = run_paged_decode(q, k_pages, v_pages, tables, lengths, 0.25, use_triton=False,
+                                  host_lengths=lengths)
+    torch.testing.assert_close(dispatched, out, atol=0, rtol=0)
+
+
+def test_batched_decode_all_heads_empty():
+    gen = torch.Generator().manual_seed(0)
+    paged = random_paged_kv(torch.tensor([[0, 0]]), 8, 4, torch.float32, gen)
+    out = paged_decode_batched(torch.randn(1, 4, 8, generator=gen), *paged, scale=1.0)
+    assert out.eq(0).all()
+
+
+def test_length_buckets_bound_padding():
+    gen = torch.Generator().manual_seed(0)
+    pages = torch.randint(0, 300, (400,), generator=gen)
+    buckets = length_buckets(pages, growth=1.25, slack=4)
+    rows = torch.cat([r for r, _ in buckets])
+    assert sorted(rows.tolist()) == (pages > 0).nonzero()[:, 0].tolist()
+    assert len(buckets) <= 1 + math.log(304 / 5) / math.log(1.25)
+    for picked, width in buckets:
+        assert width == int(pages[picked].max())
+        assert (width + 4) / (int(pages[picked].min()) + 4) < 1.25
+    assert len(length_buckets(torch.full((64,), 17))) == 1  # vanilla: one bucket

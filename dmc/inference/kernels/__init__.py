@@ -1,7 +1,8 @@
 """Kernels of the paged per-head KV cache and the switch between Triton and PyTorch.
 
 ``run_paged_decode`` and ``run_dmc_write`` take ``use_triton``: ``None`` picks Triton for CUDA
-tensors and the PyTorch reference otherwise; ``True`` on CPU tensors needs ``TRITON_INTERPRET=1``
+tensors and PyTorch otherwise (decode: the batched :func:`paged_decode_batched`; the write: the
+reference); the references stay the oracles of both paths; ``True`` on CPU tensors needs ``TRITON_INTERPRET=1``
 (the tests). The Triton modules are imported on first use, so the interpreter setting is read
 then, not when ``dmc.inference`` is imported.
 """
@@ -13,11 +14,13 @@ import torch
 
 from dmc.ops.rope import apply_rope, rope_inv_freq
 
+from .paged_cpu import paged_decode_batched
 from .reference import dmc_write_reference, paged_decode_reference
 
 __all__ = [
     "apply_rope",
     "dmc_write_reference",
+    "paged_decode_batched",
     "paged_decode_reference",
     "resolve_use_triton",
     "rope_inv_freq",
@@ -49,11 +52,13 @@ def run_paged_decode(
     use_triton: bool | None = None,
     num_splits: int | None = None,
     max_length: int | None = None,
+    host_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention ``q [batch, q_heads, head_dim] -> [batch, q_heads, head_dim]``.
 
     See :func:`paged_decode_reference` for the arguments; ``num_splits`` and ``max_length`` only
-    tune the Triton kernel.
+    tune the Triton kernel, ``host_lengths`` (``lengths`` on the host, ``[batch, kv_heads]``)
+    saves the PyTorch path a device read.
     """
     if q.shape[1] % block_tables.shape[1]:
         raise ValueError(
@@ -66,7 +71,8 @@ def run_paged_decode(
             q, k_pages, v_pages, block_tables, lengths, scale,
             num_splits=num_splits, max_length=max_length,
         )
-    return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths, scale)
+    return paged_decode_batched(q, k_pages, v_pages, block_tables, lengths, scale,
+                                host_lengths=host_lengths)
 
 
 def run_dmc_write(*tensors, use_triton=None) -> None:

@@ -1,0 +1,88 @@
+"""Batched paged decode attention in PyTorch: the CPU path (semantics of
+:func:`~dmc.inference.kernels.reference.paged_decode_reference`, which stays the oracle).
+
+Its cost is the bytes it reads: each (sequence, KV head) row gathers its whole pages with one
+``index_select`` per length bucket (no per-slot index), slots past a head's length are hidden from
+the scores only (keys and values are never copied a second time; the few padded value rows are
+zeroed in place so that whatever they hold cannot leak through a zero probability), and the
+``G = q_heads / kv_heads`` query heads of a row share its keys and values in one ``bmm``.
+
+Rows are grouped by page count into buckets whose longest and shortest row differ by at most a
+factor ``growth`` (plus ``slack`` pages), so padding is bounded while the number of buckets, the
+only Python loop, stays logarithmic in the longest head: one for vanilla (all heads of a layer
+equal), a few under DMC.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+GROWTH = 1.25  # longest / shortest (pages + SLACK) within a bucket
+SLACK = 4  # pages of padding a bucket of short rows may always carry
+
+
+def length_buckets(pages: torch.Tensor, growth: float = GROWTH,
+                   slack: int = SLACK) -> list[tuple[torch.Tensor, int]]:
+    """Non-empty rows grouped by page count: ``[(rows, width)]`` with ``rows`` a long tensor of
+    row indices into ``pages [rows]`` (host) and ``width`` the most pages of a row of the bucket;
+    within a bucket ``(width + slack) / (pages + slack) < growth``. Rows of 0 pages are left out."""
+    order = torch.argsort(pages, descending=True)
+    counts = pages[order]
+    order, counts = order[counts > 0], counts[counts > 0]
+    if not order.numel():
+        return []
+    keys = torch.floor(torch.log((counts + slack).double()) / math.log(growth)).long()
+    sizes = torch.unique_consecutive(keys, return_counts=True)[1].tolist()
+    starts = [0] + list(torch.tensor(sizes).cumsum(0)[:-1].tolist())
+    firsts = counts[torch.tensor(starts)].tolist()
+    return list(zip(order.split(sizes), firsts))
+
+
+def paged_decode_batched(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    host_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One-query attention over each head's paged slots, with GQA, batched over length buckets.
+
+    Args:
+        q: ``[batch, q_heads, head_dim]``; query head ``i`` reads KV head ``i // G``.
+        k_pages, v_pages: ``[num_pages, page_size, head_dim]``.
+        block_tables: ``[batch, kv_heads, max_pages]`` int page ids (``-1`` = no page).
+        lengths: ``[batch, kv_heads]`` slots per head; a head with no slot yields zeros.
+        scale: softmax scale.
+        host_lengths: ``lengths`` on the host when the caller has them (saves a device read).
+
+    Returns:
+        ``[batch, q_heads, head_dim]`` in the dtype of ``q``; computed in float32.
+    """
+    batch, q_heads, head_dim = q.shape
+    kv_heads = block_tables.shape[1]
+    group = q_heads // kv_heads
+    page_size = k_pages.shape[1]
+    rows = batch * kv_heads
+    host = (lengths if host_lengths is None else host_lengths).reshape(rows).long().cpu()
+    queries = (q.float() * scale).reshape(rows, group, head_dim)
+    tables = block_tables.reshape(rows, -1)
+    k_flat = k_pages.view(k_pages.shape[0], -1)  # 2-D index_select: a row copy per page
+    v_flat = v_pages.view(v_pages.shape[0], -1)
+    out = torch.zeros(rows, group, head_dim, dtype=torch.float32, device=q.device)
+    for picked, width in length_buckets((host + page_size - 1) // page_size):
+        picked_dev = picked.to(q.device, non_blocking=True)
+        ids = tables.index_select(0, picked_dev)[:, :width].clamp(min=0).reshape(-1).long()
+        slots = width * page_size
+        keys = k_flat.index_select(0, ids).view(-1, slots, head_dim).float()
+        values = v_flat.index_select(0, ids).view(-1, slots, head_dim).float()
+        hidden = (torch.arange(slots) >= host[picked, None]).to(q.device, non_blocking=True)
+        values[hidden] = 0.0  # padded rows only: a zero probability times NaN is NaN
+        scores = torch.bmm(queries.index_select(0, picked_dev), keys.transpose(1, 2))
+        scores.masked_fill_(hidden[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [rows, group, slots]
+        out.index_copy_(0, picked_dev, torch.bmm(probs, values))
+    return out.reshape(batch, q_heads, head_dim).to(q.dtype)
