@@ -44,6 +44,15 @@ class Scorer:
                            compression, cache_bytes)
 
 
+def held_bytes(engine: Engine, slot: int) -> dict:
+    """:meth:`Engine.sequence_bytes` (device memory, summed in ``total``) plus ``host``: the bytes a
+    policy offloaded to host memory for the sequence (OmniKV's context bank), not in ``total``."""
+    out = engine.sequence_bytes(slot)
+    host = getattr(engine.policy, "host_bytes", None)  # a PolicyRunner; NoPolicy offloads nothing
+    out["host"] = host(slot) if host is not None else 0
+    return out
+
+
 @torch.inference_mode()
 def score_batch(engine: Engine, sequences, return_logits: bool = False,
                 prefill_tokens=None) -> list[ScoreResult]:
@@ -83,7 +92,7 @@ def score_batch(engine: Engine, sequences, return_logits: bool = False,
                 scorer.consume(position, row)
             position += 1
         return [scorer.result(engine.compression(slot, len(scorer.tokens)),
-                              engine.sequence_bytes(slot))
+                              held_bytes(engine, slot))
                 for scorer, slot in zip(scorers, slots)]
     finally:
         for slot in slots:

@@ -102,11 +102,12 @@ class ScoreResult:
 
     token_logprobs: ``[n - 1]`` float64, ``log p(tokens[i + 1] | tokens[: i + 1])``.
     logits: ``[n, vocab]`` float32 when asked for, else None.
-    compression: the cache after all ``n`` tokens (with a policy: the slots it kept, so CR is the
-        measured one; OmniKV keeps every slot resident, so its CR is 1, see
-        :mod:`dmc.policies.omnikv`).
-    cache_bytes: what the cache held for the sequence after all ``n`` tokens (see
-        :meth:`Engine.sequence_bytes`).
+    compression: the cache after all ``n`` tokens (with a policy: the slots it holds on the
+        device, so CR is the measured one; OmniKV without offload keeps every slot resident, so
+        its CR is 1, see :mod:`dmc.policies.omnikv`).
+    cache_bytes: what the cache held for the sequence after all ``n`` tokens on the device (see
+        :meth:`Engine.sequence_bytes`; ``total``) and, apart, ``host``: what a policy offloaded
+        to host memory (:func:`dmc.inference.scoring.held_bytes`).
     """
 
     token_logprobs: torch.Tensor

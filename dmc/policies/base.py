@@ -104,7 +104,7 @@ class KVPolicy:
     rerotate: bool | None = None
 
     name: ClassVar[str] = ""
-    evicts: ClassVar[bool] = True  # False: nothing is freed (OmniKV)
+    evicts: ClassVar[bool] = True  # False: no token dropped (OmniKV, whose offload frees pages)
     paper_schedule: ClassVar[Schedule] = Schedule("streaming")
     paper_rerotate: ClassVar[bool] = False
     needs_prompt_end: ClassVar[bool] = False  # reads the prompt's end (window, prompt statistics)

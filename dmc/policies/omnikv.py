@@ -1,5 +1,5 @@
 """OmniKV (Hao et al., ICLR 2025, "OmniKV: Dynamic Context Selection for Efficient Long-Context
-LLMs"), ``papers/omnikv.txt``: no eviction.
+LLMs"), ``papers/omnikv.txt``: no token is dropped.
 
 Token importance is similar across consecutive layers, so a few *filter layers* ``L`` choose, at
 every decode step, the tokens the following layers attend to (Sec. 4.1, Algorithm 1). The context
@@ -8,9 +8,10 @@ observation window (the queries of the last ``|w|`` tokens, ``H`` query heads, c
 cache, its max over the heads, and a weighted sum over the window,
 ``S_i = sum_j alpha_j max_h A_i[h, j]``, with ``alpha`` ``"uniform"`` (1), ``"exponential"``
 (``2^{j - |w|}``, newest last) or ``"last"`` (the current query only); ``|w| = 16`` for the first
-two (Sec. 5). The top ``ceil(n / CR)`` tokens of ``S_i`` (plus the current token) are the context
-of the sparse layers up to the next filter layer. Dense layers (Algorithm 1): those before
-``L_0``, the filter layers, and the layer right after each filter layer. Prefill is dense.
+two (Sec. 5). The top ``ceil(n / CR)`` of the ``n - 1`` earlier tokens by ``S_i``, plus the current
+token (the query's own key), are the context of the sparse layers up to the next filter layer
+(Eq. 1-2). Dense layers (Eq. 2): those before ``L_0``, the filter layers, and the layer right
+after each filter layer. Prefill is dense.
 
 Defaults: ``selector="exponential"`` over ``|w| = 16`` (Sec. 5: exponential and last do best on
 single-step tasks, last on multi-step ones; ``"last"`` is selectable); ``filter_layers`` the
@@ -18,10 +19,14 @@ paper's Llama-3-8B set ``{2, 8, 18}`` of 32 layers scaled to the model (``round(
 model of 5 layers or fewer that leaves no sparse layer (OmniKV is then the dense model): pass
 ``filter_layers``.
 
-Memory: the paper offloads the sparse layers' full cache to CPU and loads the selected tokens;
-here every page stays resident (no offload yet), so the memory CR is 1: the policy reports the
-slots it holds (every token) and ``dmc eval compare`` lists it at 1x, its ``CR`` being the
-sparse layers' token budget, not memory.
+Memory (Sec. 4.1 "Context Bank", Fig. 2): with ``offload=True`` (default) the sparse layers' whole
+KV moves to a host pool after the prompt and their device pages hold only the tokens selected at
+the current step, loaded from it (:mod:`.context_bank`); the dense layers stay whole on the
+device. The measured (device) CR is then ``t / (min(ceil(t / CR), t - 1) + 1)`` on the sparse
+layers' heads and 1 on the dense ones; the host pool's bytes are reported apart
+(:meth:`PolicyRunner.host_bytes`), never in the CR. ``offload=False`` is the paper's "OmniKV w/o
+offload" (Sec. 5.2): every page resident (memory CR 1), the sparse layers masking the others out;
+both attend to the same tokens, so their outputs agree.
 
 Schedule: none applies (nothing is evicted): the selection runs at every decode step (Algorithm
 1), the prefill is dense whatever ``schedule`` says; ``rerotate`` must stay off.
@@ -41,12 +46,14 @@ PAPER_FILTER_LAYERS, PAPER_NUM_LAYERS = (2, 8, 18), 32  # Llama-3-8B-262K, Sec. 
 @dataclass(eq=False)
 class OmniKV(KVPolicy):
     """Filter layers pick a token subset over their observation window; the later sparse layers
-    attend to it (no eviction).
+    attend to it (no token dropped).
 
     Args:
         filter_layers: layer indices that select tokens (default: the paper's, scaled).
         selector: window weights ``alpha`` of Eq. 4: ``"exponential"``, ``"uniform"``, ``"last"``.
         window: observation window ``|w|`` (paper 16; 1 for ``"last"``).
+        offload: the sparse layers' KV lives in a host pool, their device pages hold the
+            selected tokens only (Sec. 4.1); False: every page resident.
     """
 
     name = "omnikv"
@@ -56,6 +63,7 @@ class OmniKV(KVPolicy):
     filter_layers: tuple[int, ...] | None = None
     selector: str = "exponential"
     window: int = 16
+    offload: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -72,6 +80,8 @@ class OmniKV(KVPolicy):
             raise ValueError(f"selector must be one of {list(SELECTORS)}, got {selector!r}")
         if int(window) != window or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be True or False, got {self.offload!r}")
         self.filter_layers, self.selector = filter_layers, selector
         self.window = 1 if selector == "last" else int(window)
 
@@ -107,7 +117,8 @@ class OmniKV(KVPolicy):
                 and layer - 1 not in self.filter_layers)
 
     def observe(self, view: LayerView, queries, q_positions, probs, prefill) -> None:
-        """Filter layers keep their last ``window`` queries; at a decode step they select."""
+        """Filter layers keep their last ``window`` queries; at a decode step they select the top
+        ``ceil(t / CR)`` of the ``t - 1`` earlier tokens and the current one (``t``: tokens)."""
         if view.layer not in self.filter_layers:
             return
         rows = view.seqs.to(queries.device)
@@ -118,10 +129,10 @@ class OmniKV(KVPolicy):
         self.window_positions[rows, f] = kept_p
         if prefill:
             return
-        scores = self.context_scores(view, kept_q, kept_p)
-        scores = scores.masked_fill(~view.valid[:, 0], float("-inf"))
-        chosen = top_mask(scores, self.budget(view.tokens)) & view.valid[:, 0]
-        chosen |= view.positions[:, 0] == (view.tokens - 1)[:, None]  # the current token
+        current = view.positions[:, 0] == (view.tokens - 1)[:, None]
+        earlier = view.valid[:, 0] & ~current
+        scores = self.context_scores(view, kept_q, kept_p).masked_fill(~earlier, float("-inf"))
+        chosen = (top_mask(scores, self.budget(view.tokens)) & earlier) | current
         self.selected[rows] = False
         self.selected[rows, :scores.shape[-1]] = chosen
 
@@ -137,8 +148,10 @@ class OmniKV(KVPolicy):
 
     def attend(self, layer: int, seqs: torch.Tensor, queries: torch.Tensor, runner):
         """Decode attention of a sparse layer over the selected tokens,
-        ``queries [batch, q_heads, dim] -> [batch, q_heads, dim]``; None for a dense layer."""
-        if not self.sparse(layer):
+        ``queries [batch, q_heads, dim] -> [batch, q_heads, dim]``, every page resident
+        (``offload=False``); None for a dense layer, and under ``offload`` (the device pages hold
+        the selected tokens only: the engine's paged attention reads them)."""
+        if self.offload or not self.sparse(layer):
             return None
         keys, values, lengths = runner.cache.read(layer, seqs)
         batch, kv, length, dim = keys.shape

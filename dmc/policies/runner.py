@@ -7,7 +7,9 @@ The engine calls, for a sequence batch:
   decode step's append), with the post-RoPE queries of the new tokens: the runner records the
   slots' original positions, computes the queries' causal attention over the cached slots on the
   PyTorch path (GQA: ``[batch, kv_heads, group, n, L]``) and hands it to the policy;
-* :meth:`PolicyRunner.evict` once all layers of the chunk (step) are done. When the policy's
+* :meth:`PolicyRunner.evict` once all layers of the chunk (step) are done. OmniKV with
+  ``offload`` moves its sparse layers' KV to a host pool after the prompt and loads the selected
+  tokens at every decode step (:mod:`.context_bank`, driven from these hooks). When the policy's
   schedule (:mod:`.schedule`) says the sequence compresses now, per layer the policy picks what
   each head keeps under its budget, the cache moves the kept slots to the front and frees the
   pages past them (:meth:`PagedKVCache.compact`), the per-slot state follows and, with
@@ -26,6 +28,8 @@ import torch
 from dmc.inference.cache import PagedKVCache
 
 from .base import KVPolicy, LayerView, PolicyShape
+from .context_bank import ContextBank
+from .omnikv import OmniKV
 from .rerotate import Rerotation
 
 
@@ -60,11 +64,15 @@ class PolicyRunner:
         width = policy.moving_slots()
         self.rerotation = (Rerotation(shape, max_slots if width is None else min(width, max_slots))
                            if policy.rerotate else None)
+        self.bank = (ContextBank(policy, cache, self.positions)
+                     if isinstance(policy, OmniKV) and policy.offload else None)
 
     def reset(self, seq: int) -> None:
         self.positions[seq] = -1
         self.compressed_at[seq] = 0
         self.policy.reset(seq)
+        if self.bank is not None:
+            self.bank.reset(seq)
 
     def view(self, layer: int, seqs: torch.Tensor, tokens: torch.Tensor) -> LayerView:
         keys, values, lengths = self.cache.read(layer, seqs)
@@ -95,15 +103,19 @@ class PolicyRunner:
             self.rerotation.record(view, new)
         probs = causal_probs(queries.float(), view, q_positions, self.policy.shape.scale)
         self.policy.observe(view, queries.float(), q_positions, probs, prefill)
+        if self.bank is not None and not prefill:
+            self.bank.step(layer, seqs, view)
 
     def evict(self, seq_slots, tokens, *, decode: bool, prompt_end: bool = False) -> None:
         """After a decode step (``decode``) or a prefill chunk (ending the prompt or not) of
         ``seq_slots``, at ``tokens [batch]`` tokens: bring every layer of the sequences whose
-        schedule compresses now to its budget."""
-        if not self.policy.evicts:
-            return
+        schedule compresses now to its budget (OmniKV's offload: after the prompt)."""
         seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
+        if self.bank is not None and prompt_end:
+            self.bank.offload(seqs, tokens)
+        if not self.policy.evicts:
+            return
         if not (decode or prompt_end):
             self._warn_early_eviction()
         due = torch.tensor([self.plan.due(decode=decode, prompt_end=prompt_end, since=int(since))
@@ -165,9 +177,15 @@ class PolicyRunner:
             copies = held * anchors.shape[4] * anchors.element_size()
         return int(lengths.sum()) * per_slot + copies + per_seq
 
+    def host_bytes(self, seq: int) -> int:
+        """Bytes held for sequence slot ``seq`` in host memory (OmniKV's offloaded KV, counted
+        apart from the device's pages and state)."""
+        return 0 if self.bank is None else self.bank.bytes(seq)
+
     def reported_slots(self, seq: int, tokens: int) -> torch.Tensor:
         """Slots held per (layer, KV head) after ``tokens`` tokens, ``[layers, kv_heads]``: the
-        compression is what the memory holds (OmniKV, which keeps every page, reports 1)."""
+        compression is what the device memory holds (OmniKV without offload, which keeps every
+        page, reports 1; with offload, its sparse layers hold the selected tokens)."""
         return self.cache.head_lengths(seq).long()
 
     # ------------------------------------------------------------------ helpers

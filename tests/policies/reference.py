@@ -240,7 +240,7 @@ def d2o_layer_shares(q, k, prompt, scale):
 def omnikv_selection(q, k, n, count, scale, window=16, selector="exponential"):
     """OmniKV Eq. 3-4 at a decode step after ``n`` tokens: the window's queries (the last
     ``window``) attend causally to ``k [kv, T, d]``; ``S_t = sum_j alpha_j max_h A[h, j, t]``;
-    the top ``count`` positions (ties: lower first) plus the current token ``n - 1``."""
+    the top ``count`` earlier positions (ties: lower first) plus the current token ``n - 1``."""
     heads = q.shape[0]
     group = heads // k.shape[0]
     first = max(0, n - window)
@@ -256,4 +256,4 @@ def omnikv_selection(q, k, n, count, scale, window=16, selector="exponential"):
             top = [max(a, float(b)) for a, b in zip(top, p)]
         for t, x in enumerate(top):
             score[t] += alpha * x
-    return sorted(set(ranked(range(n), score, count)) | {n - 1})
+    return ranked(range(n - 1), score, count) + [n - 1]

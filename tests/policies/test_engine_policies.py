@@ -86,7 +86,7 @@ def test_batched_equals_batch_one_and_cr_is_the_requested_one(model, name):
                                    atol=1e-5, rtol=0)
         assert torch.equal(single.compression.slots, together.compression.slots)
         fed = len(prompt) + 8
-        if name == "omnikv":  # every page resident: the memory has no compression
+        if name == "omnikv":  # 2 layers: no sparse layer, every page resident
             assert together.compression.overall == 1.0
             assert together.kv_pages == pages_of(torch.full((2, 2), fed))  # nothing freed
         elif name in UNEVEN:  # a layer whose budget outgrows its tokens lags
@@ -156,13 +156,14 @@ def test_score_with_a_policy_evicts_at_every_teacher_forced_token(model, name):
 
 def test_omnikv_sparse_layer_changes_decoding_and_reports_no_compression(parallel_1x1):
     """Three layers, filter layer 0: layer 1 (after it) dense, layer 2 sparse. Dense prefill is
-    the vanilla model's; the decoded tokens differ; the memory CR is 1 (every page held)."""
+    the vanilla model's; the decoded tokens differ; without offload the memory CR is 1 (every
+    page held; with offload: test_omnikv_offload.py)."""
     torch.manual_seed(0)
     deep = build_gpt_model(llama_transformer_config(3, 64, 4, 96, num_query_groups=2), VOCAB,
                            MAX_SEQ)
     seq = tokens(60, seed=6)
     full = engine(deep).score(seq)
-    policy = get_policy("omnikv", 3.0, filter_layers=[0])
+    policy = get_policy("omnikv", 3.0, filter_layers=[0], offload=False)
     e = Engine(deep, dmc=None, page_size=PAGE, max_batch=3, chunk_size=16, policy=policy)
     chunked, stepped = e.score(seq), e.score(seq, prefill_tokens=20)
     torch.testing.assert_close(chunked.token_logprobs, full.token_logprobs, atol=1e-5, rtol=0)

@@ -248,10 +248,10 @@ def test_pyramidkv_selection_is_snapkv_under_its_budget():
 def test_omnikv_selects_eq4_and_sparse_layers_attend_to_it(selector):
     """Filter layer 1 of 4 (layer 0 before it and layer 2 after it dense, layer 3 sparse):
     after each decode step the selected tokens are Eq. 4's top ceil(n / CR) (max over the
-    heads, window of 16, float64 reference) plus the current token; layer 3's decode attention
-    is softmax attention over them; nothing is evicted."""
+    heads, window of 16, float64 reference) of the earlier tokens plus the current one; layer
+    3's decode attention (every page resident) is softmax attention over them."""
     layers = 4
-    policy = get_policy("omnikv", 2.0, filter_layers=[1], selector=selector)
+    policy = get_policy("omnikv", 2.0, filter_layers=[1], selector=selector, offload=False)
     q, k, v = inputs(7, layers)
     chosen = []
     observe = policy.observe

@@ -1,0 +1,46 @@
+"""benchmarks/policy_cost.py at the tiny preset: the JSON holds vanilla, every policy and OmniKV
+resident, with positive times, and the table it prints."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dmc.policies import POLICY_NAMES
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = importlib.util.spec_from_file_location("policy_cost", ROOT / "benchmarks" / "policy_cost.py")
+bench = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(bench)
+
+FIELDS = {"mode", "decode_steps", "step_ms", "policy_ms", "overhead", "state_allocated",
+          "state_held", "kv", "host", "slots_cr"}
+
+
+def test_tiny_run_has_every_policy_with_positive_times(parallel_1x1, one_thread, tmp_path,
+                                                       capsys):
+    out = tmp_path / "cost.json"
+    report = bench.main(["--preset", "tiny", "--gen-len", "4", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["vanilla"] + [m for name in POLICY_NAMES
+                                        for m in ([name, bench.RESIDENT] if name == "omnikv"
+                                                  else [name])]
+    for name, row in rows.items():
+        assert set(row) == FIELDS, name
+        assert row["step_ms"] > 0 and row["policy_ms"] > 0 and row["decode_steps"] >= 1, name
+        assert row["overhead"] > 0 and row["kv"] > 0, name
+    assert rows["vanilla"]["state_held"] == rows["vanilla"]["state_allocated"] == 0
+    assert all(rows[name]["state_allocated"] > 0 for name in POLICY_NAMES)
+    assert rows["omnikv"]["host"] > 0 and rows[bench.RESIDENT]["host"] == 0
+    assert rows["omnikv"]["kv"] < rows[bench.RESIDENT]["kv"] == rows["vanilla"]["kv"]
+    assert rows["h2o"]["slots_cr"] > 2 and rows["vanilla"]["slots_cr"] == 1.0
+    assert "| omnikv (resident) |" in capsys.readouterr().out
+
+
+def test_policies_flag_picks_the_modes():
+    args = bench.parse_args(["--preset", "tiny", "--policies", "h2o,snapkv@streaming,omnikv"])
+    assert bench.mode_names(args) == ["vanilla", "h2o", "snapkv@streaming", "omnikv",
+                                      bench.RESIDENT]
+    with pytest.raises(ValueError, match="unknown policy"):
+        bench.mode_names(bench.parse_args(["--policies", "lru"]))
