@@ -116,6 +116,21 @@ class BlockAllocator:
     def grow(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
         """Set the lengths of heads ``[seqs, layer, :]`` (``new_lengths [batch, kv_heads]``, never
         shorter), taking the pages they newly need; raises before any change when it cannot."""
+        self._take(seqs, layer, new_lengths)
+        self.lengths[seqs, layer] = new_lengths.to(torch.int32)
+        self.publish(seqs, layer)
+
+    def reserve(self, seqs: torch.Tensor, layer: int, heads: torch.Tensor) -> None:
+        """Give each head of ``[seqs, layer, :]`` marked in ``heads [batch, kv_heads]`` (host bool:
+        heads whose slots fill whole pages) its next page ahead of an append decided on the device
+        (``PagedKVCache.write(..., defer=True)``); lengths unchanged. :meth:`shrink` to the lengths
+        the device reached returns the pages of the heads that merged instead."""
+        self._take(seqs, layer, self.lengths[seqs, layer].long() + heads.long())
+        self.publish(seqs, layer)
+
+    def _take(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
+        """Fill the table columns heads ``[seqs, layer, :]`` of ``new_lengths`` need beyond their
+        current lengths with free pages; raises :class:`CacheFullError` before any change."""
         old_pages = pages_for(self.lengths[seqs, layer].long(), self.page_size)
         new_pages = pages_for(new_lengths, self.page_size)
         if (new_pages > self.max_pages_per_head).any():
@@ -138,17 +153,13 @@ class BlockAllocator:
             del self.free_list[-needed:]
             seq, head = seqs[b].repeat_interleave(per_head), h.repeat_interleave(per_head)
             self.tables[seq, layer, head, columns] = torch.tensor(taken, dtype=torch.int32)
-        self.lengths[seqs, layer] = new_lengths.to(torch.int32)
-        self.publish(seqs, layer)
 
     def shrink(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
         """Set the lengths of heads ``[seqs, layer, :]`` (never longer) and return the pages past
         ``ceil(new_length / page_size)`` to the free list."""
-        lengths = self.lengths[seqs, layer].long()
         columns = torch.arange(self.max_pages_per_head)
-        drop = ((columns >= pages_for(new_lengths, self.page_size)[..., None])
-                & (columns < pages_for(lengths, self.page_size)[..., None]))
         table = self.tables[seqs, layer]
+        drop = (columns >= pages_for(new_lengths, self.page_size)[..., None]) & (table >= 0)
         self.free_list.extend(table[drop].tolist())
         table[drop] = -1
         self.tables[seqs, layer] = table

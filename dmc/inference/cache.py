@@ -16,6 +16,13 @@ inference equals the training-time accumulation:
 With ``window=w`` the rows (``rows = w``) are a ring of the open slot's last ``w`` tokens (token
 ``j`` of the slot in row ``j % w``) with their omegas. With ``window=None`` (exact Eq. 9) there is
 one row: the running pre-RoPE mean and its running weight ``z``.
+
+A decode step's DMC writes may be deferred (``write(..., defer=True)``): the append-or-merge
+decisions then stay on the device, every head at a page boundary gets its next page beforehand
+(the scheduler reserved them: its worst case is that every head appends), and :meth:`settle`
+reads the lengths back once for all layers, returning the pages of the heads that merged. Until
+then the host lengths of those heads lag behind on a GPU; every method but :meth:`write` and
+:meth:`attention` settles first.
 """
 from __future__ import annotations
 
@@ -83,6 +90,7 @@ class PagedKVCache:
         if inv_freq is None:
             inv_freq = rope_inv_freq(head_dim, rope_base)
         self.inv_freq = inv_freq.float().to(self.device)
+        self._deferred: list[tuple[torch.Tensor, int]] = []  # (seqs, layer) of deferred writes
 
     # ----------------------------------------------------------------- stats
     @property
@@ -118,6 +126,7 @@ class PagedKVCache:
         ``dmc_state``, ``dmc_state``: the open slot's merge state of every (layer, KV head)
         (float32 ring of ``window`` pre-RoPE keys and values and their omegas, or the running
         mean and ``z``, plus the int32 token count), allocated whether or not a head merges."""
+        self.settle()
         lengths = self.allocator.lengths[seq_slot].long()
         pages = int(pages_for(lengths, self.page_size).sum())
         heads = lengths.numel()
@@ -133,10 +142,12 @@ class PagedKVCache:
 
     def head_lengths(self, seq_slot: int) -> torch.Tensor:
         """Slots per head of one sequence, ``[num_layers, num_kv_heads]`` (host copy)."""
+        self.settle()
         return self.allocator.lengths[seq_slot].clone()
 
     def layer_lengths(self, layer: int, seq_slots) -> torch.Tensor:
         """Slots per head of ``layer`` for ``seq_slots``, ``[batch, num_kv_heads]`` (host, long)."""
+        self.settle()
         return self.allocator.lengths[self.allocator.seq_index(seq_slots), layer].long()
 
     def open_state(self, layer: int, seq_slots) -> OpenSlot:
@@ -154,6 +165,7 @@ class PagedKVCache:
 
     def free_sequence(self, seq_slot: int) -> None:
         """Return every page of ``seq_slot`` to the free list and release the slot."""
+        self.settle()
         self.allocator.free_sequence(seq_slot)
         self.open_count[seq_slot] = 0
 
@@ -169,6 +181,7 @@ class PagedKVCache:
         alpha,
         *,
         use_triton: bool | None = None,
+        defer: bool = False,
     ) -> None:
         """DMC step of one layer: each (sequence, KV head) appends or merges a token (Algorithm 1).
 
@@ -183,22 +196,50 @@ class PagedKVCache:
             positions: ``[batch]`` absolute position of the token.
             k, v: ``[batch, kv_heads, head_dim]`` pre-RoPE key and value.
             omega: ``[batch, kv_heads]`` importance > 0.
-            alpha: ``[batch, kv_heads]`` hard decisions, 1 = merge (read on the host).
+            alpha: ``[batch, kv_heads]`` hard decisions, 1 = merge (read on the host unless
+                ``defer``).
             use_triton: kernel choice, see :func:`~dmc.inference.kernels.resolve_use_triton`.
+            defer: decide on the device and leave the host lengths to :meth:`settle` (see the
+                module docstring); pages are then taken for every head at a page boundary.
         """
+        if any(done == layer for _, done in self._deferred):
+            self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         lengths = self.allocator.lengths[seqs, layer].long()
-        append = (torch.as_tensor(alpha).detach().cpu() <= 0.5) | (lengths == 0)
-        new_lengths = lengths + append.long()
-        self.allocator.grow(seqs, layer, new_lengths)
         device = self.device
+        rows = to_device(seqs, device)
+        if defer:
+            self.allocator.reserve(seqs, layer, lengths % self.page_size == 0)
+            current = self.lengths[rows, layer].long()
+            append = (torch.as_tensor(alpha, device=device) <= 0.5) | (current == 0)
+            new_lengths = current + append.long()
+            self.lengths[rows, layer] = new_lengths.to(torch.int32)
+            self._deferred.append((seqs, layer))
+        else:
+            append = (torch.as_tensor(alpha).detach().cpu() <= 0.5) | (lengths == 0)
+            new_lengths = lengths + append.long()
+            self.allocator.grow(seqs, layer, new_lengths)
+            append, new_lengths = to_device(append, device), to_device(new_lengths, device)
         run_dmc_write(
             self.k_pages, self.v_pages, self.block_tables, self.open_k, self.open_v,
-            self.open_omega, self.open_count, self.inv_freq, self.window, layer,
-            to_device(seqs, device), to_device(new_lengths - 1, device), to_device(append, device),
-            k, v, torch.as_tensor(omega, device=device), torch.as_tensor(positions, device=device),
-            use_triton=use_triton,
+            self.open_omega, self.open_count, self.inv_freq, self.window, layer, rows,
+            new_lengths - 1, append, k, v, torch.as_tensor(omega, device=device),
+            torch.as_tensor(positions, device=device), use_triton=use_triton,
         )
+
+    def settle(self) -> None:
+        """Finish the deferred writes: read their heads' lengths back from the device (one copy
+        for all of them) into the host lengths and return the pages reserved for heads that
+        merged instead of appending."""
+        if not self._deferred:
+            return
+        seqs = torch.cat([s for s, _ in self._deferred])
+        layers = torch.cat([torch.full_like(s, layer) for s, layer in self._deferred])
+        reached = self.lengths[to_device(seqs, self.device), to_device(layers, self.device)]
+        reached = reached.cpu().long().split([len(s) for s, _ in self._deferred])
+        for (part, layer), lengths in zip(self._deferred, reached):
+            self.allocator.shrink(part, layer, lengths)
+        self._deferred.clear()
 
     def append(self, layer: int, seq_slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Vanilla append of already-rotated keys: one new slot per head, no merge state kept.
@@ -207,6 +248,7 @@ class PagedKVCache:
             seq_slots: ``[batch]`` distinct sequence slots.
             k, v: ``[batch, kv_heads, head_dim]`` post-RoPE key, value.
         """
+        self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         slots = self.allocator.lengths[seqs, layer].long()
         self.allocator.grow(seqs, layer, slots + 1)
@@ -241,6 +283,7 @@ class PagedKVCache:
             overwrite_last: ``[kv_heads]`` bool (chunked prefill): the first given slot replaces
                 the head's current last slot, which the chunk's first token merged into.
         """
+        self.settle()
         seqs = self.allocator.seq_index([seq_slot])
         length = self.allocator.lengths[seq_slot, layer].long()
         counts = torch.as_tensor(counts).long().cpu()
@@ -260,15 +303,19 @@ class PagedKVCache:
         """Decode attention of ``q [batch, q_heads, head_dim]`` over the cached slots of ``layer``.
 
         Returns ``[batch, q_heads, head_dim]``; ``scale`` defaults to ``head_dim ** -0.5``.
+        After a deferred write of ``layer`` the host lengths of a GPU cache lag by at most one
+        slot: the Triton kernel gets that bound, the PyTorch path reads the device lengths.
         """
         seqs = self.allocator.seq_index(seq_slots)
         rows = to_device(seqs, self.device)
-        host_lengths = self.allocator.lengths[seqs, layer]
+        host_lengths = self.allocator.lengths[seqs, layer]  # the same tensor on CPU: exact
+        lag = self.device.type != "cpu" and any(done == layer for _, done in self._deferred)
         return run_paged_decode(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer],
             self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
-            num_splits=num_splits, max_length=int(host_lengths.max()), host_lengths=host_lengths,
+            num_splits=num_splits, max_length=int(host_lengths.max()) + lag,
+            host_lengths=None if lag else host_lengths,
         )
 
     # ------------------------------------------------------------- eviction
@@ -277,6 +324,7 @@ class PagedKVCache:
 
         Returns keys, values ``[batch, kv_heads, max_len, head_dim]`` float32 (zeros past a
         head's length) and the host lengths ``[batch, kv_heads]`` (long)."""
+        self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         lengths = self.allocator.lengths[seqs, layer].long()
         max_len = int(lengths.max()) if lengths.numel() else 0
@@ -304,6 +352,7 @@ class PagedKVCache:
 
         Returns the new host lengths ``[batch, kv_heads]`` (long).
         """
+        self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         lengths = self.allocator.lengths[seqs, layer].long()
         n = keep.shape[-1]

@@ -3,7 +3,8 @@ strategy per kind of cache, so that the model runner never branches on the model
 
 * :class:`VanillaKV`: one slot per token, keys rotated when written.
 * :class:`DMCKV`: Algorithm 1 (:mod:`dmc.ops.algorithm1`): eval-mode decisions from the last
-  channel, a decode token appends or merges into the open slot (Eq. 9), a prefill chunk is
+  channel, a decode token appends or merges into the open slot (Eq. 9; decided on the device,
+  the host learns the lengths once per forward: :meth:`PagedKVCache.settle`), a prefill chunk is
   compressed at once and packed; queries see a slot once closed and the open one.
 
 A KV policy (:class:`dmc.policies.PolicyRunner`) or :class:`NoPolicy` observes the written slots,
@@ -189,7 +190,8 @@ class DMCKV(KVWrite):
     def write_token(self, layer, seqs, query, key, value, positions):
         decided = self._decide(query[:, :, None], key[:, :, None])
         self.cache.write(layer, seqs, positions, decided.key[:, :, 0], value,
-                         decided.omega[..., 0], decided.alpha[..., 0], use_triton=self.use_triton)
+                         decided.omega[..., 0], decided.alpha[..., 0], use_triton=self.use_triton,
+                         defer=True)
         q_rot = apply_rope(decided.query[:, :, 0].float(), positions[:, None], self.inv_freq)
         return zero_decision_channel(q_rot)
 

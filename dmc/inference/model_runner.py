@@ -78,6 +78,7 @@ class ModelRunner:
                                              value[start:end], seg.start))
                 start = end
             x = self._finish_layer(layer, x, torch.cat(parts).reshape(x.shape[0], 1, -1))
+        self.kv.cache.settle()  # one device read of the lengths the deferred DMC writes reached
         if decode:
             self.kv.policy.evict(decode_slots, torch.tensor([s.start + 1 for s in decode]),
                                  decode=True)

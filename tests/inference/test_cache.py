@@ -277,6 +277,39 @@ def test_allocator_invariants_under_random_operations():
     assert sorted(cache.allocator.free_list) == list(range(40))
 
 
+@pytest.mark.parametrize("window,use_triton", [(3, False), (None, False), (3, True)])
+def test_deferred_write_equals_host_decided_write(window, use_triton):
+    """Deferred DMC writes (decisions kept on the device, pages reserved for every head at a page
+    boundary, lengths read back once by settle) leave the same slots, lengths, merge state and
+    page count as host-decided ones; attention before settle sees the new slots."""
+    gen = torch.Generator().manual_seed(11)
+    layers, heads, dim = 2, 3, 8
+    caches = [PagedKVCache(layers, heads, dim, 60, page_size=4, max_seqs=3, window=window,
+                           dtype=torch.float32, max_seq_len=64) for _ in range(2)]
+    seqs = [[c.add_sequence() for _ in range(3)] for c in caches][0]
+    for step in range(14):
+        batch = seqs if step % 4 else seqs[::-2]
+        k, v, omega, alpha = random_token(gen, heads, dim, len(batch), p_merge=0.6)
+        q = torch.randn(len(batch), 2 * heads, dim, generator=gen)
+        positions = torch.full((len(batch),), step)
+        for layer in range(layers):
+            outs = []
+            for cache, defer in zip(caches, (False, True)):
+                cache.write(layer, batch, positions, k, v, omega, alpha, defer=defer,
+                            use_triton=use_triton)
+                outs.append(cache.attention(layer, batch, q))
+            torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        caches[1].settle()
+        check_allocator_invariants(caches[1])
+        assert caches[1].pages_in_use == caches[0].pages_in_use
+    exact, deferred = caches
+    for name in ("lengths", "open_k", "open_v", "open_omega", "open_count"):
+        assert torch.equal(getattr(deferred, name), getattr(exact, name)), name
+    for layer in range(layers):
+        for got, want in zip(deferred.read(layer, seqs), exact.read(layer, seqs)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_cache_full_error_names_pages_and_changes_nothing():
     cache = PagedKVCache(1, 2, 4, 5, page_size=2, max_seqs=1, window=None, dtype=torch.float32,
                          max_seq_len=8)

@@ -20,6 +20,7 @@ import torch
 
 GROWTH = 1.25  # longest / shortest (pages + SLACK) within a bucket
 SLACK = 4  # pages of padding a bucket of short rows may always carry
+CHUNK_BYTES = 4 * 2**20  # gathered keys and values per batched matmul: allocations stay small
 
 
 def length_buckets(pages: torch.Tensor, growth: float = GROWTH,
@@ -48,6 +49,7 @@ def paged_decode_batched(
     scale: float,
     *,
     host_lengths: torch.Tensor | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> torch.Tensor:
     """One-query attention over each head's paged slots, with GQA, batched over length buckets.
 
@@ -58,6 +60,7 @@ def paged_decode_batched(
         lengths: ``[batch, kv_heads]`` slots per head; a head with no slot yields zeros.
         scale: softmax scale.
         host_lengths: ``lengths`` on the host when the caller has them (saves a device read).
+        chunk_bytes: most bytes of float32 keys and values gathered at once.
 
     Returns:
         ``[batch, q_heads, head_dim]`` in the dtype of ``q``; computed in float32.
@@ -73,16 +76,31 @@ def paged_decode_batched(
     k_flat = k_pages.view(k_pages.shape[0], -1)  # 2-D index_select: a row copy per page
     v_flat = v_pages.view(v_pages.shape[0], -1)
     out = torch.zeros(rows, group, head_dim, dtype=torch.float32, device=q.device)
-    for picked, width in length_buckets((host + page_size - 1) // page_size):
-        picked_dev = picked.to(q.device, non_blocking=True)
-        ids = tables.index_select(0, picked_dev)[:, :width].clamp(min=0).reshape(-1).long()
-        slots = width * page_size
-        keys = k_flat.index_select(0, ids).view(-1, slots, head_dim).float()
-        values = v_flat.index_select(0, ids).view(-1, slots, head_dim).float()
-        hidden = (torch.arange(slots) >= host[picked, None]).to(q.device, non_blocking=True)
-        values[hidden] = 0.0  # padded rows only: a zero probability times NaN is NaN
-        scores = torch.bmm(queries.index_select(0, picked_dev), keys.transpose(1, 2))
-        scores.masked_fill_(hidden[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [rows, group, slots]
-        out.index_copy_(0, picked_dev, torch.bmm(probs, values))
+    row_bytes = 2 * page_size * head_dim * 4  # one page of keys and values in float32
+    for bucket, width in length_buckets((host + page_size - 1) // page_size):
+        for picked in bucket.split(max(1, chunk_bytes // (width * row_bytes))):
+            _attend(out, queries, k_flat, v_flat, tables, host, picked, width * page_size)
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
+
+
+def _attend(out, queries, k_flat, v_flat, tables, host, picked, slots) -> None:
+    """Rows ``picked`` (host long ``[n]``) of one bucket, ``slots`` (a whole number of pages)
+    each: ``out[picked] = softmax(queries[picked] @ keys^T) @ values`` over their valid slots.
+
+    ``out``, ``queries``: ``[rows, group, head_dim]`` float32; ``k_flat``, ``v_flat``:
+    ``[num_pages, page_size * head_dim]``; ``tables``: ``[rows, max_pages]``; ``host``: ``[rows]``
+    host lengths."""
+    device, head_dim = queries.device, queries.shape[-1]
+    page_size = k_flat.shape[1] // head_dim
+    rows = picked.to(device, non_blocking=True)
+    ids = tables.index_select(0, rows)[:, :slots // page_size].clamp(min=0).reshape(-1).long()
+    keys = k_flat.index_select(0, ids).view(-1, slots, head_dim).float()
+    values = v_flat.index_select(0, ids).view(-1, slots, head_dim).float()
+    hidden = torch.arange(slots) >= host[picked, None]  # [n, slots], host
+    padded = hidden.view(-1).nonzero()[:, 0].to(device, non_blocking=True)
+    values.view(-1, head_dim).index_fill_(0, padded, 0.0)  # a zero probability times NaN is NaN
+    hidden = hidden.to(device, non_blocking=True)
+    scores = torch.bmm(queries.index_select(0, rows), keys.transpose(1, 2))
+    scores.masked_fill_(hidden[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [n, group, slots]
+    out.index_copy_(0, rows, torch.bmm(probs, values))
