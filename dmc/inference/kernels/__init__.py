@@ -1,8 +1,8 @@
 """Kernels of the paged per-head KV cache and the switch between Triton and PyTorch.
 
 ``run_paged_decode`` and ``run_dmc_write`` take ``use_triton``: ``None`` picks Triton for CUDA
-tensors and PyTorch otherwise (decode: the batched :func:`paged_decode_batched`; the write: the
-reference); the references stay the oracles of both paths; ``True`` on CPU tensors needs ``TRITON_INTERPRET=1``
+tensors and PyTorch otherwise (the batched :func:`paged_decode_batched` and the in-place
+:func:`dmc_write_inplace`); the references stay the oracles of both paths; ``True`` on CPU tensors needs ``TRITON_INTERPRET=1``
 (the tests). The Triton modules are imported on first use, so the interpreter setting is read
 then, not when ``dmc.inference`` is imported.
 """
@@ -16,9 +16,11 @@ from dmc.ops.rope import apply_rope, rope_inv_freq
 
 from .paged_cpu import paged_decode_batched
 from .reference import dmc_write_reference, paged_decode_reference
+from .write_cpu import dmc_write_inplace
 
 __all__ = [
     "apply_rope",
+    "dmc_write_inplace",
     "dmc_write_reference",
     "paged_decode_batched",
     "paged_decode_reference",
@@ -83,4 +85,4 @@ def run_dmc_write(*tensors, use_triton=None) -> None:
 
         dmc_write(*tensors)
     else:
-        dmc_write_reference(*tensors)
+        dmc_write_inplace(*tensors)
