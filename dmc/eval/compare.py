@@ -182,8 +182,9 @@ def prefill_tokens(seq_len: int, fraction: float) -> int:
 def nominal_cr(method: Method, loaded, control_kv: int, measured: float) -> float:
     """The CR a result is reported at: the requested CR (policies that evict), the KV-head ratio
     (GQA), the checkpoint's target CR (DMC; the measured one rounded to 0.5 when it records
-    none), 1 (control, base, and a policy that keeps every page, OmniKV: its CR is the share of
-    tokens its sparse layers attend to, not memory)."""
+    none), 1 (control, base, and a policy that drops no token, OmniKV: its requested CR is the
+    share of tokens its sparse layers attend to; what its host offload saves on the device shows
+    in the memory CR column, its dense layers keeping every slot)."""
     if method.kind == "policy":
         from dmc.policies import POLICIES, parse_policy_spec
 
