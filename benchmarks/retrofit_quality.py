@@ -242,7 +242,8 @@ def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, P
     plain_dmc = {f"dmc{cr:g}" for cr in exp["dmc_crs"]}
     finals, shared_zero_out = {}, None
     for name, extra, start in plans:
-        run_dir = out / "runs" / f"{name}-{_hash(portable, extra, str(start))}"
+        folder = name.replace("/", "_")  # a variant name like "DMC lr/4" is one folder
+        run_dir = out / "runs" / f"{folder}-{_hash(portable, extra, str(start))}"
         finals[name] = run_dir / "checkpoints" / "solidify"
         if (finals[name] / "state.json").is_file():
             log(f"{name}: reusing {finals[name]}")
