@@ -48,9 +48,9 @@ SECTIONS = {
     "gqa_factors": list, "policies": list, "policy_crs": list, "intermediate_crs": list,
     "eval": dict, "quick": dict,
 }
-OPTIONAL = {"variants": [],  # extra DMC runs: [{name, cr, overrides}] (ablations)
+OPTIONAL = {"variants": [],  # extra DMC runs: [{name, cr, overrides, label?}] (ablations)
             "name": "table1"}  # results go to OUTPUT/NAME (OUTPUT/NAME-quick with --quick)
-VARIANT_KEYS = {"name", "cr", "overrides"}
+VARIANT_KEYS = {"name", "cr", "overrides", "label"}  # label (default: name) groups a plot line
 DATA_KEYS = {"vocab_size", "retrieval_fraction", "retrieval_doc_tokens", "retrieval_kinds",
              "valid_fraction", "seed"}
 STAGE_KEYS = {"data", "overrides"}
@@ -80,7 +80,8 @@ def load_experiment(paths: list[Path], quick: bool) -> dict:
     for variant in exp["variants"]:
         if not isinstance(variant, dict):
             raise ValueError(f"variants: expected mappings of {', '.join(sorted(VARIANT_KEYS))}")
-        _check_keys(variant, VARIANT_KEYS, f"variant {variant.get('name', '?')}")
+        _check_keys({"label": variant.get("name"), **variant}, VARIANT_KEYS,
+                    f"variant {variant.get('name', '?')}")
     for key, kind in SECTIONS.items():
         if not isinstance(exp[key], kind):
             raise ValueError(f"{key}: expected a {kind.__name__}, got {exp[key]!r}")
@@ -280,7 +281,8 @@ def evaluate(exp: dict, data: Path, base: Path, finals: dict, out: Path, log) ->
     methods = [Method("control", "control", str(finals["control"])),
                Method("base", "base", str(base))]
     methods += [Method("dmc", "DMC", str(finals[f"dmc{cr:g}"])) for cr in exp["dmc_crs"]]
-    methods += [Method("dmc", v["name"], str(finals[v["name"]])) for v in exp["variants"]]
+    methods += [Method("dmc", v.get("label", v["name"]), str(finals[v["name"]]))
+                for v in exp["variants"]]
     methods += [Method("gqa", "GQA", str(finals[f"gqa{f:g}"])) for f in exp["gqa_factors"]]
     methods += [Method("policy", name.upper(), policy=name, cr=float(cr))
                 for name in exp["policies"] for cr in exp["policy_crs"]]
