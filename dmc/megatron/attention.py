@@ -200,7 +200,8 @@ class DMCSelfAttention(SelfAttention):
     # ------------------------------------------------------------------ CR statistics
     def _record_kept(self, alpha):
         """Adds this forward's kept slots ``sum(1 - alpha)`` per local KV head to the CR stats
-        and returns the differentiable kept slots per sequence ``[batch]`` (this rank's heads).
+        and returns the differentiable kept slots per sequence and local KV head
+        ``[batch, local_kv_heads]``.
 
         With ``hard_loss`` alpha is rounded straight-through first, as in NVIDIA's loss
         (``get_decisions``): the loss and the stats count rounded decisions while the gradient
@@ -210,7 +211,7 @@ class DMCSelfAttention(SelfAttention):
         kept = 1 - alpha.float()
         self.cr_kept += kept.detach().sum(dim=(0, 2)).double()
         self.cr_count += alpha.shape[0] * alpha.shape[2]
-        return kept.sum(dim=(1, 2))
+        return kept.sum(dim=2)
 
     def reset_cr_stats(self) -> None:
         self.cr_kept.zero_()

@@ -122,6 +122,9 @@ class DMCConfig:
         NVIDIA's released training code (``hard=False, hard_loss=True``). Off: the paper's
         soft relaxation.
     prior: "global" (Eq. 10: one hinge over all layers) or "local" (App. G: one per layer).
+    head_cr_cap: None (the paper) or the largest CR one KV head may reach before a second hinge
+        pushes it back (:func:`dmc.ops.head_cap_loss_from_sums`, not in the paper). A training
+        setting, not part of the model (``to_dict`` leaves it out).
     omega_offset: added to omega = sigmoid(q[..., -1] + c); 2^-7 reproduces NVIDIA's models
         (see :func:`dmc.ops.importance`), 0 is the paper's.
     attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense" or "flex": how the
@@ -134,6 +137,7 @@ class DMCConfig:
     hard: bool = False
     hard_loss: bool = False
     prior: str = "global"
+    head_cr_cap: float | None = None
     omega_offset: float = 0.0
     attention_backend: str = "auto"
     method: str = "dmc"
@@ -151,6 +155,8 @@ class DMCConfig:
             raise ConfigError(f"dmc.window: must be null or >= 1, got {self.window!r}")
         if self.tau <= 0:
             raise ConfigError(f"dmc.tau: must be > 0, got {self.tau!r}")
+        if self.head_cr_cap is not None and not self.head_cr_cap > 1:
+            raise ConfigError(f"dmc.head_cr_cap: must be null or > 1, got {self.head_cr_cap!r}")
         if self.omega_offset < 0:
             raise ConfigError(f"dmc.omega_offset: must be >= 0, got {self.omega_offset!r}")
         for name, choices in (("prior", PRIORS), ("attention_backend", ATTENTION_BACKENDS)):
@@ -162,7 +168,8 @@ class DMCConfig:
         """The settings that define the model (what checkpoints and inference files record).
         A DMC model's dict leaves out the DMS fields (and ``method``), so it reads as it did
         before DMS existed; :meth:`from_dict` restores the defaults."""
-        skip = {"attention_backend"} | (set() if self.method == "dms" else set(DMS_ONLY))
+        skip = {"attention_backend", "head_cr_cap"} | (
+            set() if self.method == "dms" else set(DMS_ONLY))
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(DMCConfig)
                 if f.name not in skip}
 

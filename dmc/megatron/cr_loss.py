@@ -17,16 +17,20 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from dmc.megatron import pipeline_sum
-from dmc.ops import compression_loss_from_sums
+from dmc.ops import compression_loss_from_sums, head_cap_loss_from_sums
 
 
-def attach_cr_loss(layer, output: torch.Tensor, kept: torch.Tensor, seq: int) -> torch.Tensor:
-    """``output`` with the CR loss attached (Eq. 10, the hinge per sequence); ``kept [batch]``
-    is ``layer``'s differentiable kept-slot count per sequence (this rank's KV heads), ``seq``
-    its tokens."""
+def attach_cr_loss(layer, output: torch.Tensor, kept_per_head: torch.Tensor,
+                   seq: int) -> torch.Tensor:
+    """``output`` with the CR loss attached (Eq. 10, the hinge per sequence, plus the per-head
+    cap when ``dmc.head_cr_cap`` is set); ``kept_per_head [batch, local_kv_heads]`` is
+    ``layer``'s differentiable kept-slot count per sequence and head, ``seq`` its tokens."""
+    runtime, config = layer.dmc, layer.config
+    if runtime.config.head_cr_cap is not None:
+        output = _attach_head_cap(layer, output, kept_per_head, seq)
+    kept = kept_per_head.sum(dim=1)
     if layer.world_size > 1:
         kept = reduce_from_tensor_model_parallel_region(kept, group=layer.tp_group)
-    runtime, config = layer.dmc, layer.config
     per_layer = seq * config.num_query_groups
     if runtime.config.prior == "local":
         loss = compression_loss_from_sums(kept, per_layer, runtime.target_cr,
@@ -53,6 +57,17 @@ def _attach_global(layer, output, kept, model_count):
         return pipeline_sum.pass_on(output, total_kept)
     return _attach(runtime, output,
                    compression_loss_from_sums(total_kept, model_count, runtime.target_cr))
+
+
+def _attach_head_cap(layer, output, kept_per_head, seq):
+    """The per-head cap's share of this layer's local heads; summed over the tensor-parallel
+    ranks (each rank's gradient reaches its own heads) so the logged value is the layer's."""
+    config = layer.config
+    loss = head_cap_loss_from_sums(kept_per_head, seq, layer.dmc.config.head_cr_cap,
+                                   config.num_layers * config.num_query_groups)
+    if layer.world_size > 1:
+        loss = reduce_from_tensor_model_parallel_region(loss, group=layer.tp_group)
+    return _attach(layer.dmc, output, loss)
 
 
 def _attach(runtime, output, loss):

@@ -16,7 +16,13 @@ from dmc.ops.decisions import (
     zero_decision_channel,
     zero_dms_channel,
 )
-from dmc.ops.loss import PRIORS, CRSchedule, compression_loss, compression_loss_from_sums
+from dmc.ops.loss import (
+    PRIORS,
+    CRSchedule,
+    compression_loss,
+    compression_loss_from_sums,
+    head_cap_loss_from_sums,
+)
 from dmc.ops.mask import (
     bias_from_log_keep,
     dmc_attention_bias,
@@ -34,6 +40,7 @@ __all__ = [
     "compression_loss",
     "dmc_attention",
     "compression_loss_from_sums",
+    "head_cap_loss_from_sums",
     "dmc_attention_bias",
     "dms_attention_bias",
     "dms_query_heads",

@@ -38,8 +38,36 @@ def compression_loss_from_sums(
     return hinge.sum(dim=1).mean() / (groups * count)
 
 
-def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global") -> torch.Tensor:
-    """Eq. 10 per sequence, averaged over the batch.
+def head_cap_loss_from_sums(
+    kept: torch.Tensor, count: float | int, head_cr_cap: float, num_groups: int
+) -> torch.Tensor:
+    """The per-head CR cap (not in the paper): ``mean_b sum_h max(0, count / cap - kept[b, h])
+    / (num_groups * count)``, the mirror image of Eq. 10's hinge, which penalises each KV head
+    of each sequence that keeps fewer than ``count / cap`` slots.
+
+    Why: Eq. 10's global prior lets a head compress without limit, and measured on our 4x
+    retrofits half the heads end at 250-512x: a DMC head that always merges is a running
+    average of its whole context. The cap bounds how far any one head may compress while the
+    global hinge still sets the model's CR. Same normalisation as
+    :func:`compression_loss_from_sums`, so the two add up under one weight.
+
+    Args:
+        kept: ``[batch, heads]``, ``sum(1 - alpha)`` of each sequence for each head (any subset
+            of the model's heads: a layer's, a tensor-parallel rank's).
+        count: decisions per sequence per head (tokens).
+        head_cr_cap: the largest CR a head may reach without penalty (> 1).
+        num_groups: KV heads of the whole model, so partial losses add up to the model's.
+    """
+    if head_cr_cap <= 1:
+        raise ValueError(f"head_cap_loss: head_cr_cap must be > 1, got {head_cr_cap}")
+    hinge = torch.clamp(count / head_cr_cap - kept, min=0)
+    return hinge.sum(dim=1).mean() / (num_groups * count)
+
+
+def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global",
+                     head_cr_cap: float | None = None) -> torch.Tensor:
+    """Eq. 10 per sequence, averaged over the batch (plus :func:`head_cap_loss_from_sums`
+    when ``head_cr_cap`` is set).
 
     ``prior="global"`` (the paper's default): the hinge on each sequence's kept slots summed over
     all layers, heads and tokens, which lets DMC compress some layers and heads more than others
@@ -50,6 +78,7 @@ def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global
         alpha: merge probabilities ``[batch, layers, heads, seq]``.
         target_cr: the current target compression ratio (>= 1).
         prior: "global" or "local".
+        head_cr_cap: None (the paper) or the per-head CR cap.
 
     Returns:
         A scalar tensor (float32, float64 stays float64).
@@ -60,10 +89,16 @@ def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global
         )
     work = torch.float64 if alpha.dtype == torch.float64 else torch.float32
     _, layers, heads, seq = alpha.shape
-    kept = (1 - alpha.to(work)).sum(dim=(2, 3))  # [batch, layers]
+    kept_per_head = (1 - alpha.to(work)).sum(dim=3)  # [batch, layers, heads]
+    kept = kept_per_head.sum(dim=2)  # [batch, layers]
     if prior == "global":
-        return compression_loss_from_sums(kept.sum(dim=1), layers * heads * seq, target_cr)
-    return compression_loss_from_sums(kept, heads * seq, target_cr)
+        loss = compression_loss_from_sums(kept.sum(dim=1), layers * heads * seq, target_cr)
+    else:
+        loss = compression_loss_from_sums(kept, heads * seq, target_cr)
+    if head_cr_cap is not None:
+        loss = loss + head_cap_loss_from_sums(kept_per_head.flatten(1), seq, head_cr_cap,
+                                              layers * heads)
+    return loss
 
 
 @dataclass(frozen=True)

@@ -105,11 +105,12 @@ def compressed_cache_reference(k, v, alpha, omega):
     return history_k, history_v, slot_of_token
 
 
-def compression_loss_reference(alpha, target_cr, prior="global"):
+def compression_loss_reference(alpha, target_cr, prior="global", head_cr_cap=None):
     """Eq. 10 with Python sums, sequence by sequence, ``alpha [batch, layers, heads, seq]``.
 
     global: ``loss_b = max(0, sum_{l,h,t} (1 - alpha) - n_l n_h n / CR) / (n_l n_h n)``;
-    local (App. G): ``loss_b = sum_l max(0, sum_{h,t} (1 - alpha) - n_h n / CR) / (n_l n_h n)``.
+    local (App. G): ``loss_b = sum_l max(0, sum_{h,t} (1 - alpha) - n_h n / CR) / (n_l n_h n)``;
+    the per-head cap adds ``sum_{l,h} max(0, n / cap - sum_t (1 - alpha)) / (n_l n_h n)``.
     Returns the mean of ``loss_b`` over the batch as a Python float.
     """
     alpha = alpha.double()
@@ -117,16 +118,21 @@ def compression_loss_reference(alpha, target_cr, prior="global"):
     total = layers * heads * seq
     losses = []
     for b in range(batch):
-        kept_per_layer = []
+        kept_per_layer, cap_hinge = [], 0.0
         for layer in range(layers):
             kept = 0.0
             for h in range(heads):
+                head_kept = 0.0
                 for t in range(seq):
-                    kept += 1.0 - alpha[b, layer, h, t].item()
+                    head_kept += 1.0 - alpha[b, layer, h, t].item()
+                kept += head_kept
+                if head_cr_cap is not None:
+                    cap_hinge += max(0.0, seq / head_cr_cap - head_kept) / total
             kept_per_layer.append(kept)
         if prior == "global":
-            losses.append(max(0.0, sum(kept_per_layer) - total / target_cr) / total)
+            loss = max(0.0, sum(kept_per_layer) - total / target_cr) / total
         else:
             per_layer = heads * seq
-            losses.append(sum(max(0.0, k - per_layer / target_cr) for k in kept_per_layer) / total)
+            loss = sum(max(0.0, k - per_layer / target_cr) for k in kept_per_layer) / total
+        losses.append(loss + cap_hinge)
     return sum(losses) / batch

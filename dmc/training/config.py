@@ -254,6 +254,10 @@ def _validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: must be >= 0, got {flat[key]!r}")
     if cfg.dmc.target_cr < 1:
         raise ConfigError(f"dmc.target_cr: must be >= 1, got {cfg.dmc.target_cr}")
+    if cfg.dmc.head_cr_cap is not None and cfg.dmc.head_cr_cap < cfg.dmc.target_cr:
+        raise ConfigError(f"dmc.head_cr_cap: {cfg.dmc.head_cr_cap} is below dmc.target_cr "
+                          f"({cfg.dmc.target_cr}): no head could reach the target; use null "
+                          f"or a cap >= the target")
     _validate_training_objective(cfg)
     model = cfg.model
     if model.params_dtype is not None:

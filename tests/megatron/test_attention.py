@@ -6,7 +6,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from dmc.megatron.attention import dmc_layers, zero_decision_rows_
 from dmc.megatron.model import build_gpt_model, llama_transformer_config
 from dmc.megatron.runtime import DMCConfig, DMCRuntime
-from dmc.ops import compression_loss_from_sums
+from dmc.ops import compression_loss, compression_loss_from_sums
 from dmc.ops.reference import compression_loss_reference
 
 from llama_reference import decode_with_compressed_cache
@@ -193,6 +193,30 @@ def test_train_mode_cr_loss_is_eq10_per_sequence(parallel_1x1, prior, hard_loss,
     assert dmc_layers(dmc)[0].linear_qkv.weight.grad[decision_rows(dmc_layers(dmc)[0])].any()
     # hard_loss changes the loss only, never the attention
     torch.testing.assert_close(logits.detach(), other_logits, rtol=0, atol=0)
+
+
+def test_train_mode_head_cap_is_the_float64_loss(parallel_1x1):
+    cap = 1.6
+    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, head_cr_cap=cap))
+    spread_decisions(dmc, scale=2.0)
+    runtime.set_mode("train")
+    runtime.target_cr = 1.5
+    tokens, positions = _batch(batch=3)
+    alphas = _capture_alphas(dmc)
+    logits = dmc(tokens, positions, None)
+    alpha = torch.stack(alphas, dim=1).detach().double()  # [batch, layers, heads, seq]
+    heads_cr = alpha.shape[3] / (1 - alpha).sum(dim=3)
+    assert (heads_cr > cap).any() and (heads_cr < cap).any()
+    cr_loss = sum(runtime.pop_cr_losses())
+    want = compression_loss_reference(alpha, runtime.target_cr, "global", cap)
+    assert cr_loss.item() == pytest.approx(want, abs=1e-6)
+    assert want > compression_loss_reference(alpha, runtime.target_cr, "global") + 1e-4
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    (logits.sum() * 0).backward()
+    last = alpha[:, -1].clone().requires_grad_(True)
+    compression_loss(torch.cat([alpha[:, :-1], last[:, None]], dim=1), runtime.target_cr,
+                     "global", cap).backward()
+    torch.testing.assert_close(alphas[-1].grad.double(), last.grad, rtol=1e-5, atol=1e-9)
 
 
 def test_noise_is_keyed_by_step_and_microbatch(parallel_1x1):

@@ -84,6 +84,12 @@ def test_single_process_dms_cr_loss_is_the_per_sequence_hinge(single):
     assert grad[borrowed].abs().min() > 0
 
 
+def test_single_process_head_cap_adds_to_the_hinge(single):
+    capped, plain = single["global+cap"], single["global"]
+    assert capped["cr_loss"].item() > plain["cr_loss"].item() + 1e-4
+    torch.testing.assert_close(capped["kept"], plain["kept"])  # the loss, not the forward
+
+
 def _assert_same_step(got, want):
     assert got["lm"].item() == pytest.approx(want["lm"].item(), abs=1e-5)
     assert got["cr_loss"].item() == pytest.approx(want["cr_loss"].item(), abs=1e-6)
@@ -97,8 +103,9 @@ def _assert_same_step(got, want):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("method", ["dmc", "dms"])
-@pytest.mark.parametrize("prior", ["global", "local"])
+@pytest.mark.parametrize("method,prior", [("dmc", "global"), ("dmc", "local"),
+                                          ("dmc", "global+cap"), ("dms", "global"),
+                                          ("dms", "local")])
 @pytest.mark.parametrize("flags", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
 def test_two_process_layout_matches_single_process(single, layouts, flags, prior, method):
     got, want = layouts(flags), single

@@ -68,13 +68,32 @@ def test_straight_through_round_value_and_gradient():
     torch.testing.assert_close(alpha.grad, torch.arange(4.0))
 
 
+@pytest.mark.parametrize("cap", [None, 1.5, 8.0])
 @pytest.mark.parametrize("prior", ["global", "local"])
 @pytest.mark.parametrize("cr", [1.0, 2.0, 4.0, 8.0])
-def test_compression_loss_equals_reference(cr, prior):
+def test_compression_loss_equals_reference(cr, prior, cap):
     alpha = torch.rand(3, 2, 4, 11, generator=torch.Generator().manual_seed(int(cr)),
-                       dtype=torch.float64)
-    want = compression_loss_reference(alpha, cr, prior)
-    assert compression_loss(alpha, cr, prior).item() == pytest.approx(want, abs=1e-12)
+                       dtype=torch.float64) ** 0.3  # many heads above 1.5x
+    want = compression_loss_reference(alpha, cr, prior, cap)
+    got = compression_loss(alpha, cr, prior, cap).item()
+    assert got == pytest.approx(want, abs=1e-12)
+    if cap == 1.5:
+        assert got > compression_loss(alpha, cr, prior).item()
+
+
+def test_head_cap_penalises_only_heads_above_the_cap():
+    # layer 0's heads keep 50% (2x), layer 1's keep 5% (20x): the global 2x hinge is met
+    # (27.5% kept), a cap of 8x pushes layer 1's heads back up to 12.5% kept
+    alpha = _two_sequences(0.0, 0.0)
+    with torch.no_grad():
+        alpha[:, 0], alpha[:, 1] = 0.5, 0.95
+    assert compression_loss(alpha, 2.0).item() == pytest.approx(0.0, abs=1e-12)
+    loss = compression_loss(alpha, 2.0, head_cr_cap=8.0)
+    assert loss.item() == pytest.approx((0.125 - 0.05) / 2, abs=1e-12)
+    loss.backward()
+    assert (alpha.grad[:, 0] == 0).all() and (alpha.grad[:, 1] > 0).all()
+    with pytest.raises(ValueError, match="head_cr_cap"):
+        compression_loss(alpha, 2.0, head_cr_cap=1.0)
 
 
 def _two_sequences(first, second, layers=2, heads=3, seq=10):

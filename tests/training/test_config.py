@@ -27,6 +27,8 @@ def test_fidelity_switches_default_to_the_paper():
     cfg = load_config([], ["dmc.prior=local", "dmc.hard_loss=true", "dmc.omega_offset=0.0078125"])
     assert (cfg.dmc.prior, cfg.dmc.hard_loss, cfg.dmc.omega_offset) == ("local", True, 2**-7)
     assert CHOICES["dmc.prior"] == PRIORS
+    assert cfg.dmc.head_cr_cap is None
+    assert load_config([], ["dmc.head_cr_cap=32"]).dmc.head_cr_cap == 32
 
 
 @pytest.mark.parametrize("override,message", [
@@ -40,6 +42,8 @@ def test_fidelity_switches_default_to_the_paper():
     ("dmc.attention_backend=sdpa", r"dmc.attention_backend: 'sdpa' is not one of auto, dense, flex"),
     ("dmc.prior=layer", r"dmc.prior: 'layer' is not one of global, local"),
     ("dmc.omega_offset=-0.1", r"dmc.omega_offset: must be >= 0"),
+    ("dmc.head_cr_cap=1", r"dmc.head_cr_cap: must be null or > 1"),
+    ("dmc.head_cr_cap=1.5", r"dmc.head_cr_cap: 1.5 is below dmc.target_cr \(2.0\)"),
     ("optim.lr", r"expected KEY=VALUE"),
     ("dmc.target_cr=inf", r"dmc.target_cr: expected a finite number, got inf"),
     ("optim.lr=.nan", r"optim.lr: expected a finite number"),
