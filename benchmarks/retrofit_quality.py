@@ -297,6 +297,18 @@ def evaluate(exp: dict, data: Path, base: Path, finals: dict, out: Path, log) ->
     return run_methods(methods, eval_data, batch_size=e["batch_size"], log=log)
 
 
+def add_steps_to_cr(rows: list[dict], finals: dict) -> None:
+    """Each trained DMC / DMS row gets ``steps_to_cr``: the step its run first held 95% of its
+    target CR (:func:`dmc.eval.run_metrics.steps_to_cr`; None when it never did)."""
+    from dmc.eval.run_metrics import steps_to_cr
+
+    runs = {str(path): path.parents[1] for path in finals.values()}
+    for r in rows:
+        metrics = runs.get(r["path"], Path("-")) / "metrics.jsonl"
+        if r["method"] == "dmc" and metrics.is_file():
+            r["steps_to_cr"] = steps_to_cr(metrics, r["nominal_cr"])
+
+
 def plot_checkpoints(path_results: list[dict], final: dict | None, path: Path) -> None:
     """Decoded-token perplexity and needle accuracy of the DMC run's checkpoints against their
     measured CR (the paper's Fig. 4), the final (solidified) model marked."""
@@ -377,6 +389,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
 
     path_rows = [r for r in results if r["label"] == "DMC path"]
     main_rows = [r for r in results if r["label"] != "DMC path"]
+    add_steps_to_cr(main_rows, finals)
     report = write_report(main_rows, out / "compare", {"experiment": exp, "data": str(data),
                                                        "base": str(base)})
     final = next((r for r in main_rows if r["method"] == "dmc"

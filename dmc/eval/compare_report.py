@@ -37,11 +37,15 @@ def _row_labels(results: list[dict]) -> None:
 
 
 def format_table(results: list[dict]) -> str:
-    """A markdown table, rows sorted by nominal CR (the control first)."""
+    """A markdown table, rows sorted by nominal CR (the control first); a ``steps to CR``
+    column when rows carry ``steps_to_cr`` (trained runs: the step at which they first held
+    95% of their CR, None: never)."""
     has_needle = any("needle_accuracy" in r for r in results)
     head = ["method", "CR", "ppl [95% CI]", "KL vs control", "top-1 agree"]
     head += ["needle % [95% CI]"] if has_needle else []
     head += ["slots CR", "memory CR"]
+    has_steps = any("steps_to_cr" in r for r in results)
+    head += ["steps to CR"] if has_steps else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = sorted(range(len(results)),
                    key=lambda i: (results[i]["nominal_cr"], results[i]["method"] != "control", i))
@@ -54,6 +58,9 @@ def format_table(results: list[dict]) -> str:
             cells.append(f"{100 * r['needle_accuracy']:.1f} {_ci(*r['needle_ci'], 100)}"
                          if "needle_accuracy" in r else "-")
         cells += [f"{r['slots_cr']:.2f}x", f"{r['memory_cr']:.2f}x"]
+        if has_steps:
+            steps = r.get("steps_to_cr", "-")
+            cells.append("never" if steps is None else str(steps))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

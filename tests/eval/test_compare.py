@@ -137,6 +137,20 @@ def test_a_policy_that_keeps_every_page_is_reported_at_1x():
                      ["OMNIKV (attends 1/4)", "1x"], ["H2O", "2x"]]
 
 
+def test_steps_to_cr_column_only_when_a_row_has_it():
+    from dmc.eval.compare_report import format_table
+
+    base = {"requested_cr": None, "perplexity": 10.0, "perplexity_ci": [9.0, 11.0], "kl": 0.1,
+            "top1_agreement": 0.9, "slots_cr": 1.0, "memory_cr": 1.0}
+    rows = [{**base, "method": "control", "label": "control", "nominal_cr": 1.0},
+            {**base, "method": "dmc", "label": "DMC", "nominal_cr": 4.0, "steps_to_cr": 212},
+            {**base, "method": "dmc", "label": "DMS", "nominal_cr": 8.0, "steps_to_cr": None}]
+    table = format_table(rows).splitlines()
+    assert table[0].endswith("| steps to CR |")
+    assert [line.split("|")[-2].strip() for line in table[2:]] == ["-", "212", "never"]
+    assert "steps to CR" not in format_table(rows[:1])
+
+
 def test_policies_are_spelled_with_their_schedule():
     """--policies NAME (the paper's schedule) or NAME@SCHEDULE; each row records its schedule."""
     from dmc.eval.compare import Method, _row_labels, nominal_cr, parse_policies, schedule_of
