@@ -102,6 +102,16 @@ class DMSPagedCache(PagedKVCache):
         ring = self.written[seq_slot].clamp(max=self.ring_size)
         return self.head_lengths(seq_slot).long() + ring[:, None]
 
+    def paged_growth(self, seq_slot: int | None, tokens: int) -> torch.Tensor:
+        """At most one paged slot per token that leaves the window ring during the next
+        ``tokens`` tokens (kept or not: the decisions are not known yet); tokens still in the
+        ring take no page."""
+        written = (torch.zeros(self.num_layers, dtype=torch.long) if seq_slot is None
+                   else self.written[seq_slot])
+        leaving = ((written + tokens - self.ring_size).clamp(min=0)
+                   - (written - self.ring_size).clamp(min=0))
+        return leaving[:, None].expand(self.num_layers, self.num_kv_heads).clone()
+
     def sequence_bytes(self, seq_slot: int, dmc_state: bool = True) -> dict:
         """:meth:`PagedKVCache.sequence_bytes` with ``dmc_state`` = the window rings of every
         (layer, KV head): ``w + 1`` keys and values in the cache dtype and their bool flags."""

@@ -9,8 +9,9 @@ compression ratio measured so far, plus a page per head).
 
 Reservation: a head grows by at most one slot per token (DMC merges or appends; a policy evicts
 after the forward, if at all: under the ``"prefill"`` schedule a prompt is held whole until its
-last chunk), so ``n`` tokens of a sequence need at most, per head of length ``L``,
-``ceil((L + n) / page_size) - ceil(L / page_size)`` new pages. Sequences are served oldest first;
+last chunk; DMS pages only the tokens leaving its window ring), so ``n`` tokens of a sequence
+need at most, per head of length ``L`` gaining at most ``g <= n`` slots,
+``ceil((L + g) / page_size) - ceil(L / page_size)`` new pages. Sequences are served oldest first;
 when the worst case of one does not fit in the pages left, the youngest running sequence is
 preempted (its pages freed, re-queued; it restarts by prefilling its prompt and the tokens it
 generated); a prefill chunk is first shortened to what fits. A sequence that does not fit even
@@ -172,13 +173,16 @@ class Scheduler:
         return min(self.chunk_size - seq.cached % self.chunk_size, len(seq.tokens) - seq.cached)
 
     def _worst_pages(self, seq: Sequence, n: int) -> int:
-        """Pages ``n`` more tokens of ``seq`` take at most (every head appends every token)."""
+        """Pages ``n`` more tokens of ``seq`` take at most (each head gains at most
+        :meth:`~dmc.inference.cache.PagedKVCache.paged_growth` slots: one per token, or for DMS
+        one per token leaving the window ring)."""
         if seq.slot is None:
             lengths = torch.zeros(self.cache.num_layers, self.cache.num_kv_heads, dtype=torch.long)
         else:
             lengths = self.cache.head_lengths(seq.slot).long()
+        grown = lengths + self.cache.paged_growth(seq.slot, n)
         size = self.cache.page_size
-        return int(((lengths + n + size - 1) // size - (lengths + size - 1) // size).sum())
+        return int(((grown + size - 1) // size - (lengths + size - 1) // size).sum())
 
     def _largest_fit(self, seq: Sequence, n: int, free: int) -> int:
         """The longest chunk of at most ``n`` tokens whose worst case fits in ``free`` pages (1

@@ -166,3 +166,29 @@ def test_a_full_pool_raises_before_any_change():
     with pytest.raises(CacheFullError):
         cache.prefill(0, slot, 0, x, x, x, torch.zeros(1, 8, dtype=torch.bool), 1.0)
     assert cache.pages_in_use == 0
+
+
+def test_paged_growth_is_what_kept_tokens_take():
+    """Every token kept: the survivors gained over the next k tokens are exactly the tokens that
+    leave the ring, which :meth:`paged_growth` returns (the scheduler's worst case)."""
+    window, tokens, kv = 3, 16, 2
+    cache = DMSPagedCache(1, kv, DIM, 30, window, page_size=PAGE, max_seqs=1,
+                          dtype=torch.float32)
+    assert cache.paged_growth(None, 10).tolist() == [[10 - window - 1] * kv]
+    assert cache.paged_growth(None, window + 1).tolist() == [[0] * kv]
+    slot = cache.add_sequence()
+    keys = torch.randn(kv, tokens, DIM)
+    cache.prefill(0, slot, 0, torch.randn(kv, 2, DIM), keys[:, :2], keys[:, :2],
+                  torch.zeros(kv, 2, dtype=torch.bool), 1.0)
+    lengths, growth = [cache.head_lengths(slot)[0]], []
+    for p in range(2, tokens):
+        growth.append([cache.paged_growth(slot, k)[0] for k in range(1, 5)])
+        cache.decode_write(0, [slot], keys[None, :, p], keys[None, :, p],
+                           torch.zeros(1, kv, dtype=torch.bool))
+        cache.attention(0, [slot], torch.randn(1, kv, DIM))
+        cache.settle()
+        lengths.append(cache.head_lengths(slot)[0])
+    for i, bounds in enumerate(growth):
+        for k, bound in enumerate(bounds, start=1):
+            if i + k < len(lengths):
+                assert torch.equal(bound, (lengths[i + k] - lengths[i]).long())

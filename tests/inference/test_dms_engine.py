@@ -239,3 +239,20 @@ def test_the_byte_budget_holds_the_window_rings(parallel_1x1):
     engine = Engine(model, dms(3), max_batch=3, kv_cache_bytes=rings + 10 * page + 5)
     assert engine.cache.num_pages == 10
     assert engine.cache.ring_k.numel() * 4 * 2 + engine.cache.ring_evict.numel() == rings
+
+
+def test_a_pool_that_holds_the_survivors_is_enough(parallel_1x1):
+    """Every token kept (c large): 44 tokens leave 34 survivors per head beside the 10-row ring,
+    9 pages of 4 slots per head, 36 in all. The scheduler reserves only what leaves the ring, so
+    the 40-token prompt is one chunk (a one-slot-per-token worst case, 10 pages per head, would
+    cut it to 36 tokens)."""
+    model, config = build(2), dms(9, c=1e4)
+    engine = Engine(model, config, page_size=4, max_batch=1, chunk_size=64, num_pages=36)
+    prompt = sequences((40,))[0]
+    engine.add_request(prompt, SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert [n for _, n in engine.scheduler.schedule().prefill] == [40]
+    engine.scheduler.preempt(engine.scheduler.running[0])
+    while engine.has_unfinished():
+        finished = engine.step()
+    assert finished[0].finish_reason == "length"
+    assert finished[0].compression.slots.tolist() == [[43, 43]] * 2  # 33 paged + 10 in the ring
