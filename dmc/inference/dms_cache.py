@@ -32,7 +32,8 @@ page first, the leaving token is written at slot ``length`` of its head whatever
 device length grows by its keep flag, and :meth:`settle` (once per forward) reads the lengths
 back and returns the reserved pages of the heads that dropped their token. Decode attention
 (:meth:`attention`) runs over the paged survivors and the filled ring rows
-(:func:`~dmc.inference.kernels.dms_decode.dms_decode_attention`, PyTorch on every device).
+(:mod:`~dmc.inference.kernels.dms_decode`: the batched CPU kernel merged with the ring on the
+CPU, a padded gather without host reads elsewhere).
 
 Prefill (:meth:`prefill`): the chunk's queries attend, exactly, the paged survivors (all
 visible), the ring's tokens and the chunk's own under the delayed mask of their positions; then
@@ -57,7 +58,7 @@ from dmc.ops.mask import bias_from_log_keep
 
 from .block_allocator import to_device
 from .cache import PagedKVCache
-from .kernels.dms_decode import dms_decode_attention
+from .kernels.dms_decode import dms_decode_attention, dms_decode_attention_cpu
 
 
 def ring_bytes(dms_window: int, head_dim: int, element_size: int) -> int:
@@ -183,13 +184,19 @@ class DMSPagedCache(PagedKVCache):
         not used). Returns ``[batch, q_heads, head_dim]``."""
         seqs = self.allocator.seq_index(seq_slots)
         rows = to_device(seqs, self.device)
+        scale = self.head_dim**-0.5 if scale is None else scale
+        ring = to_device(self.ring_occupancy(seqs, layer), self.device)
+        if self.device.type == "cpu":  # the host lengths are the device's: exact
+            return dms_decode_attention_cpu(
+                q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
+                self.allocator.lengths[seqs, layer], self.ring_k[rows, layer],
+                self.ring_v[rows, layer], ring, scale)
         lag = any(done == layer for _, done in self._deferred)  # device lengths: + 1 at most
         bound = int(self.allocator.lengths[seqs, layer].max()) + lag
         return dms_decode_attention(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer], bound, self.ring_k[rows, layer], self.ring_v[rows, layer],
-            to_device(self.ring_occupancy(seqs, layer), self.device),
-            self.head_dim**-0.5 if scale is None else scale,
+            ring, scale,
         )
 
     # --------------------------------------------------------------- prefill

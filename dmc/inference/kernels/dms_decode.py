@@ -1,16 +1,23 @@
-"""DMS decode attention in PyTorch (any device): one query per (sequence, query head) over its KV
-head's paged survivors and its window ring (DMS paper Sec. 3, delayed eviction; the cache layout
-is :class:`~dmc.inference.dms_cache.DMSPagedCache`'s).
+"""DMS decode attention in PyTorch: one query per (sequence, query head) over its KV head's paged
+survivors and its window ring (DMS paper Sec. 3, delayed eviction; the cache layout is
+:class:`~dmc.inference.dms_cache.DMSPagedCache`'s).
 
 Every key a DMS decode query may see is either a survivor in the pages (a token that left the
 window and was kept: visible for good) or one of the last ``w + 1`` tokens in the ring (visible
-whatever its decision), so the query attends both under one softmax, with no other mask. The
-pages are gathered up to a host bound on the lengths (``max_length``) and masked by the device
-lengths, so a decode step reads no length back from the device.
+whatever its decision), so the query attends both under one softmax, with no other mask.
+
+Two paths, equal to fp32 tolerance (tested): :func:`dms_decode_attention` gathers every head's
+pages up to a host bound on the lengths (``max_length``) and masks by the device lengths, so a
+decode step reads no length back from the device (any device: the GPU path). On the CPU, where the
+host lengths are exact, :func:`dms_decode_attention_cpu` runs the paged part through the batched
+CPU kernel (:func:`~dmc.inference.kernels.paged_cpu.paged_decode_batched`: no padded copy of the
+cache) and merges the ring's softmax into it by their log-sum-exps.
 """
 from __future__ import annotations
 
 import torch
+
+from .paged_cpu import paged_decode_batched
 
 
 def dms_decode_attention(
@@ -57,3 +64,37 @@ def dms_decode_attention(
     probs = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, values)
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
+
+
+def dms_decode_attention_cpu(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    host_lengths: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    ring_count: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`dms_decode_attention` with exact host lengths ``host_lengths [batch, kv_heads]``:
+    the paged survivors through the batched CPU kernel (its output ``o_p`` and log-sum-exp
+    ``l_p``), the ring densely (``o_r``, ``l_r``), merged as ``(o_p e^{l_p} + o_r e^{l_r}) /
+    (e^{l_p} + e^{l_r})`` (the ring always holds a key, so ``l_r`` is finite)."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, ring = ring_k.shape[1], ring_k.shape[2]
+    paged, paged_lse = paged_decode_batched(q, k_pages, v_pages, block_tables, host_lengths,
+                                            scale, host_lengths=host_lengths, return_lse=True)
+    qg = q.float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim) * scale
+    scores = torch.einsum("bhgd,bhnd->bhgn", qg, ring_k.float())
+    filled = torch.arange(ring, device=q.device) < ring_count.to(q.device).long()[:, None]
+    scores.masked_fill_(~filled[:, None, None], float("-inf"))
+    ring_lse = torch.logsumexp(scores, dim=-1)  # [batch, kv, group]
+    ring_v = ring_v.float().masked_fill(~filled[:, None, :, None], 0.0)
+    ring_out = torch.einsum("bhgn,bhnd->bhgd", torch.exp(scores - ring_lse[..., None]), ring_v)
+    ring_lse = ring_lse.reshape(batch, q_heads)
+    top = torch.maximum(paged_lse, ring_lse)
+    w_paged = torch.exp(paged_lse - top)[..., None]  # 0 for a head with no survivor
+    w_ring = torch.exp(ring_lse - top)[..., None]
+    out = (paged.float() * w_paged + ring_out.reshape(batch, q_heads, head_dim) * w_ring)
+    return (out / (w_paged + w_ring)).to(q.dtype)

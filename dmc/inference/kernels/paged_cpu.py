@@ -50,7 +50,8 @@ def paged_decode_batched(
     *,
     host_lengths: torch.Tensor | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One-query attention over each head's paged slots, with GQA, batched over length buckets.
 
     Args:
@@ -61,9 +62,13 @@ def paged_decode_batched(
         scale: softmax scale.
         host_lengths: ``lengths`` on the host when the caller has them (saves a device read).
         chunk_bytes: most bytes of float32 keys and values gathered at once.
+        return_lse: also return each query's log-sum-exp of its scaled scores, ``[batch,
+            q_heads]`` float32 (``-inf`` for a head with no slot), so that attention over
+            further keys can be merged in (DMS's window ring).
 
     Returns:
-        ``[batch, q_heads, head_dim]`` in the dtype of ``q``; computed in float32.
+        ``[batch, q_heads, head_dim]`` in the dtype of ``q``; computed in float32 (and the
+        log-sum-exp with ``return_lse``).
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = block_tables.shape[1]
@@ -76,18 +81,22 @@ def paged_decode_batched(
     k_flat = k_pages.view(k_pages.shape[0], -1)  # 2-D index_select: a row copy per page
     v_flat = v_pages.view(v_pages.shape[0], -1)
     out = torch.zeros(rows, group, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((rows, group), float("-inf"), dtype=torch.float32, device=q.device)
     row_bytes = 2 * page_size * head_dim * 4  # one page of keys and values in float32
     for bucket, width in length_buckets((host + page_size - 1) // page_size):
         for picked in bucket.split(max(1, chunk_bytes // (width * row_bytes))):
-            _attend(out, queries, k_flat, v_flat, tables, host, picked, width * page_size)
-    return out.reshape(batch, q_heads, head_dim).to(q.dtype)
+            _attend(out, lse, queries, k_flat, v_flat, tables, host, picked, width * page_size)
+    out = out.reshape(batch, q_heads, head_dim).to(q.dtype)
+    return (out, lse.reshape(batch, q_heads)) if return_lse else out
 
 
-def _attend(out, queries, k_flat, v_flat, tables, host, picked, slots) -> None:
+def _attend(out, lse, queries, k_flat, v_flat, tables, host, picked, slots) -> None:
     """Rows ``picked`` (host long ``[n]``) of one bucket, ``slots`` (a whole number of pages)
-    each: ``out[picked] = softmax(queries[picked] @ keys^T) @ values`` over their valid slots.
+    each: ``out[picked] = softmax(queries[picked] @ keys^T) @ values`` over their valid slots,
+    ``lse[picked]`` the log-sum-exp of those scores.
 
-    ``out``, ``queries``: ``[rows, group, head_dim]`` float32; ``k_flat``, ``v_flat``:
+    ``out``, ``queries``: ``[rows, group, head_dim]`` float32; ``lse``: ``[rows, group]``;
+    ``k_flat``, ``v_flat``:
     ``[num_pages, page_size * head_dim]``; ``tables``: ``[rows, max_pages]``; ``host``: ``[rows]``
     host lengths."""
     device, head_dim = queries.device, queries.shape[-1]
@@ -102,5 +111,7 @@ def _attend(out, queries, k_flat, v_flat, tables, host, picked, slots) -> None:
     hidden = hidden.to(device, non_blocking=True)
     scores = torch.bmm(queries.index_select(0, rows), keys.transpose(1, 2))
     scores.masked_fill_(hidden[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [n, group, slots]
+    row_lse = torch.logsumexp(scores, dim=-1)  # [n, group]
+    probs = torch.exp(scores.sub_(row_lse[..., None]))  # [n, group, slots]
     out.index_copy_(0, rows, torch.bmm(probs, values))
+    lse.index_copy_(0, rows, row_lse)
