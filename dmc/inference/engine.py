@@ -25,7 +25,7 @@ from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
 from dmc.inference.kv_write import make_kv_write, make_policy
 from dmc.inference.loading import load_inference_state, load_model, load_plain
 from dmc.inference.model_runner import ModelRunner, resolve_dmc, rope_frequencies
-from dmc.inference.sampling import SamplingParams, make_generator, sample_next
+from dmc.inference.sampling import SamplingParams, sample_next
 from dmc.inference.scheduler import Scheduler, StepPlan
 from dmc.inference.scoring import score_batch
 from dmc.inference.sequence import (
@@ -185,8 +185,7 @@ class Engine:
         request_id = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else self.seed + request_id
-        generator = None if params.greedy else make_generator(seed)
-        self.scheduler.add(Sequence(request_id, prompt, params, generator,
+        self.scheduler.add(Sequence(request_id, prompt, params, seed,
                                     arrived=time.perf_counter()))
         return request_id
 
@@ -335,7 +334,8 @@ class Engine:
                 finished: list[GenerationResult]) -> None:
         """Sample the next token of each sequence from ``logits [batch, vocab]``; end the
         sequences that reach a stop token or ``max_new_tokens`` (freeing their pages)."""
-        chosen, logps = sample_next(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        chosen, logps = sample_next(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                    [len(s.generated) for s in seqs])
         for seq, token, logp in zip(seqs, chosen, logps):
             seq.generated.append(token)
             seq.logprobs.append(logp)

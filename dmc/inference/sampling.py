@@ -1,8 +1,12 @@
 """Next-token sampling: greedy, temperature, top-k and top-p (nucleus), reproducible by seed.
 
-Each request draws from its own ``torch.Generator`` (CPU), so what a request samples depends
-only on its seed and its own logits, never on which other requests share its batch, or on
-preemption (a restarted request keeps its tokens and its generator state).
+:func:`sample_next` samples a whole batch at once on the logits' device. Sampled rows draw by
+the Gumbel-max trick with counter-based noise: the noise of vocabulary id ``v`` when a request
+generates its ``i``-th token is an integer hash of ``(seed, i, v)``. So what a request samples
+depends only on its seed, the index of the token and its own logits: never on which other
+requests share its batch, and not on preemption (a restarted request regenerates the same
+tokens, since there is no generator state to carry over). :func:`filtered_probs` is the
+readable one-row reference of the distribution that :func:`filtered_scores` computes batched.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ class SamplingParams:
         reaches ``top_p`` (the most likely token is always kept, so a tiny ``top_p`` is greedy).
     top_k: keep the ``top_k`` most likely tokens first (0 = all).
     stop_tokens: generation ends after any of these ids is generated.
-    seed: seed of the request's generator; ``None`` = the engine seed + the request id.
+    seed: seed of the request's sampling noise; ``None`` = the engine seed + the request id.
     """
 
     max_new_tokens: int = 32
@@ -74,31 +78,113 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     return probs
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> int:
-    """One token id from ``logits [vocab]`` under ``params`` (argmax when greedy).
+def _int64(value: int) -> int:
+    """``value`` modulo 2^64 as a signed 64-bit integer (how a torch int64 holds its bits)."""
+    value &= 0xFFFFFFFFFFFFFFFF
+    return value - (1 << 64) if value >> 63 else value
 
-    Sampling runs on the CPU with ``generator`` (a CPU generator) so results do not depend on
-    the device.
+
+GOLDEN = _int64(0x9E3779B97F4A7C15)  # splitmix64's increment, 2^64 / golden ratio
+MIX1 = _int64(0xBF58476D1CE4E5B9)
+MIX2 = _int64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of the 64 bits of int64 ``x`` (torch's ``>>`` copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: a bijective hash of the 64 bits of int64 ``x``, same shape.
+
+    The products wrap modulo 2^64 (two's complement), as the unsigned arithmetic of splitmix64.
     """
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = filtered_probs(logits.detach().cpu(), params.temperature, params.top_p, params.top_k)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    x = (x ^ _shr(x, 30)) * MIX1
+    x = (x ^ _shr(x, 27)) * MIX2
+    return x ^ _shr(x, 31)
 
 
-def make_generator(seed: int) -> torch.Generator:
-    """A CPU generator seeded with ``seed``."""
-    return torch.Generator().manual_seed(int(seed))
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor,
+                 vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise (float64), a deterministic function of its three int64 arguments.
+
+    Args:
+        seeds: ``[rows, 1]`` each row's request seed.
+        positions: ``[rows, 1]`` index of the token being generated in the request (0 = first).
+        vocab_ids: ``[rows, vocab]`` the vocabulary id each noise value belongs to.
+
+    Returns ``[rows, vocab]``: the ``(v + 1)``-th output of a splitmix64 stream whose state is a
+    hash of ``(seed, position)``, its top 52 bits ``k`` made uniform ``u = (k + 1/2) / 2^52`` in
+    (0, 1) (exact in float64, never 0 or 1), then ``-log(-log u)``.
+    """
+    state = mix64(mix64(seeds) + (positions + 1) * GOLDEN)
+    bits = mix64(state + (vocab_ids + 1) * GOLDEN)
+    uniform = (_shr(bits, 12).double() + 0.5) / 2.0 ** 52
+    return -torch.log(-torch.log(uniform))
 
 
-def sample_next(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits [batch, vocab]`` (greedy rows by argmax, others by
-    :func:`sample_token` with their generator) and its log-probability under the model (before
-    temperature, top-k, top-p)."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
-    chosen = [greedy[i] if p.greedy else sample_token(logits[i], p, generators[i])
-              for i, p in enumerate(params)]
-    picked = torch.tensor(chosen, device=logits.device)[:, None]
-    return chosen, torch.log_softmax(logits.float(), dim=-1).gather(-1, picked)[:, 0].tolist()
+def filtered_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched :func:`filtered_probs` as log-probabilities up to a per-row constant, sorted.
+
+    Args:
+        logits: ``[rows, vocab]`` raw logits.
+        temperature: ``[rows]`` (float32, > 0); top_k: ``[rows]`` (int64, 0 = all);
+            top_p: ``[rows]`` (float32, in (0, 1]), as in :class:`SamplingParams`.
+
+    Returns ``(scores, ids)``, both ``[rows, vocab]``: each row's tempered logits sorted in
+    descending order (float32), ``-inf`` where top-k or top-p drops the token (never the first),
+    and the vocabulary id of each entry (int64). ``softmax(scores)`` scattered back to ``ids``
+    is :func:`filtered_probs` of the row.
+    """
+    scores, ids = torch.sort(logits.float() / temperature[:, None], dim=-1, descending=True)
+    vocab = scores.shape[-1]
+    keep = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    scores = scores.masked_fill(scores < scores.gather(-1, keep[:, None] - 1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each
+    drop = (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False  # the most likely token always stays
+    return scores.masked_fill(drop, float("-inf")), ids
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                positions: list[int]) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits [batch, vocab]`` and its log-probability under the model.
+
+    Args:
+        logits: ``[batch, vocab]`` raw logits, one row per request, on any device.
+        params: each row's :class:`SamplingParams`.
+        seeds: each row's request seed (any integer, taken modulo 2^64).
+        positions: index of the token each row generates in its request (0 = first).
+
+    Greedy rows take the argmax. Sampled rows use the Gumbel-max trick: with ``g`` i.i.d.
+    standard Gumbel, ``argmax(log p + g)`` is distributed as ``p`` (here ``p`` =
+    :func:`filtered_probs`, through :func:`filtered_scores`), so sampling is an elementwise add
+    and an argmax over the whole batch. The noise (:func:`gumbel_noise`) is counter-based, a
+    hash of (seed, position, vocabulary id) computed on the device: a row's token does not
+    depend on the other rows, no generator state is kept (a preempted request resamples the same
+    tokens) and nothing is read to the host before the final read of the tokens and their
+    log-probabilities (under the model: before temperature, top-k and top-p) in one copy.
+    """
+    device = logits.device
+    tokens = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        picked = [params[i] for i in rows]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        index = column(rows, torch.long)
+        scores, ids = filtered_scores(logits[index],
+                                      column([p.temperature for p in picked], torch.float32),
+                                      column([p.top_k for p in picked], torch.long),
+                                      column([p.top_p for p in picked], torch.float32))
+        noise = gumbel_noise(column([_int64(seeds[i]) for i in rows], torch.long)[:, None],
+                             column([positions[i] for i in rows], torch.long)[:, None], ids)
+        best = torch.argmax(scores.double() + noise, dim=-1, keepdim=True)
+        tokens[index] = ids.gather(-1, best)[:, 0]
+    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
+    host = torch.stack((tokens.double(), logps.double())).cpu()
+    return [int(t) for t in host[0].tolist()], host[1].tolist()

@@ -124,13 +124,14 @@ class Sequence:
     tokens of :attr:`tokens` already written to the cache; ``decoding`` once its prefill is done
     and a token was sampled (each step then feeds its newest token). A preempted sequence starts
     over: its prompt and the tokens it generated are prefilled again. ``arrived`` and
-    ``first_token`` are ``time.perf_counter()`` readings (queued, first token sampled).
+    ``first_token`` are ``time.perf_counter()`` readings (queued, first token sampled). ``seed``
+    keys its sampling noise (see :func:`dmc.inference.sampling.sample_next`).
     """
 
     request_id: int
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     slot: int | None = None

@@ -1,0 +1,129 @@
+"""Batched sampling (dmc.inference.sampling.sample_next): its distribution equals filtered_probs,
+a row's token is independent of its batch, and tokens are a function of (seed, position)."""
+import random
+
+import pytest
+import torch
+
+from dmc.inference.sampling import (
+    SamplingParams,
+    filtered_probs,
+    filtered_scores,
+    gumbel_noise,
+    mix64,
+    sample_next,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+U64 = (1 << 64) - 1
+
+
+def mix64_reference(x: int) -> int:
+    """splitmix64's finalizer on Python ints (unsigned 64-bit)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & U64
+    return x ^ (x >> 31)
+
+
+def test_mix64_wraps_like_unsigned_64_bit_arithmetic():
+    rng = random.Random(0)
+    values = [0, 1, 2, 12345, (1 << 63) - 1, 1 << 63, U64, 0x9E3779B97F4A7C15,
+              *(rng.getrandbits(64) for _ in range(64))]
+    signed = torch.tensor([v - (1 << 64) if v >> 63 else v for v in values])
+    assert [g & U64 for g in mix64(signed).tolist()] == [mix64_reference(v) for v in values]
+    if torch.cuda.is_available():  # the device wraps the same
+        assert torch.equal(mix64(signed.cuda()).cpu(), mix64(signed))
+
+
+def test_gumbel_noise_is_finite_and_keyed_by_seed_position_and_id():
+    ids = torch.arange(1000)[None, :]
+    noise = gumbel_noise(torch.tensor([[0], [0], [1], [-1]]), torch.tensor([[0], [1], [0], [0]]),
+                         ids.expand(4, -1))
+    assert torch.isfinite(noise).all()
+    assert all(not torch.equal(noise[i], noise[j]) for i in range(4) for j in range(i))
+    again = gumbel_noise(torch.tensor([[1]]), torch.tensor([[0]]), ids.flip(-1))
+    torch.testing.assert_close(again[0].flip(-1), noise[2], atol=0, rtol=0)
+    # mean and variance of a standard Gumbel: Euler's gamma and pi^2 / 6
+    many = gumbel_noise(torch.tensor([[7]]), torch.tensor([[3]]), torch.arange(200_000)[None])
+    assert abs(many.mean() - 0.5772) < 0.01 and abs(many.var() - 1.6449) < 0.03
+
+
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.5),
+    dict(temperature=2.0, top_k=3),
+    dict(temperature=1.0, top_p=0.7),
+    dict(temperature=0.8, top_k=4, top_p=0.8),
+    dict(temperature=1.0, top_k=1),
+]
+
+
+@pytest.mark.parametrize("vocab", [5, 11])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("vary", ["seed", "position"])
+def test_sampled_frequencies_follow_filtered_probs(vocab, setting, vary):
+    draws = 20_000
+    logits = 1.5 * torch.randn(vocab, generator=torch.Generator().manual_seed(vocab))
+    params = SamplingParams(**setting)
+    keys, fixed = list(range(draws)), [11] * draws
+    seeds, positions = (keys, fixed) if vary == "seed" else (fixed, keys)
+    tokens, _ = sample_next(logits.expand(draws, -1), [params] * draws, seeds, positions)
+    freq = torch.bincount(torch.tensor(tokens), minlength=vocab).double() / draws
+    probs = filtered_probs(logits.double(), params.temperature, params.top_p, params.top_k)
+    assert (freq[probs == 0] == 0).all()  # never outside the top-k / top-p set
+    stderr = (probs * (1 - probs) / draws).sqrt()
+    assert ((freq - probs).abs() <= 5 * stderr + 1e-12).all(), (freq, probs)
+
+
+def test_filtered_scores_match_filtered_probs_row_by_row():
+    logits = 2 * torch.randn(6, 9, generator=torch.Generator().manual_seed(3))
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.3])
+    top_k = torch.tensor([0, 3, 0, 9, 1, 4])
+    top_p = torch.tensor([1.0, 1.0, 0.6, 0.9, 1.0, 0.75])
+    scores, ids = filtered_scores(logits, temperature, top_k, top_p)
+    probs = torch.zeros_like(logits).scatter_(-1, ids, torch.softmax(scores, dim=-1))
+    for row in range(6):
+        torch.testing.assert_close(probs[row], filtered_probs(
+            logits[row], float(temperature[row]), float(top_p[row]), int(top_k[row])))
+
+
+def test_a_row_samples_the_same_alone_and_in_any_batch():
+    vocab = 50
+    logits = 3 * torch.randn(8, vocab, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k in
+              [(1.0, 0.9, 0), (0.0, 1.0, 0), (0.7, 1.0, 10), (1.5, 0.5, 0), (0.0, 0.3, 2),
+               (1.0, 1.0, 0), (2.0, 0.95, 20), (0.3, 1.0, 0)]]
+    seeds, positions = [5, 5, 9, 1 << 70, -3, 0, 42, 7], [0, 3, 3, 17, 2, 1, 100, 8]
+    tokens, logps = sample_next(logits, params, seeds, positions)
+    for row in range(8):
+        alone = sample_next(logits[row:row + 1], params[row:row + 1], seeds[row:row + 1],
+                            positions[row:row + 1])
+        assert alone == ([tokens[row]], [logps[row]])
+    order = [3, 0, 7, 2, 6, 1, 5, 4]
+    shuffled, _ = sample_next(logits[order], [params[i] for i in order],
+                              [seeds[i] for i in order], [positions[i] for i in order])
+    assert shuffled == [tokens[i] for i in order]
+    assert [tokens[1], tokens[4]] == logits[[1, 4]].argmax(-1).tolist()  # greedy rows
+    torch.testing.assert_close(torch.tensor(logps),
+                               torch.log_softmax(logits, -1)[range(8), tokens], atol=1e-6, rtol=0)
+
+
+def test_tokens_are_a_function_of_seed_and_position():
+    vocab, draws = 1000, 64
+    logits = torch.zeros(draws, vocab)  # uniform: 64 draws all equal by chance ~ 1000^-63
+    params = [SamplingParams(temperature=1.0)] * draws
+    base, _ = sample_next(logits, params, [3] * draws, list(range(draws)))
+    assert sample_next(logits, params, [3] * draws, list(range(draws)))[0] == base
+    assert sample_next(logits, params, [4] * draws, list(range(draws)))[0] != base
+    assert len(set(base)) > 1  # positions differ too
+    assert sample_next(logits, params, [3 + (1 << 64)] * draws, list(range(draws)))[0] == base
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_samples_what_the_cpu_samples():
+    logits = 3 * torch.randn(16, 300, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=i % 3 * 20) for i in range(16)]
+    seeds, positions = list(range(100, 116)), list(range(16))
+    assert (sample_next(logits, params, seeds, positions)[0]
+            == sample_next(logits.cuda(), params, seeds, positions)[0])
