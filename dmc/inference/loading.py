@@ -90,7 +90,7 @@ def load_model(path, *, dtype: torch.dtype | None = None) -> LoadedModel:
     from dmc.megatron.checkpoint import load_checkpoint
 
     try:
-        state = load_checkpoint(source, model)
+        state = load_checkpoint(source, model, contents=False)  # sizes: no hashing per load
     except Exception as err:  # dist_checkpointing reports mismatches in many exception types
         raise ValueError(f"{source}: checkpoint does not match its model_config: {err}") from err
     return LoadedModel(model, model_config, dmc_config, source, state)

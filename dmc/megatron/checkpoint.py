@@ -86,8 +86,10 @@ def write_manifest(folder: Path) -> None:
     _write_atomic(folder / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1))
 
 
-def verify_checkpoint(folder: Path) -> bool:
-    """Checks every file ``manifest.json`` lists (present, same size, same SHA-256).
+def verify_checkpoint(folder: Path, contents: bool = True) -> bool:
+    """Checks every file ``manifest.json`` lists (present, same size, and with ``contents`` the
+    same SHA-256; without, what a crash leaves behind, a missing or truncated file, is still
+    caught, at no read).
 
     Returns True when verified, False for a folder written before manifests (a warning says it
     was not verified). Raises :class:`CheckpointError` naming the first file that is missing,
@@ -114,7 +116,7 @@ def verify_checkpoint(folder: Path) -> bool:
         if size != expected["size"]:
             raise CheckpointError(f"{path}: {size} bytes, {expected['size']} when written "
                                   f"(truncated or replaced)")
-        if _sha256(path) != expected["sha256"]:
+        if contents and _sha256(path) != expected["sha256"]:
             raise CheckpointError(f"{path}: contents changed since it was written (SHA-256 "
                                   f"differs from {manifest})")
     return True
@@ -276,14 +278,17 @@ def read_state(path: Path) -> dict:
                               f"damaged") from None
 
 
-def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
-    """Verifies ``path`` (see :func:`verify_checkpoint`), then restores the model (and optimizer,
-    scheduler, RNG when given); returns ``state.json``."""
+def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, *,
+                    contents: bool = True) -> dict:
+    """Verifies ``path`` (:func:`verify_checkpoint`; ``contents=False``: presence and sizes
+    only, for loads that read the weights of a checkpoint many times, such as inference, where
+    hashing every file, the optimizer state included, would cost more than the load), then
+    restores the model (and optimizer, scheduler, RNG when given); returns ``state.json``."""
     path = Path(path)
     problem = None
     if _rank() == 0:
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, contents=contents)
         except CheckpointError as err:
             problem = err
     problem = _from_rank0(problem)

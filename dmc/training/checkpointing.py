@@ -60,7 +60,8 @@ class RunCheckpoints:
                 raise ValueError(f"{latest} belongs to a {saved['kind']} run, not {self.kind}")
             check_resume_config(saved.get("config", {}), to_dict(cfg), latest, cfg.run_dir,
                                 saved["step"], allow_config_change, write=self.rank == 0)
-            state = ckpt.load_checkpoint(latest, self.module, self.optimizer, self.scheduler)
+            state = ckpt.load_checkpoint(latest, self.module, self.optimizer, self.scheduler,
+                                         contents=False)  # resumable_checkpoint hashed it
             self._complete_phase_folders(state["step"])
             return state["step"], self._describe_resume(latest, state)
         if cfg.checkpoint.init_from:

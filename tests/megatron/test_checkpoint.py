@@ -49,6 +49,18 @@ def test_damage_is_an_error_naming_the_file(tmp_path, damage, message):
     assert not ckpt.is_complete(folder)
 
 
+def test_a_size_check_catches_truncation_without_reading(tmp_path):
+    folder = _folder(tmp_path, "step_0000003", 3)
+    _flip(folder / "shards" / "0.distcp")  # same size: only the hash sees it
+    assert ckpt.verify_checkpoint(folder, contents=False) is True
+    with pytest.raises(ckpt.CheckpointError, match="contents changed"):
+        ckpt.verify_checkpoint(folder)
+    shard = folder / "shards" / "0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(ckpt.CheckpointError, match=r"0.distcp: 16383 bytes, 16384 when written"):
+        ckpt.verify_checkpoint(folder, contents=False)
+
+
 def test_truncated_state_is_named(tmp_path):
     folder = _folder(tmp_path, "step_0000003", 3)
     (folder / ckpt.STATE).write_text('{"kind": "retro')
