@@ -309,45 +309,6 @@ def add_steps_to_cr(rows: list[dict], finals: dict) -> None:
             r["steps_to_cr"] = steps_to_cr(metrics, r["nominal_cr"])
 
 
-def plot_checkpoints(path_results: list[dict], final: dict | None, path: Path) -> None:
-    """Decoded-token perplexity and needle accuracy of the DMC run's checkpoints against their
-    measured CR (the paper's Fig. 4), the final (solidified) model marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = sorted(path_results, key=lambda r: r["slots_cr"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in ((axes[0], "perplexity", "decoded-token perplexity"),
-                           (axes[1], "needle_accuracy", "needle exact match")):
-        ax.plot([r["slots_cr"] for r in rows], [r.get(key, float("nan")) for r in rows],
-                marker="o", label="during retrofit (cr_X checkpoints)")
-        if final is not None:
-            ax.scatter([final["slots_cr"]], [final.get(key, float("nan"))], marker="*", s=150,
-                       color="red", label="after solidify", zorder=3)
-        ax.set(xlabel="measured CR (slots)", title=title)
-    axes[0].legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def checkpoint_table(rows: list[dict]) -> str:
-    from dmc.eval.compare import _ci
-
-    lines = ["| checkpoint | target CR | slots CR | memory CR | ppl [95% CI] | KL | "
-             "needle % [95% CI] |", "|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: r["nominal_cr"]):
-        needle = (f"{100 * r['needle_accuracy']:.1f} {_ci(*r['needle_ci'], 100)}"
-                  if "needle_accuracy" in r else "-")
-        lines.append(f"| {Path(r['path']).name} | {r['nominal_cr']:g}x | {r['slots_cr']:.2f}x | "
-                     f"{r['memory_cr']:.2f}x | {r['perplexity']:.2f} "
-                     f"{_ci(*r['perplexity_ci'], digits=2)} | {r['kl']:.4f} | {needle} |")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", metavar="FILE.yaml",
@@ -386,6 +347,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     finals = stage("train", train_runs, exp, data, base, root, log)
     results = stage("evaluate", evaluate, exp, data, base, finals, out, log)
     from dmc.eval.compare import write_report
+    from dmc.eval.compare_report import checkpoint_table, plot_checkpoints
 
     path_rows = [r for r in results if r["label"] == "DMC path"]
     main_rows = [r for r in results if r["label"] != "DMC path"]

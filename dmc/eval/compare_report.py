@@ -1,6 +1,7 @@
 """The report of ``dmc eval compare`` (:mod:`dmc.eval.compare`): a markdown table of quality and
 compression per method and CR, the needle table per context length, a plot of quality against the
-memory CR, and the files ``compare.json``, ``compare.md``, ``compare.png``."""
+memory CR, and the files ``compare.json``, ``compare.md``, ``compare.png``; the table and plot of a
+DMC run's intermediate checkpoints (the paper's Fig. 4) for ``benchmarks/retrofit_quality.py``."""
 from __future__ import annotations
 
 import json
@@ -131,3 +132,43 @@ def write_report(results: list[dict], out: Path, settings: dict) -> dict:
     (out / "compare.md").write_text(report["table"] + "\n\n" + report["needle_table"] + "\n")
     plot(results, out / "compare.png")
     return report
+
+
+def plot_checkpoints(path_results: list[dict], final: dict | None, path: Path) -> None:
+    """Decoded-token perplexity and needle accuracy of the DMC run's checkpoints against their
+    measured CR (the paper's Fig. 4), the final (solidified) model marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(path_results, key=lambda r: r["slots_cr"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "perplexity", "decoded-token perplexity"),
+                           (axes[1], "needle_accuracy", "needle exact match")):
+        ax.plot([r["slots_cr"] for r in rows], [r.get(key, float("nan")) for r in rows],
+                marker="o", label="during retrofit (cr_X checkpoints)")
+        if final is not None:
+            ax.scatter([final["slots_cr"]], [final.get(key, float("nan"))], marker="*", s=150,
+                       color="red", label="after solidify", zorder=3)
+        ax.set(xlabel="measured CR (slots)", title=title)
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def checkpoint_table(rows: list[dict]) -> str:
+    """Markdown table of the DMC run's intermediate checkpoints (``cr_X``), by target CR."""
+    lines = ["| checkpoint | target CR | slots CR | memory CR | ppl [95% CI] | KL | "
+             "needle % [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["nominal_cr"]):
+        needle = (f"{100 * r['needle_accuracy']:.1f} {_ci(*r['needle_ci'], 100)}"
+                  if "needle_accuracy" in r else "-")
+        lines.append(f"| {Path(r['path']).name} | {r['nominal_cr']:g}x | {r['slots_cr']:.2f}x | "
+                     f"{r['memory_cr']:.2f}x | {r['perplexity']:.2f} "
+                     f"{_ci(*r['perplexity_ci'], digits=2)} | {r['kl']:.4f} | {needle} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main

@@ -149,9 +149,8 @@ class PagedKVCache:
         return self.head_lengths(seq_slot).long()
 
     def paged_growth(self, seq_slot: int | None, tokens: int) -> torch.Tensor:
-        """The most paged slots each head of a sequence (None: not admitted yet) can gain from
-        ``tokens`` more tokens, ``[num_layers, num_kv_heads]`` (host long): one per token (DMC
-        merges or appends; a policy evicts after the forward)."""
+        """Most slots each head of a sequence (None: not admitted) gains from ``tokens`` more,
+        ``[num_layers, num_kv_heads]`` (host long): one per token (append or merge)."""
         return torch.full((self.num_layers, self.num_kv_heads), tokens, dtype=torch.long)
 
     def layer_lengths(self, layer: int, seq_slots) -> torch.Tensor:
