@@ -187,7 +187,8 @@ class Run:
         if isinstance(cache, DMSPagedCache):  # the filled ring rows of every head
             slots += int(cache.written.clamp(max=cache.ring_size).sum()) * cache.num_kv_heads
         self.steps.append((seconds, stats.decode_tokens - before[0],
-                           stats.prefill_tokens - before[1], cache.bytes_in_use, slots))
+                           stats.prefill_tokens - before[1],
+                           cache.pages_in_use * cache.page_bytes, slots))
 
     def steady(self, n: int) -> tuple[int, int, float, float]:
         """The last ``n`` steps that decoded the full batch and prefilled nothing: (steps,

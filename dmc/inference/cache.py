@@ -115,10 +115,6 @@ class PagedKVCache:
         """Bytes of one page of keys plus its page of values."""
         return 2 * self.page_size * self.head_dim * self.k_pages.element_size()
 
-    @property
-    def bytes_in_use(self) -> int:
-        return self.pages_in_use * self.page_bytes
-
     def sequence_bytes(self, seq_slot: int, dmc_state: bool = True) -> dict:
         """Bytes held for one sequence: ``kv`` (its pages of keys and values), ``metadata`` (a
         4-byte block-table entry per page and a 4-byte length per head) and, with
@@ -149,8 +145,7 @@ class PagedKVCache:
         return self.head_lengths(seq_slot).long()
 
     def paged_growth(self, seq_slot: int | None, tokens: int) -> torch.Tensor:
-        """Most slots each head of a sequence (None: not admitted) gains from ``tokens`` more,
-        ``[num_layers, num_kv_heads]`` (host long): one per token (append or merge)."""
+        """Paged slots each head gains at most from ``tokens`` more: all, ``[layers, kv]`` long."""
         return torch.full((self.num_layers, self.num_kv_heads), tokens, dtype=torch.long)
 
     def layer_lengths(self, layer: int, seq_slots) -> torch.Tensor:
