@@ -18,6 +18,8 @@ DMS_ONLY = ("method", "dms_window", "dms_logit_scale")  # DMCConfig fields a DMC
 PRIORS = ("global", "local")  # dmc.ops.PRIORS, spelled out to keep torch unimported
 ATTENTION_BACKENDS = ("auto", "dense", "flex")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
+# ModelConfig fields that to_dict leaves out at these (default) values
+OPTIONAL_MODEL_FIELDS = {"params_dtype": None, "qk_layernorm": False, "kv_channels": None}
 
 
 class ConfigError(ValueError):
@@ -41,7 +43,11 @@ class ModelConfig:
     """Llama-family architecture. ``vocab_size`` None = taken from the prepared data (training
     only; a saved model records it). ``num_query_groups`` None = one per attention head.
     ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling (None = off). ``params_dtype``: the
-    dtype the weights are stored in (None = float32; training sets it from ``precision``)."""
+    dtype the weights are stored in (None = float32; training sets it from ``precision``).
+    ``qk_layernorm``: a per-head RMSNorm on queries and keys after the projection and before RoPE
+    (Qwen3's ``q_norm`` / ``k_norm``). ``kv_channels``: the head dimension (megatron-core's name;
+    None = ``hidden_size // num_attention_heads``; Qwen3 sets it explicitly, e.g. 128 for a
+    1024-wide model with 16 heads)."""
 
     num_layers: int = 4
     hidden_size: int = 256
@@ -56,6 +62,8 @@ class ModelConfig:
     share_embeddings: bool = False
     rope_scaling_factor: float | None = None
     params_dtype: str | None = None
+    qk_layernorm: bool = False
+    kv_channels: int | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -64,7 +72,12 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"model.{name}: must be > 0, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None:
+            if (not isinstance(self.kv_channels, int) or self.kv_channels <= 0
+                    or self.kv_channels % 2):
+                raise ConfigError(f"model.kv_channels: must be null or an even integer > 0 "
+                                  f"(RoPE rotates channel pairs), got {self.kv_channels!r}")
+        elif self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
                 f"model.num_attention_heads ({self.num_attention_heads})")
@@ -83,13 +96,17 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head: ``kv_channels``, else ``hidden_size // heads``."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def to_dict(self) -> dict:
-        """The fields as a plain dict (``params_dtype`` only when set)."""
+        """The fields as a plain dict; ``params_dtype``, ``qk_layernorm`` and ``kv_channels``
+        only when not at their defaults, so dicts (and their hashes) of models without them
+        read as before those fields existed."""
         out = dataclasses.asdict(self)
-        if out["params_dtype"] is None:
-            del out["params_dtype"]
+        for name, default in OPTIONAL_MODEL_FIELDS.items():
+            if out[name] == default:
+                del out[name]
         return out
 
     @classmethod

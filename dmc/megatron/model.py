@@ -75,8 +75,11 @@ def build_gpt_model(
     rope_scaling_factor: float | None = None,
 ) -> GPTModel:
     """A GPTModel for this pipeline stage; DMC attention when ``dmc`` is given.
-    ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling (None = plain RoPE)."""
-    spec = dmc_layer_spec(dmc, backend) if dmc is not None else vanilla_layer_spec(backend)
+    ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling (None = plain RoPE). The layer spec
+    has per-head q/k RMSNorms when ``config.qk_layernorm`` is set (Qwen3)."""
+    qk_norm = bool(config.qk_layernorm)
+    spec = (dmc_layer_spec(dmc, backend, qk_layernorm=qk_norm) if dmc is not None
+            else vanilla_layer_spec(backend, qk_layernorm=qk_norm))
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -100,14 +103,18 @@ def build_model(model: ModelConfig, dmc: DMCRuntime | None = None,
     """The GPTModel (this pipeline stage) ``model`` describes; DMC attention when ``dmc`` is
     given. ``params_dtype`` overrides ``model.params_dtype``; ``overrides`` are
     :class:`TransformerConfig` fields (e.g. ``add_qkv_bias=True``). ``model.vocab_size`` must
-    be set. The TransformerConfig is the returned model's ``config``."""
+    be set. ``model.qk_layernorm`` and ``model.kv_channels`` become the TransformerConfig fields
+    of the same names (megatron-core then normalises each query and key head before RoPE, in
+    ``SelfAttention.get_query_key_value_tensors``). The TransformerConfig is the returned
+    model's ``config``."""
     if model.vocab_size is None:
         raise ValueError("build_model: model.vocab_size is None; set it (e.g. from the data)")
     dtype = params_dtype or DTYPES[model.params_dtype or "float32"]
     config = llama_transformer_config(
         model.num_layers, model.hidden_size, model.num_attention_heads, model.ffn_hidden_size,
         num_query_groups=model.num_query_groups, norm_epsilon=model.norm_epsilon,
-        params_dtype=dtype, init_method_std=model.init_method_std, **overrides)
+        params_dtype=dtype, init_method_std=model.init_method_std,
+        **{"qk_layernorm": model.qk_layernorm, "kv_channels": model.head_dim, **overrides})
     return build_gpt_model(config, model.vocab_size, model.max_seq_length, dmc=dmc,
                            rotary_base=model.rotary_base, share_embeddings=model.share_embeddings,
                            rope_scaling_factor=model.rope_scaling_factor)
