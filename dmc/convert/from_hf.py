@@ -1,4 +1,4 @@
-"""Hugging Face Llama folder -> this project's megatron-core checkpoint (``dmc convert hf-to-mcore``).
+"""Hugging Face Llama or Qwen3 folder -> this project's megatron-core checkpoint (``dmc convert hf-to-mcore``).
 
 The output folder is a checkpoint (see :mod:`dmc.convert.mcore_io`) that also holds the tokenizer
 files and ``model.yaml``, a model config that ``dmc retrofit --config model.yaml ...`` takes as
@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 YAML_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
              "ffn_hidden_size", "vocab_size", "max_seq_length", "rotary_base", "norm_epsilon",
-             "share_embeddings", "rope_scaling_factor")
+             "share_embeddings", "rope_scaling_factor", "qk_layernorm", "kv_channels")
 
 
 def hf_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
@@ -57,7 +57,7 @@ def write_model_yaml(folder: Path, model_config: ModelConfig, source: str) -> Pa
     """``folder/model.yaml``: the ``model`` section, ``precision`` and ``checkpoint.load_base``."""
     folder = Path(folder).resolve()
     fields = model_config.to_dict()
-    model = {k: fields[k] for k in YAML_KEYS if fields[k] is not None}
+    model = {k: fields[k] for k in YAML_KEYS if fields.get(k) is not None}
     body = {"model": model, "checkpoint": {"load_base": str(folder)},
             "precision": PRECISION.get(model_config.params_dtype, "auto")}
     header = (f"# Converted from {source} by `dmc convert`.\n"

@@ -1,15 +1,18 @@
 """Hugging Face ``config.json`` <-> this project's :class:`~dmc.megatron.config.ModelConfig` and
 :class:`~dmc.megatron.config.DMCConfig` (the ``dmc_*`` fields of the exported DMC model).
 Supported: Llama-family decoders (RMSNorm, SwiGLU, rotate-half RoPE, no
-biases), MHA or GQA, tied or untied embeddings, ``rope_theta`` and Llama 3.x RoPE scaling with
-megatron-core's fixed low/high frequency factors (1, 4) and original context (8192).
+biases), MHA or GQA, tied or untied embeddings, an explicit ``head_dim``, ``rope_theta`` and
+Llama 3.x RoPE scaling with megatron-core's fixed low/high frequency factors (1, 4) and original
+context (8192); and Qwen3 (``Qwen3ForCausalLM``: Llama plus a per-head RMSNorm of queries and
+keys before RoPE, ``ModelConfig.qk_layernorm``), without sliding-window layers or biases.
 """
 from __future__ import annotations
 
 from dmc.megatron.config import DMCConfig, ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_MODEL_TYPES = ("llama",)
+ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # by model_type
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OF.values())
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURE_OF)
 # megatron-core's Llama 3 scaling hard-codes these (rotary_pos_embedding._apply_scaling)
 MCORE_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
@@ -46,11 +49,12 @@ def _rope_settings(cfg: dict, source: str) -> tuple[float, float | None]:
 
 
 def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
-    """The :class:`ModelConfig` of a HF Llama ``config.json`` dict; raises
-    :class:`UnsupportedModelError` naming the field for anything that would not convert exactly."""
+    """The :class:`ModelConfig` of a HF Llama or Qwen3 ``config.json`` dict; raises
+    :class:`UnsupportedModelError` naming the field for anything that would not convert exactly.
+    ``kv_channels`` is set only where ``head_dim`` differs from ``hidden_size / heads``."""
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES or (archs and archs[0] not in SUPPORTED_ARCHITECTURES):
+    if model_type not in ARCHITECTURE_OF or (archs and archs[0] != ARCHITECTURE_OF[model_type]):
         raise UnsupportedModelError(
             f"{source}: architecture {archs or model_type!r} is not supported; accepted: "
             f"{list(SUPPORTED_ARCHITECTURES)} (model_type {list(SUPPORTED_MODEL_TYPES)})")
@@ -59,16 +63,21 @@ def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     if missing:
         raise UnsupportedModelError(f"{source}: missing fields {missing}")
     checks = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
-              "pretraining_tp": (1,)}
+              "pretraining_tp": (1,), "use_sliding_window": (False,)}
     for key, accepted in checks.items():
         if key in cfg and cfg[key] not in accepted:
             raise UnsupportedModelError(
                 f"{source}: {key}={cfg[key]!r} is not supported; accepted: {list(accepted)}")
+    other_layers = sorted(set(cfg.get("layer_types") or []) - {"full_attention"})
+    if other_layers:
+        raise UnsupportedModelError(f"{source}: layer_types {other_layers} are not supported; "
+                                    f"accepted: ['full_attention']")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    if cfg.get("head_dim") not in (None, hidden // heads) or hidden % heads:
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and hidden % heads:
         raise UnsupportedModelError(
-            f"{source}: head_dim must equal hidden_size / num_attention_heads = {hidden / heads}, "
-            f"got {cfg.get('head_dim')}")
+            f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+            f"and head_dim is not given")
     groups = cfg.get("num_key_value_heads") or heads
     if heads % groups:
         raise UnsupportedModelError(
@@ -80,17 +89,20 @@ def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         vocab_size=cfg["vocab_size"], max_seq_length=cfg.get("max_position_embeddings", 4096),
         rotary_base=theta, norm_epsilon=cfg.get("rms_norm_eps", 1e-5),
         share_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_scaling_factor=scaling)
+        rope_scaling_factor=scaling, qk_layernorm=model_type == "qwen3",
+        kv_channels=None if head_dim in (None, hidden // heads) else int(head_dim))
 
 
 def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig | None = None,
                                 dmc_extra: dict | None = None) -> dict:
-    """A ``config.json`` dict: ``LlamaForCausalLM`` (``dmc`` None), the exported DMC model
+    """A ``config.json`` dict: ``LlamaForCausalLM`` or, with ``model.qk_layernorm``,
+    ``Qwen3ForCausalLM`` (``dmc`` None), the exported DMC model
     (:class:`dmc.convert.hf_modeling_dmc.DMCLlamaConfig`: ``dmc``'s settings as its ``dmc_*``
     fields) or, for ``dmc.method == "dms"``, the exported DMS model
     (:class:`dmc.convert.hf_modeling_dms.DMSLlamaConfig`: ``dms_window``, ``dms_c``,
     ``dms_logit_scale``, ``dms_channel``), plus ``dmc_extra``, e.g. the target and measured CR
-    and ``auto_map``."""
+    and ``auto_map``. The exported DMC / DMS models of a model with ``qk_layernorm`` or
+    ``kv_channels`` also get ``qk_norm`` and ``head_dim`` (absent otherwise, as before)."""
     heads = model.num_attention_heads
     cfg = {
         "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
@@ -103,12 +115,20 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
     scaling = model.rope_scaling_factor
     llama3 = None if scaling is None else dict(MCORE_LLAMA3_SCALING, factor=scaling)
     if dmc is None:
-        cfg.update(architectures=list(SUPPORTED_ARCHITECTURES), model_type="llama",
-                   hidden_act="silu", attention_bias=False, mlp_bias=False,
-                   head_dim=model.head_dim)
+        model_type = "qwen3" if model.qk_layernorm else "llama"
+        cfg.update(architectures=[ARCHITECTURE_OF[model_type]], model_type=model_type,
+                   hidden_act="silu", attention_bias=False, head_dim=model.head_dim)
+        if model.qk_layernorm:
+            cfg.update(use_sliding_window=False, sliding_window=None,
+                       max_window_layers=model.num_layers,
+                       layer_types=["full_attention"] * model.num_layers)
+        else:
+            cfg["mlp_bias"] = False
         if llama3 is not None:
             cfg["rope_scaling"] = dict(llama3, rope_type="llama3")
         return cfg
+    if model.qk_layernorm or model.kv_channels is not None:
+        cfg.update(qk_norm=model.qk_layernorm, head_dim=model.head_dim)
     if dmc.method == "dms":
         cfg.update(architectures=[DMS_ARCHITECTURE], model_type=DMS_MODEL_TYPE,
                    rope_llama3_scaling=llama3, dms_window=dmc.dms_window, dms_c=dmc.c,

@@ -68,9 +68,17 @@ class CompressedCache(Cache):
         return torch.stack([layer.lengths for layer in self.layers])
 
 
+def head_dim_of(config) -> int:
+    """Channels per head: the config's ``head_dim`` (Qwen3-style models set it, e.g. 128 with
+    hidden 1024 and 16 heads), else ``hidden_size // num_attention_heads`` (Llama)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class CompressedAttention(nn.Module):
     """The projections and head split of an eval-mode compressed attention layer (Llama's
-    q/k/v/o without biases); a method module adds its decisions, cache and ``forward``."""
+    q/k/v/o without biases; with the config's ``qk_norm`` also Qwen3's per-head RMSNorms
+    ``q_norm`` / ``k_norm`` ``[head_dim]``, applied after the projection and before RoPE and
+    any decision channel is read); a method module adds its decisions, cache and ``forward``."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -78,18 +86,35 @@ class CompressedAttention(nn.Module):
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.group = self.heads // self.kv_heads
-        self.head_dim = config.hidden_size // self.heads
+        self.head_dim = head_dim_of(config)
         self.scale = self.head_dim ** -0.5
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        if getattr(config, "qk_norm", False):
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
-    def _split(self, x, heads):
-        """``[batch, n, heads * dim] -> [batch, heads, n, dim]`` in float32."""
+    def _split(self, x, heads, norm=None):
+        """``[batch, n, heads * dim] -> [batch, heads, n, dim]`` in float32, each head through
+        ``norm`` (``q_norm`` / ``k_norm``) first when given."""
         batch, n, _ = x.shape
-        return x.view(batch, n, heads, self.head_dim).transpose(1, 2).float()
+        x = x.view(batch, n, heads, self.head_dim)
+        if norm is not None:
+            x = norm(x)
+        return x.transpose(1, 2).float()
+
+    def _queries(self, hidden):
+        """``q_norm(q_proj(hidden))`` as ``[batch, heads, n, dim]`` float32 (before RoPE)."""
+        return self._split(self.q_proj(hidden), self.heads, self.q_norm)
+
+    def _keys(self, hidden):
+        """``k_norm(k_proj(hidden))`` as ``[batch, kv_heads, n, dim]`` float32 (before RoPE)."""
+        return self._split(self.k_proj(hidden), self.kv_heads, self.k_norm)
 
 
 class RMSNorm(nn.Module):
@@ -156,7 +181,7 @@ class CompressedLlamaModel(CompressedPreTrainedModel):
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.attention_class)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.post_init()
 
     def get_input_embeddings(self):

@@ -58,6 +58,8 @@ class DMCLlamaConfig(PretrainedConfig):
     dmc_target_cr, dmc_measured_cr: the training target and the CR measured at export (or None).
     rope_llama3_scaling: None or {factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings} (Llama 3.x frequency scaling).
+    head_dim: channels per head (None = hidden_size / num_attention_heads). qk_norm: Qwen3's
+    per-head RMSNorm of queries and keys before RoPE (and before the decision channel is read).
     """
 
     model_type = "dmc_llama"
@@ -67,7 +69,8 @@ class DMCLlamaConfig(PretrainedConfig):
                  rms_norm_eps=1e-5, rope_theta=10000.0, rope_llama3_scaling=None,
                  max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
                  dmc_window=12, dmc_c=5.0, dmc_omega_offset=0.0, dmc_channel="last",
-                 dmc_target_cr=None, dmc_measured_cr=None, use_cache=True, **kwargs):
+                 dmc_target_cr=None, dmc_measured_cr=None, use_cache=True, head_dim=None,
+                 qk_norm=False, **kwargs):
         if dmc_channel != "last":
             raise ValueError(f"dmc_channel must be 'last', got {dmc_channel!r}")
         if dmc_window is not None and int(dmc_window) < 1:
@@ -90,6 +93,8 @@ class DMCLlamaConfig(PretrainedConfig):
         self.dmc_target_cr = dmc_target_cr
         self.dmc_measured_cr = dmc_measured_cr
         self.use_cache = use_cache
+        self.head_dim = head_dim
+        self.qk_norm = bool(qk_norm)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
@@ -222,8 +227,7 @@ class DMCAttention(CompressedAttention):
         ``prefill``: the cache (if any) is empty and all ``n`` tokens are processed at once;
         otherwise ``n == 1`` and the token is merged into ``cache``."""
         batch, n, _ = hidden.shape
-        q = self._split(self.q_proj(hidden), self.heads)
-        k = self._split(self.k_proj(hidden), self.kv_heads)
+        q, k = self._queries(hidden), self._keys(hidden)
         v = self._split(self.v_proj(hidden), self.kv_heads)
         q, k, alpha, omega = hard_decisions(q, k, self.c, self.omega_offset)  # alpha [batch, kv, n]
         q_rot = zero_decision_channel(apply_rope(q, positions[:, None], inv_freq))

@@ -51,7 +51,8 @@ class DMSLlamaConfig(PretrainedConfig):
     (NVIDIA's ``dms_initial_alpha_offset`` and ``dms_alpha_scale``).
     dms_channel: which channel carries the logit (only "last", of the first query head of each
     KV group). dms_target_cr, dms_measured_cr: the training target and the CR measured at
-    export (or None). rope_llama3_scaling: as in :class:`DMCLlamaConfig`.
+    export (or None). rope_llama3_scaling, head_dim, qk_norm: as in :class:`DMCLlamaConfig`
+    (with ``qk_norm`` the logit is read from ``q_norm(q)``, as NVIDIA's Qwen3 DMS models do).
     """
 
     model_type = "dms_llama"
@@ -61,7 +62,8 @@ class DMSLlamaConfig(PretrainedConfig):
                  rms_norm_eps=1e-5, rope_theta=10000.0, rope_llama3_scaling=None,
                  max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
                  dms_window=512, dms_c=5.0, dms_logit_scale=100.0, dms_channel="last",
-                 dms_target_cr=None, dms_measured_cr=None, use_cache=True, **kwargs):
+                 dms_target_cr=None, dms_measured_cr=None, use_cache=True, head_dim=None,
+                 qk_norm=False, **kwargs):
         if dms_channel != "last":
             raise ValueError(f"dms_channel must be 'last', got {dms_channel!r}")
         if int(dms_window) < 0:
@@ -84,6 +86,8 @@ class DMSLlamaConfig(PretrainedConfig):
         self.dms_target_cr = dms_target_cr
         self.dms_measured_cr = dms_measured_cr
         self.use_cache = use_cache
+        self.head_dim = head_dim
+        self.qk_norm = bool(qk_norm)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
@@ -205,13 +209,12 @@ class DMSAttention(CompressedAttention):
         ``prefill``: the cache (if any) is empty and all ``n`` tokens are processed at once;
         otherwise ``n == 1`` and the token goes through ``cache``."""
         batch, n, _ = hidden.shape
-        channels = split_dms_channels(self._split(self.q_proj(hidden), self.heads),
-                                      self.kv_heads, self.c, self.logit_scale)
+        channels = split_dms_channels(self._queries(hidden), self.kv_heads, self.c,
+                                      self.logit_scale)
         evict = channels.alpha_logit > 0  # [batch, kv, n]: alpha_t marks key t - 1
         q = zero_dms_channel(apply_rope(channels.query, positions[:, None], inv_freq),
                              self.kv_heads)
-        k = apply_rope(self._split(self.k_proj(hidden), self.kv_heads), positions[:, None],
-                       inv_freq)
+        k = apply_rope(self._keys(hidden), positions[:, None], inv_freq)
         v = self._split(self.v_proj(hidden), self.kv_heads)
         if prefill:
             context = self._prefill(q, k, v, evict, positions, real, cache)

@@ -1,12 +1,16 @@
-"""Tensor mapping between Hugging Face Llama weights and megatron-core GPTModel weights (TP = 1).
+"""Tensor mapping between Hugging Face Llama / Qwen3 weights and megatron-core GPTModel weights
+(TP = 1).
 
 Fused QKV (megatron-core): rows grouped per query group, ``[q_1 .. q_G, k, v]`` with ``head_dim``
-rows each (G = heads / groups); ``linear_fc1 = cat([gate, up])``. Names::
+rows each (G = heads / groups; ``head_dim`` is ``ModelConfig.head_dim``, which Qwen3 may set
+apart from hidden / heads); ``linear_fc1 = cat([gate, up])``. Names::
 
     model.embed_tokens                          embedding.word_embeddings
     model.layers.i.input_layernorm              decoder.layers.i.input_layernorm
     model.layers.i.self_attn.{q,k,v}_proj       decoder.layers.i.self_attention.linear_qkv
     model.layers.i.self_attn.o_proj             decoder.layers.i.self_attention.linear_proj
+    model.layers.i.self_attn.{q,k}_norm         decoder.layers.i.self_attention.{q,k}_layernorm
+                                                (Qwen3: ``qk_layernorm``; ``[head_dim]`` each)
     model.layers.i.post_attention_layernorm     decoder.layers.i.pre_mlp_layernorm
     model.layers.i.mlp.{gate,up}_proj           decoder.layers.i.mlp.linear_fc1
     model.layers.i.mlp.down_proj                decoder.layers.i.mlp.linear_fc2
@@ -20,6 +24,7 @@ import torch
 from dmc.megatron.config import ModelConfig
 
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+QK_NORMS = (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm"))  # (HF, megatron) names
 
 
 def fuse_qkv(q, k, v, heads: int, groups: int) -> torch.Tensor:
@@ -66,6 +71,10 @@ def hf_to_mcore_state(hf: dict, model_config: ModelConfig, source: str = "HF che
         out[o + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, heads, groups)
         out[o + "self_attention.linear_proj.weight"] = _take(hf, p + "self_attn.o_proj.weight",
                                                              source)
+        for hf_name, mcore_name in QK_NORMS if m.qk_layernorm else ():
+            norm = _take(hf, f"{p}self_attn.{hf_name}.weight", source)
+            _check(f"{p}self_attn.{hf_name}.weight", norm, (dim,), source)
+            out[f"{o}self_attention.{mcore_name}.weight"] = norm
         out[o + "pre_mlp_layernorm.weight"] = _take(hf, p + "post_attention_layernorm.weight",
                                                     source)
         gate = _take(hf, p + "mlp.gate_proj.weight", source)
@@ -89,7 +98,8 @@ def hf_to_mcore_state(hf: dict, model_config: ModelConfig, source: str = "HF che
 
 
 def mcore_to_hf_state(state: dict, model_config: ModelConfig) -> dict:
-    """HF Llama state dict from a full megatron state dict (``_extra_state`` entries ignored)."""
+    """HF Llama (or Qwen3) state dict from a full megatron state dict (``_extra_state`` entries
+    ignored)."""
     m = model_config
     heads, groups = m.num_attention_heads, m.kv_heads
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"]}
@@ -106,6 +116,8 @@ def mcore_to_hf_state(state: dict, model_config: ModelConfig) -> dict:
             o + "mlp.gate_proj.weight": gate, o + "mlp.up_proj.weight": up,
             o + "mlp.down_proj.weight": state[p + "mlp.linear_fc2.weight"],
         })
+        for hf_name, mcore_name in QK_NORMS if m.qk_layernorm else ():
+            out[f"{o}self_attn.{hf_name}.weight"] = state[f"{p}self_attention.{mcore_name}.weight"]
     out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
     if not m.share_embeddings:
         out["lm_head.weight"] = state["output_layer.weight"]
