@@ -1,4 +1,4 @@
-"""``dmc convert``: ``hf-to-mcore``, ``mcore-to-hf`` and ``nvidia-dmc``."""
+"""``dmc convert``: ``hf-to-mcore``, ``mcore-to-hf``, ``nvidia-dmc`` and ``nvidia-dms``."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ def _print(args, summary: dict) -> int:
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
     else:
-        for key in ("output", "yaml", "tokenizer", "files", "measured_cr"):
+        for key in ("output", "yaml", "tokenizer", "files", "measured_cr", "note"):
             if key in summary:
                 print(f"{key}: {summary[key]}")
     return 0
@@ -63,22 +63,31 @@ def run_nvidia(args) -> int:
                                             trust_pickle=args.trust_pickle))
 
 
+def run_nvidia_dms(args) -> int:
+    from dmc.convert import nvidia_dms_to_mcore
+
+    return _print(args, nvidia_dms_to_mcore(args.input, args.output, tp=args.tp, pp=args.pp,
+                                            dtype=args.dtype))
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(name: str, parser) -> None:
     """The options of ``dmc convert NAME`` (shared with ``checkpoints_convert/*.py``)."""
     parser.add_argument("input", help={
-        "hf-to-mcore": "Hugging Face Llama folder (config.json + safetensors or .bin)",
+        "hf-to-mcore": "Hugging Face Llama or Qwen3 folder (config.json + safetensors or .bin)",
+        "nvidia-dms": "NVIDIA Model-Optimizer DMS folder (Qwen3 config.json with dms_* fields "
+                      "+ safetensors), e.g. nvidia/Qwen3-8B-DMS-8x",
         "mcore-to-hf": "dmc checkpoint, checkpoints folder or run folder",
         "nvidia-dmc": "Megatron-LM checkpoint root (latest_checkpointed_iteration.txt) or "
                       "iter_XXXXXXX folder"}[name])
     parser.add_argument("output", help="output folder (must not exist or be empty)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    if name in ("hf-to-mcore", "nvidia-dmc"):
+    if name in ("hf-to-mcore", "nvidia-dmc", "nvidia-dms"):
         parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to save at")
         parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to save at")
-    if name in ("hf-to-mcore", "mcore-to-hf"):
+    if name in ("hf-to-mcore", "mcore-to-hf", "nvidia-dms"):
         parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep)")
     if name in ("mcore-to-hf", "nvidia-dmc"):
         parser.add_argument("--tokenizer", help="tokenizer file or folder to copy")
@@ -98,15 +107,17 @@ def add_arguments(name: str, parser) -> None:
 
 HANDLERS = {"hf-to-mcore": _clear_errors(run_hf_to_mcore),
             "mcore-to-hf": _clear_errors(run_mcore_to_hf),
-            "nvidia-dmc": _clear_errors(run_nvidia)}
-HELP = {"hf-to-mcore": "Hugging Face Llama folder -> megatron-core checkpoint + model YAML",
+            "nvidia-dmc": _clear_errors(run_nvidia),
+            "nvidia-dms": _clear_errors(run_nvidia_dms)}
+HELP = {"hf-to-mcore": "Hugging Face Llama / Qwen3 folder -> megatron-core checkpoint + model YAML",
         "mcore-to-hf": ("dmc checkpoint -> Hugging Face folder (DMC / DMS models with "
                         "modeling_dmc.py / modeling_dms.py)"),
-        "nvidia-dmc": "NVIDIA Megatron-LM DMC checkpoint -> dmc checkpoint"}
+        "nvidia-dmc": "NVIDIA Megatron-LM DMC checkpoint -> dmc checkpoint",
+        "nvidia-dms": "NVIDIA Model-Optimizer DMS checkpoint (Hugging Face) -> dmc checkpoint"}
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("convert", help="convert checkpoints (Hugging Face, NVIDIA DMC)")
+    parser = sub.add_parser("convert", help="convert checkpoints (Hugging Face, NVIDIA DMC / DMS)")
     convert_sub = parser.add_subparsers(dest="convert_command", required=True)
     for name, handler in HANDLERS.items():
         p = convert_sub.add_parser(name, help=HELP[name])

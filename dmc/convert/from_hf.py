@@ -1,4 +1,5 @@
-"""Hugging Face Llama or Qwen3 folder -> this project's megatron-core checkpoint (``dmc convert hf-to-mcore``).
+"""Hugging Face Llama or Qwen3 folder -> this project's megatron-core checkpoint
+(``dmc convert hf-to-mcore``).
 
 The output folder is a checkpoint (see :mod:`dmc.convert.mcore_io`) that also holds the tokenizer
 files and ``model.yaml``, a model config that ``dmc retrofit --config model.yaml ...`` takes as
@@ -16,7 +17,7 @@ from dmc.convert.hf_config import model_config_from_hf
 from dmc.convert.hf_io import copy_tokenizer, read_hf_config, read_hf_weights
 from dmc.convert.mapping import hf_to_mcore_state
 from dmc.convert.mcore_io import write_checkpoint
-from dmc.megatron.config import ModelConfig
+from dmc.megatron.config import DMCConfig, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
@@ -33,10 +34,22 @@ def hf_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
     ``tp``/``pp``: the layout the distributed checkpoint is written from (any layout loads it).
     Returns a summary: ``model_config``, ``tokenizer`` (files copied), ``yaml`` path.
     """
-    hf_folder, out_folder = Path(hf_folder), Path(out_folder)
+    hf_folder = Path(hf_folder)
     if not hf_folder.is_dir():
         raise FileNotFoundError(f"Hugging Face folder {hf_folder} does not exist")
     model_config = model_config_from_hf(read_hf_config(hf_folder), str(hf_folder / "config.json"))
+    return convert_hf_folder(hf_folder, out_folder, model_config, None, tp=tp, pp=pp, dtype=dtype,
+                             source={"format": "huggingface", "path": str(hf_folder)},
+                             what=f"Hugging Face folder {hf_folder}")
+
+
+def convert_hf_folder(hf_folder: Path, out_folder, model_config: ModelConfig,
+                      dmc_config: DMCConfig | None, *, tp: int, pp: int, dtype: str | None,
+                      source: dict, what: str, extra: dict | None = None) -> dict:
+    """The weights of ``hf_folder`` (HF names, :func:`hf_to_mcore_state`) written as our
+    checkpoint of ``model_config`` / ``dmc_config`` in ``out_folder``, with the tokenizer files
+    and ``model.yaml``; ``source`` and ``extra`` go into ``state.json``. Shared by
+    :func:`hf_to_mcore` and :func:`dmc.convert.nvidia_dms.nvidia_dms_to_mcore`."""
     weights = read_hf_weights(hf_folder)
     if dtype is None:
         dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
@@ -45,12 +58,16 @@ def hf_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
     weights = {k: v.to(DTYPES[dtype]) for k, v in weights.items()}
     model_config = dataclasses.replace(model_config, params_dtype=dtype)
     full = hf_to_mcore_state(weights, model_config, str(hf_folder))
-    write_checkpoint(out_folder, full, model_config, None, tp=tp, pp=pp,
-                     extra={"source": {"format": "huggingface", "path": str(hf_folder)}})
+    out_folder = Path(out_folder)
+    write_checkpoint(out_folder, full, model_config, dmc_config, tp=tp, pp=pp,
+                     extra=dict(extra or {}, source=source))
     copied = copy_tokenizer(hf_folder, out_folder)
-    yaml_path = write_model_yaml(out_folder, model_config, f"Hugging Face folder {hf_folder}")
-    return {"output": str(out_folder), "model_config": model_config.to_dict(), "tokenizer": copied,
-            "yaml": str(yaml_path)}
+    yaml_path = write_model_yaml(out_folder, model_config, what)
+    summary = {"output": str(out_folder), "model_config": model_config.to_dict(),
+               "tokenizer": copied, "yaml": str(yaml_path)}
+    if dmc_config is not None:
+        summary["dmc_config"] = dmc_config.to_dict()
+    return summary
 
 
 def write_model_yaml(folder: Path, model_config: ModelConfig, source: str) -> Path:

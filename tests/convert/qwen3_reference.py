@@ -47,8 +47,9 @@ def rope(x, theta):
 
 
 def reference_logits(weights: dict, cfg: RefConfig, tokens: torch.Tensor,
-                     dms: RefDMS | None = None) -> torch.Tensor:
-    """Logits ``[seq, vocab]`` of one sequence ``tokens [seq]`` (float64)."""
+                     dms: RefDMS | None = None, marks: list | None = None) -> torch.Tensor:
+    """Logits ``[seq, vocab]`` of one sequence ``tokens [seq]`` (float64). With ``dms``,
+    ``marks`` (if given) receives each layer's eviction marks ``[groups, seq]`` bool."""
     w = {k: v.double() for k, v in weights.items()}
     seq, d, group = tokens.shape[0], cfg.head_dim, cfg.heads // cfg.groups
     x = w["model.embed_tokens.weight"][tokens]
@@ -76,6 +77,8 @@ def reference_logits(weights: dict, cfg: RefConfig, tokens: torch.Tensor,
                 q[:, ::group, -1] = 0
             marked = torch.zeros(cfg.groups, seq, dtype=torch.bool)
             marked[:, :-1] = (logit[1:] > 0).T  # logit_{j+1} marks key j
+            if marks is not None:
+                marks.append(marked)
             distance = torch.arange(seq)[:, None] - torch.arange(seq)[None]
             visible &= ~(marked[:, None, :] & (distance > dms.window)[None])
         else:

@@ -1,0 +1,111 @@
+"""NVIDIA's released DMS checkpoints (Hugging Face folders of NVIDIA Model-Optimizer
+``experimental/dms``, e.g. ``nvidia/Qwen3-8B-DMS-8x``) -> this project's checkpoint
+(``dmc convert nvidia-dms``).
+
+Input: a Qwen3 (or Llama) ``config.json`` with NVIDIA's ``dms_*`` fields
+(``models/qwen3/configuration_qwen3_dms.py``) and safetensors (sharded with an index or not)
+holding Qwen3's tensor names. In the borrowed-channel mode (``dms_separate_alpha: false``; DMS
+paper arXiv 2506.05345 Sec. 3.1, reusing DMC's borrowed neuron) there is no extra tensor: the
+eviction logit of KV group g is ``q_norm(q_proj(x))[first query head of g, -1] *
+dms_alpha_scale - dms_initial_alpha_offset``, read before RoPE, that channel zeroed before and
+after RoPE (``dms/core.py::prepare_attention_input``). That is exactly our
+:class:`~dmc.megatron.dms_attention.DMSSelfAttention` on a ``qk_layernorm`` model (the logit is
+taken from ``get_query_key_value_tensors``, after ``q_layernorm``), so the weights map as a
+plain Qwen3 (:func:`dmc.convert.mapping.hf_to_mcore_state`) and the settings as::
+
+    dms_alpha_scale            -> dmc.dms_logit_scale
+    dms_initial_alpha_offset   -> dmc.c
+    dms_window_size            -> dmc.dms_window (unchanged, see below)
+    dms_tau                    -> dmc.tau
+    (training)                 -> dmc.hard = false, dmc.hard_loss = true
+
+Window: in NVIDIA's training mask (``dms/attention.py::dms_attn_train_mode``) key j, marked by
+the decision of token j + 1, is penalised only for queries i with ``i - j > dms_window_size``;
+its inference cache is built with a window of ``dms_window_size + 1``
+(``Qwen3ForCausalLMDMS.get_cache``) and keeps key j visible while ``i < j + window``
+(``dms/attention_prefill.py``), i.e. again ``i - j <= dms_window_size``. Ours
+(:func:`dmc.ops.mask.bias_from_log_keep` with ``delay = dms_window``) hides a marked key for
+``i - j > dms_window``, so the value is copied as is. Decisions in our eval model and engine
+are hard (``logit > 0``), as in NVIDIA's cache-based inference.
+
+``hard_loss``: NVIDIA's loss counts straight-through rounded decisions while the attention
+uses the soft ones, as for their DMC models. ``dms_cr`` (documentation only upstream) is
+recorded as ``target_cr``. Inference-engine settings (``dms_paged_attention_block_size``,
+``dms_compile_limit``, ``dms_manual_inference_mode``, ``dms_chunked_prefill``,
+``dms_preallocate_for_tokens``) do not change the model and are ignored.
+
+Rejected (:class:`~dmc.convert.hf_config.UnsupportedModelError`, naming the field):
+``dms_separate_alpha: true`` (a separate ``dms_proj_alpha`` projection of the RMS-normalised
+layer input: our layers read the decision from the query only), ``dms_alpha_per: "layer"``
+(one decision per layer shared by its KV heads), and what :func:`model_config_from_hf`
+rejects. ``dms_disable_eviction: true`` is a model that never evicts: it is converted as a
+vanilla Qwen3 (``dmc_config`` None), which the summary says.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dmc.convert.from_hf import convert_hf_folder
+from dmc.convert.hf_config import UnsupportedModelError, model_config_from_hf
+from dmc.convert.hf_io import read_hf_config
+from dmc.megatron.config import ConfigError, DMCConfig, ModelConfig
+
+ALPHA_PER_ACCEPTED = ("head",)
+DMS_SUFFIX = "DMS"  # NVIDIA's class names: Qwen3ForCausalLMDMS, Qwen3ConfigDMS
+
+
+def configs_from_nvidia(cfg: dict, source: str = "config.json"
+                        ) -> tuple[ModelConfig, DMCConfig | None]:
+    """``(model_config, dmc_config)`` of an NVIDIA DMS ``config.json`` dict; ``dmc_config`` is
+    None for ``dms_disable_eviction: true`` (a vanilla model). Raises
+    :class:`UnsupportedModelError` naming the field for what does not convert exactly."""
+    if "dms_window_size" not in cfg and "dms_alpha_scale" not in cfg:
+        raise UnsupportedModelError(
+            f"{source}: no dms_window_size / dms_alpha_scale: not an NVIDIA DMS checkpoint "
+            f"(convert a plain Hugging Face model with `dmc convert hf-to-mcore`)")
+    if cfg.get("dms_separate_alpha", False) is not False:
+        raise UnsupportedModelError(
+            f"{source}: dms_separate_alpha={cfg['dms_separate_alpha']!r} is not supported "
+            f"(a separate dms_proj_alpha adapter); accepted: [False]")
+    if cfg.get("dms_alpha_per", "head") not in ALPHA_PER_ACCEPTED:
+        raise UnsupportedModelError(
+            f"{source}: dms_alpha_per={cfg['dms_alpha_per']!r} is not supported; accepted: "
+            f"{list(ALPHA_PER_ACCEPTED)}")
+    archs = [a.removesuffix(DMS_SUFFIX) for a in cfg.get("architectures") or []]
+    base = {k: v for k, v in cfg.items() if k not in ("architectures", "auto_map")}
+    model_config = model_config_from_hf(dict(base, architectures=archs), source)
+    if cfg.get("dms_disable_eviction", False):
+        return model_config, None
+    window = cfg.get("dms_window_size", 512)
+    try:
+        dmc_config = DMCConfig(
+            method="dms", dms_window=window,
+            dms_logit_scale=float(cfg.get("dms_alpha_scale", 100.0)),
+            c=float(cfg.get("dms_initial_alpha_offset", 5.0)),
+            tau=float(cfg.get("dms_tau", 0.1)), hard=False, hard_loss=True)
+    except ConfigError as err:
+        raise UnsupportedModelError(f"{source}: {err} (from the dms_* fields)") from err
+    return model_config, dmc_config
+
+
+def nvidia_dms_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
+                        dtype: str | None = None) -> dict:
+    """Converts NVIDIA's DMS folder ``hf_folder`` into ``out_folder`` (must not exist or be
+    empty), copying its tokenizer files and writing ``model.yaml``. ``dtype``: cast the weights
+    (default: keep); ``tp``/``pp``: the layout to save at. Returns a summary (``model_config``,
+    ``dmc_config``, ``tokenizer``, ``yaml``, and ``note`` for a model converted as vanilla)."""
+    hf_folder = Path(hf_folder)
+    if not hf_folder.is_dir():
+        raise FileNotFoundError(f"NVIDIA DMS folder {hf_folder} does not exist")
+    cfg = read_hf_config(hf_folder)
+    model_config, dmc_config = configs_from_nvidia(cfg, str(hf_folder / "config.json"))
+    target = cfg.get("dms_cr")
+    summary = convert_hf_folder(
+        hf_folder, out_folder, model_config, dmc_config, tp=tp, pp=pp, dtype=dtype,
+        source={"format": "nvidia-dms", "path": str(hf_folder)},
+        what=f"NVIDIA DMS checkpoint {hf_folder}",
+        extra={"target_cr": float(target) if target and dmc_config is not None else None})
+    if dmc_config is None:
+        summary["note"] = ("dms_disable_eviction is true: converted as a vanilla model "
+                           "(no eviction)")
+    return summary
