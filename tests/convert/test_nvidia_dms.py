@@ -2,8 +2,8 @@
 a tiny fake checkpoint converts; the eval model (hard decisions) equals a float64 reference of
 NVIDIA's forward (q_norm -> logit from the first query head of each KV group -> zero that
 channel -> RoPE -> zero again -> delayed eviction, window ``dms_window_size`` exactly); the paged
-engine's greedy decode equals the eval model; each unsupported setting fails naming its field
-(CLI exit code 2)."""
+engine's greedy decode equals the eval model and holds NVIDIA's survivors; a TP=2 save loads;
+each unsupported setting fails naming its field (CLI exit code 2)."""
 import json
 
 import pytest
@@ -99,6 +99,17 @@ def test_converted_model_equals_nvidia_reference_and_engine(tmp_path):
         gone = torch.stack(marks) & (n - 1 - torch.arange(n) > WINDOW)  # [layers, groups, n]
         assert torch.equal(result.compression.slots, n - gone.sum(-1))  # NVIDIA's evictions
         assert result.compression.overall > 1.2
+
+
+def test_tp2_save(tmp_path):
+    fake_nvidia_dms(tmp_path / "nv")
+    nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc", tp=2)
+    assert json.loads((tmp_path / "mc" / "state.json").read_text())["tp"] == 2
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(3))
+    got = megatron_logits(load_model(tmp_path / "mc").model, ids)[0].double()
+    want = reference_logits(read_hf_weights(tmp_path / "nv"), REF, ids[0],
+                            RefDMS(100.0, 5.0, WINDOW))
+    assert (got - want).abs().max() < 1e-4
 
 
 def test_disable_eviction_converts_as_vanilla(tmp_path, capsys):

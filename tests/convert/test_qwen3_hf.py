@@ -70,6 +70,28 @@ def test_qwen3_logits_and_roundtrip(tmp_path, groups, tie):
         assert torch.equal(reloaded(ids).logits, want)
 
 
+def test_llama_with_explicit_head_dim(tmp_path):
+    """A Llama whose head_dim (16) is not hidden / heads (12): kv_channels, no q/k norm."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        initializer_range=0.2)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).float().eval()
+    hf.save_pretrained(tmp_path / "hf")
+    info = hf_to_mcore(tmp_path / "hf", tmp_path / "mc")
+    assert info["model_config"]["kv_channels"] == 16 and "qk_layernorm" not in info["model_config"]
+    ids = tokens()
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert (megatron_logits(load_model(tmp_path / "mc").model, ids) - want).abs().max() < 1e-5
+    mcore_to_hf(tmp_path / "mc", tmp_path / "back")
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 16
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in read_hf_weights(tmp_path / "hf").items())
+
+
 def qwen3_compressed(dmc: dict, seed=0):
     """An eval-mode Qwen3-style DMC or DMS megatron model with random q/k norm weights."""
     cfg = dict(num_layers=2, hidden_size=48, num_attention_heads=4, num_query_groups=2,
