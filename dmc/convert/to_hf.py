@@ -1,6 +1,7 @@
 """This project's checkpoints -> a Hugging Face folder (``dmc convert mcore-to-hf``).
 
-Vanilla and GQA models become ``LlamaForCausalLM`` folders. DMC models (any phase after the
+Vanilla and GQA models become ``LlamaForCausalLM`` folders (``Qwen3ForCausalLM`` with
+``model.qk_layernorm``). DMC models (any phase after the
 decision rows were zeroed) become ``DMCLlamaForCausalLM`` folders: ``config.json`` carries
 ``dmc_window``, ``dmc_c``, ``dmc_omega_offset``, ``dmc_channel`` ("last"), the target CR and the
 CR measured at export,
@@ -10,7 +11,8 @@ so that ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
 DMS models (``dmc.method: dms``, DMS paper arXiv 2506.05345 Sec. 3) become
 ``DMSLlamaForCausalLM`` folders the same way: ``dms_window``, ``dms_c``, ``dms_logit_scale``,
 ``dms_channel``, ``dms_target_cr``, ``dms_measured_cr`` and ``modeling_dms.py``
-(:mod:`dmc.convert.hf_modeling_dms`).
+(:mod:`dmc.convert.hf_modeling_dms`). Models with ``qk_layernorm`` or ``kv_channels`` add
+``qk_norm`` and ``head_dim`` to either.
 """
 from __future__ import annotations
 
