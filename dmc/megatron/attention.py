@@ -4,7 +4,8 @@ sibling, :class:`dmc.megatron.dms_attention.DMSSelfAttention`, overrides the att
 Modes (set on the shared :class:`~dmc.megatron.runtime.DMCRuntime`):
 - ``vanilla``: megatron's attention, untouched;
 - ``zero_out``: megatron's core attention with q[..., -1] and k[..., -1] multiplied by
-  ``zero_out_scale`` (= 1 - t / n_t, Eq. 12) before and after RoPE;
+  ``zero_out_scale`` (= 1 - t / n_t, Eq. 12) before and after RoPE (before the q/k norm when
+  the layer has one, :meth:`DMCSelfAttention._scale_before_norm`);
   :func:`zero_decision_rows_` then zeroes those rows of ``linear_qkv``;
 - ``train``: alpha = GumbelSigmoid(k[..., -1] - c, tau) (Eq. 8), omega = sigmoid(q[..., -1] + c),
   decision channels zeroed before and after RoPE, window-grouped partial accumulation of pre-RoPE
@@ -75,6 +76,9 @@ class DMCSelfAttention(SelfAttention):
         heads = self.num_query_groups_per_partition
         self.register_buffer("cr_kept", torch.zeros(heads, dtype=torch.float64), persistent=False)
         self.register_buffer("cr_count", torch.zeros((), dtype=torch.float64), persistent=False)
+        for norm in (self.q_layernorm, self.k_layernorm):
+            if norm is not None:
+                norm.register_forward_pre_hook(self._scale_before_norm)
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states, attention_mask, key_value_states=None,
@@ -149,12 +153,35 @@ class DMCSelfAttention(SelfAttention):
         """
         scale = self.dmc.zero_out_scale
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        query, key = scale_decision_channel(query, scale), scale_decision_channel(key, scale)
+        if self.q_layernorm is None:  # else scaled before the norms (_scale_before_norm)
+            query, key = scale_decision_channel(query, scale), scale_decision_channel(key, scale)
         query, key = self._rotate(query, key, rotary_pos_emb)
         query, key = scale_decision_channel(query, scale), scale_decision_channel(key, scale)
         context = self.core_attention(query, key, value, attention_mask,
                                       attn_mask_type=self.attn_mask_type)
         return self.linear_proj(context)
+
+    def _scale_before_norm(self, norm, args):
+        """Forward pre-hook of ``q_layernorm`` / ``k_layernorm`` (Qwen3's per-head RMSNorm):
+        in ``zero_out`` mode the decision channels of the norm's input are multiplied by
+        ``zero_out_scale`` (:meth:`_scale_borrowed`), instead of the norm's output.
+
+        Why before the norm: the RMS of a head is taken over all its channels, the borrowed one
+        included, so the other channels' normalised values depend on it. Scaling after the norm
+        would leave that coupling in place, and zeroing the producing rows at the hand-off
+        (:func:`zero_decision_rows_`) would change every channel of those heads: the model
+        after the hand-off would differ from the model at the end of the zero-out phase. Scaled
+        before the norm, scale 0 is exactly a zeroed row. (NVIDIA's recipe scales after
+        ``q_norm``; this is a deviation for an exact hand-off.)"""
+        if self.dmc.mode != "zero_out":
+            return None
+        (x,) = args
+        return (self._scale_borrowed(x, norm is self.q_layernorm, self.dmc.zero_out_scale),)
+
+    def _scale_borrowed(self, x, is_query, scale):
+        """``x [seq, batch, heads, dim]`` (queries or keys) with DMC's borrowed channels, the
+        last of every query and key head, multiplied by ``scale``."""
+        return scale_decision_channel(x, scale)
 
     def _decisions(self, alpha_logit):
         """``alpha_logit [batch, kv_heads, seq] -> (alpha, log(1 - alpha_{j+1}))``."""

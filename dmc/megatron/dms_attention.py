@@ -22,7 +22,8 @@ attention computes:
 - ``eval``: alpha = [alpha_logit > 0], bias 0 / -inf: the attention of a cache that drops a
   key marked for eviction once it leaves the window.
 - ``zero_out``: megatron's core attention with only the borrowed query channels scaled by
-  ``zero_out_scale`` before and after RoPE (DMC Eq. 12 applied to DMS's channel);
+  ``zero_out_scale`` before and after RoPE (DMC Eq. 12 applied to DMS's channel; with a
+  q norm, before the norm: :meth:`~dmc.megatron.attention.DMCSelfAttention._scale_before_norm`);
   :func:`~dmc.megatron.attention.zero_decision_rows_` then zeroes only those rows of
   ``linear_qkv`` (:func:`~dmc.megatron.attention.decision_rows` of a DMS layer).
 - CR loss and measured CR: the one-sided hinge of DMC Eq. 10 on the kept slots
@@ -86,8 +87,17 @@ class DMSSelfAttention(DMCSelfAttention):
         scale = self.dmc.zero_out_scale
         groups = self.num_query_groups_per_partition
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        query, key = self._rotate(scale_dms_channel(query, groups, scale), key, rotary_pos_emb)
+        if self.q_layernorm is None:  # else scaled before q_norm (_scale_before_norm)
+            query = scale_dms_channel(query, groups, scale)
+        query, key = self._rotate(query, key, rotary_pos_emb)
         query = scale_dms_channel(query, groups, scale)
         context = self.core_attention(query, key, value, attention_mask,
                                       attn_mask_type=self.attn_mask_type)
         return self.linear_proj(context)
+
+    def _scale_borrowed(self, x, is_query, scale):
+        """DMS borrows the last channel of the first query head of each KV group only; keys
+        are untouched."""
+        if not is_query:
+            return x
+        return scale_dms_channel(x, self.num_query_groups_per_partition, scale)

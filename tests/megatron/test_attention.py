@@ -21,10 +21,15 @@ def _batch(batch=2, seq=SEQ, seed=0):
     return tokens, torch.arange(seq).expand(batch, seq)
 
 
-def _pair(groups, dmc_config=None):
-    """A vanilla model and a DMC model with the same weights."""
-    config = tiny_config(groups)
+def _pair(groups, dmc_config=None, **overrides):
+    """A vanilla model and a DMC model with the same weights (``overrides``: TransformerConfig
+    fields; with ``qk_layernorm`` the q/k norm weights are drawn around 1)."""
+    config = tiny_config(groups, **overrides)
     vanilla = build_gpt_model(config, VOCAB, 64)
+    with torch.no_grad():
+        for name, param in vanilla.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
     runtime = DMCRuntime(dmc_config or DMCConfig())
     dmc = build_gpt_model(config, VOCAB, 64, dmc=runtime)
     dmc.load_state_dict(vanilla.state_dict())
@@ -77,17 +82,30 @@ def test_vanilla_reference_decoder_matches_megatron(parallel_1x1):
     torch.testing.assert_close(logits.double(), reference, rtol=1e-4, atol=1e-5)
 
 
-def test_zero_out_scales_decision_channels(parallel_1x1):
-    vanilla, dmc, runtime = _pair(2)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk_layernorm"])
+def test_zero_out_scales_decision_channels(parallel_1x1, qk_norm):
+    """Scale 1 is the vanilla model; scale 0 is the model after the hand-off
+    (zero_decision_rows_) in zero_out mode and, with c huge (no merges), in eval mode. With a
+    per-head q/k norm the channels are scaled before the norm: zeroing a row after scaling the
+    norm's output would change the RMS of the other channels (checked: they differ)."""
+    vanilla, dmc, runtime = _pair(2, DMCConfig(c=1e4), qk_layernorm=qk_norm)
     tokens, positions = _batch()
     runtime.set_mode("zero_out")
     with torch.no_grad():
         runtime.zero_out_scale = 1.0
-        torch.testing.assert_close(dmc(tokens, positions, None), vanilla(tokens, positions, None))
+        reference = vanilla(tokens, positions, None)
+        torch.testing.assert_close(dmc(tokens, positions, None), reference)
+        runtime.zero_out_scale = 0.5
+        halfway = dmc(tokens, positions, None)
+        assert (halfway - reference).abs().max() > 1e-5
         runtime.zero_out_scale = 0.0
         scaled_to_zero = dmc(tokens, positions, None)
         assert zero_decision_rows_(dmc) == 2
-        torch.testing.assert_close(dmc(tokens, positions, None), scaled_to_zero)
+        torch.testing.assert_close(dmc(tokens, positions, None), scaled_to_zero,
+                                   rtol=1e-6, atol=1e-6)
+        runtime.set_mode("eval")
+        torch.testing.assert_close(dmc(tokens, positions, None), scaled_to_zero,
+                                   rtol=1e-5, atol=1e-5)
         layer = dmc_layers(dmc)[0]
         query, key, _ = layer.get_query_key_value_tensors(torch.randn(5, 2, 64))
     assert (query[..., -1] == 0).all() and (key[..., -1] == 0).all()

@@ -20,13 +20,18 @@ from tiny_models import tiny_config
 VOCAB, SEQ, HEADS, DIM = 96, 24, 4, 16
 
 
-def _dms_model(groups=2, seed=0, spread=0.1, **dms):
+def _dms_model(groups=2, seed=0, spread=0.1, qk_norm=False, **dms):
     """A DMS model (eval mode) whose borrowed rows have std ``spread``, so hard decisions mix
-    keeping and evicting; ``dms`` are :class:`DMCConfig` fields."""
+    keeping and evicting; ``dms`` are :class:`DMCConfig` fields. ``qk_norm``: per-head q/k
+    RMSNorms (Qwen3) with weights drawn around 1."""
     torch.manual_seed(seed)
     settings = dict(method="dms", dms_window=3, c=0.0, dms_logit_scale=10.0, tau=1.0)
     runtime = DMCRuntime(DMCConfig(**{**settings, **dms}))
-    model = build_gpt_model(tiny_config(groups), VOCAB, 64, dmc=runtime)
+    model = build_gpt_model(tiny_config(groups, qk_layernorm=qk_norm), VOCAB, 64, dmc=runtime)
+    for name, param in model.named_parameters():
+        if "q_layernorm" in name or "k_layernorm" in name:
+            with torch.no_grad():
+                param.copy_(1 + 0.3 * torch.randn_like(param))
     for layer in dmc_layers(model):
         with torch.no_grad():
             layer.linear_qkv.weight[decision_rows(layer)] *= spread / 0.02
@@ -139,11 +144,15 @@ def test_train_hard_without_noise_equals_eval(parallel_1x1, groups):
     assert (out["eval"][0] - vanilla).abs().max() > 1e-2  # evictions change the logits
 
 
-def test_zero_out_phase(parallel_1x1):
-    """Scale 1 is the vanilla model; scale 0 is the eval model with no eviction (c huge), both
-    before and after zero_decision_rows_ (the channel is scaled after RoPE too, which matters
-    at 64 positions with a large channel d/2 - 1); only the borrowed rows are zeroed."""
-    model, runtime = _dms_model(2, c=1e4)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk_layernorm"])
+def test_zero_out_phase(parallel_1x1, qk_norm):
+    """Scale 1 is the vanilla model; scale 0 is the eval model with no eviction (c huge) after
+    zero_decision_rows_, and the zero_out model after it (the channel is scaled after RoPE too,
+    which matters at 64 positions with a large channel d/2 - 1); only the borrowed rows are
+    zeroed. With q_norm the channel is scaled before the norm (the RMS couples it to the
+    head's other channels), so the hand-off is exact there too; Llama's eval model equals
+    scale 0 before the hand-off as well."""
+    model, runtime = _dms_model(2, c=1e4, qk_norm=qk_norm)
     for layer in dmc_layers(model):
         _large_rotated_channel(layer)
     tokens, positions = _batch(seq=64)
@@ -163,8 +172,12 @@ def test_zero_out_phase(parallel_1x1):
         assert zero_decision_rows_(model) == 2
         runtime.set_mode("zero_out")
         after = model(tokens, positions, None)
-    torch.testing.assert_close(no_eviction, scaled_to_zero, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(after, scaled_to_zero, rtol=1e-5, atol=1e-5)
+        runtime.set_mode("eval")
+        eval_after = model(tokens, positions, None)
+    if not qk_norm:
+        torch.testing.assert_close(no_eviction, scaled_to_zero, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, scaled_to_zero, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(eval_after, scaled_to_zero, rtol=1e-5, atol=1e-5)
     for name, param in model.named_parameters():
         changed = (param != weights[name]).nonzero()
         if "linear_qkv" in name:
