@@ -90,12 +90,20 @@ class RunCheckpoints:
 
     def _check_base_shape(self, base: Path):
         """A clear error when ``checkpoint.load_base`` holds another architecture (e.g. a GQA
-        conversion with fewer KV heads than the model preset)."""
+        conversion with fewer KV heads than the model preset, or a Qwen3 conversion, whose
+        head dim ``kv_channels`` and q/k norms ``qk_layernorm`` a Llama preset lacks)."""
         saved = ckpt.read_state(base).get("model_config", {})
         ours = self.model_config.to_dict()
+        if "hidden_size" in saved and "num_attention_heads" in saved:
+            # fields to_dict leaves out at their defaults; kv_channels compared as head dims
+            saved = {"qk_layernorm": False, **saved, "kv_channels": saved.get("kv_channels")
+                     or saved["hidden_size"] // saved["num_attention_heads"]}
+            ours = {**ours, "qk_layernorm": self.model_config.qk_layernorm,
+                    "kv_channels": self.model_config.head_dim}
         wrong = [k for k in ("num_layers", "hidden_size", "num_attention_heads",
-                             "num_query_groups", "ffn_hidden_size", "vocab_size")
-                 if k in saved and saved[k] != ours[k]]
+                             "num_query_groups", "ffn_hidden_size", "vocab_size",
+                             "kv_channels", "qk_layernorm")
+                 if k in saved and saved[k] != ours.get(k)]
         if wrong:
             raise ValueError(
                 f"checkpoint.load_base {base} does not match the model: "
