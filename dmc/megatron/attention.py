@@ -254,7 +254,10 @@ def decision_rows(module: "DMCSelfAttention") -> list[int]:
     channels. The fused weight is grouped per query group as ``[q_1 .. q_G, k, v]`` (``dim``
     rows each). DMC: q[..., -1] of every query head (omega) and k[..., -1] of every KV head
     (alpha). DMS (``module.method == "dms"``): q[..., -1] of the first query head of each group
-    only (its eviction logit, :func:`dmc.ops.split_dms_channels`)."""
+    only (its eviction logit, :func:`dmc.ops.split_dms_channels`); none for DMS's adapter
+    decisions (``dms_decision: adapter``, which borrow no channel)."""
+    if getattr(module, "decision_proj", None) is not None:
+        return []
     dim = module.hidden_size_per_attention_head
     groups = module.num_query_groups_per_partition
     per_group = module.num_attention_heads_per_partition // groups
@@ -265,7 +268,9 @@ def decision_rows(module: "DMCSelfAttention") -> list[int]:
 
 def zero_decision_rows_(model: torch.nn.Module) -> int:
     """Zeroes the :func:`decision_rows` of ``linear_qkv`` in all DMC and DMS layers (each its
-    own method's rows): the end of the zero-out phase. Returns the number of layers changed."""
+    own method's rows): the end of the zero-out phase. A DMS adapter's ``decision_proj`` is
+    zeroed instead, with its optimizer main copy (bf16/fp16), so every token starts at logit
+    -c as with zeroed rows. Returns the number of layers changed."""
     changed = 0
     for module in dmc_layers(model):
         rows = decision_rows(module)
@@ -274,6 +279,11 @@ def zero_decision_rows_(model: torch.nn.Module) -> int:
             bias = getattr(module.linear_qkv, "bias", None)
             if isinstance(bias, torch.Tensor) and bias.numel():
                 bias[rows] = 0
+            adapter = getattr(module, "decision_proj", None)
+            for param in adapter.parameters() if adapter is not None else ():
+                for copy in (param, getattr(param, "main_param", None)):
+                    if copy is not None:
+                        copy.zero_()
         changed += 1
     return changed
 

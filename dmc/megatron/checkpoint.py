@@ -279,11 +279,14 @@ def read_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, *,
-                    contents: bool = True) -> dict:
+                    contents: bool = True, optional: tuple[str, ...] = ()) -> dict:
     """Verifies ``path`` (:func:`verify_checkpoint`; ``contents=False``: presence and sizes
     only, for loads that read the weights of a checkpoint many times, such as inference, where
     hashing every file, the optimizer state included, would cost more than the load), then
-    restores the model (and optimizer, scheduler, RNG when given); returns ``state.json``."""
+    restores the model (and optimizer, scheduler, RNG when given); returns ``state.json``.
+    ``optional``: names of submodules (e.g. ``"decision_proj"``, a DMS adapter that a vanilla
+    base lacks) whose weights are loaded when ``path`` has them and kept as initialised when
+    not (model-only loads)."""
     path = Path(path)
     problem = None
     if _rank() == 0:
@@ -296,6 +299,9 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, *,
         raise problem
     state = read_state(path)
     model_sd = model.sharded_state_dict()
+    absent = _absent_optional(path, model_sd, optional) if optional else []
+    for name in absent:
+        del model_sd[name]
     sharded = {"model": model_sd}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
@@ -304,7 +310,7 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, *,
     except (OSError, EOFError, RuntimeError, ValueError, KeyError) as err:
         raise CheckpointError(f"{path}: the distributed checkpoint does not load "
                               f"({type(err).__name__}: {err})") from err
-    model.load_state_dict(loaded["model"])
+    model.load_state_dict(loaded["model"], strict=not absent)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and state.get("scheduler"):
@@ -318,6 +324,15 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, *,
                     from None
             _set_rng_state(rng_state)
     return state
+
+
+def _absent_optional(path: Path, model_sd: dict, optional: tuple[str, ...]) -> list[str]:
+    """Entries of ``model_sd`` under an ``optional`` submodule whose weight ``path`` lacks."""
+    stored = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    modules = {name.rsplit(".", 1)[0] for name, item in model_sd.items()
+               if any(f".{part}." in f".{name}" for part in optional)
+               and not name.endswith("_extra_state") and item.key not in stored}
+    return [name for name in model_sd if name.rsplit(".", 1)[0] in modules]
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:

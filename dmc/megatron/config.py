@@ -14,7 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 METHODS = ("dmc", "dms")
-DMS_ONLY = ("method", "dms_window", "dms_logit_scale")  # DMCConfig fields a DMC model omits
+DMS_DECISIONS = ("query", "adapter")  # where DMS reads its eviction logit
+DMS_ONLY = ("method", "dms_window", "dms_logit_scale", "dms_decision")  # a DMC model omits them
 PRIORS = ("global", "local")  # dmc.ops.PRIORS, spelled out to keep torch unimported
 ATTENTION_BACKENDS = ("auto", "dense", "flex")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
@@ -131,6 +132,11 @@ class DMCConfig:
         it down with the context of a small model).
     dms_logit_scale: DMS's eviction logit is ``q[..., -1] * dms_logit_scale - c`` (NVIDIA's
         ``dms_alpha_scale``, 100; :func:`dmc.ops.split_dms_channels`).
+    dms_decision: where DMS reads that logit: "query" (the borrowed query channel above, DMS
+        paper Sec. 3.1) or "adapter" (a separate linear map of the attention input to one
+        logit per KV head, ``decision_proj``, times ``dms_logit_scale`` minus ``c``; the query
+        keeps every channel: NVIDIA Model-Optimizer's ``dms_separate_alpha: true``,
+        :class:`dmc.megatron.dms_attention.DMSSelfAttention`). ``to_dict`` leaves out "query".
     window: partial-accumulation window w (None = exact scan; 12 in the paper).
     tau: Gumbel-sigmoid temperature. c: decision/importance offset.
     hard: straight-through hard decisions in training, in the attention (mask and accumulation)
@@ -160,10 +166,17 @@ class DMCConfig:
     method: str = "dmc"
     dms_window: int = 512
     dms_logit_scale: float = 100.0
+    dms_decision: str = "query"
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError(f"dmc.method: {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.dms_decision not in DMS_DECISIONS:
+            raise ConfigError(f"dmc.dms_decision: {self.dms_decision!r} is not one of "
+                              f"{', '.join(DMS_DECISIONS)}")
+        if self.dms_decision != "query" and self.method != "dms":
+            raise ConfigError(f"dmc.dms_decision: {self.dms_decision!r} needs dmc.method: dms "
+                              f"(DMC reads its decisions from the borrowed channels: query)")
         if not isinstance(self.dms_window, int) or self.dms_window < 0:
             raise ConfigError(f"dmc.dms_window: must be an integer >= 0, got {self.dms_window!r}")
         if self.dms_logit_scale <= 0:
@@ -184,9 +197,12 @@ class DMCConfig:
     def to_dict(self) -> dict:
         """The settings that define the model (what checkpoints and inference files record).
         A DMC model's dict leaves out the DMS fields (and ``method``), so it reads as it did
-        before DMS existed; :meth:`from_dict` restores the defaults."""
+        before DMS existed, and a DMS model's leaves out ``dms_decision`` at "query", so it
+        reads as before that field existed; :meth:`from_dict` restores the defaults."""
         skip = {"attention_backend", "head_cr_cap"} | (
             set() if self.method == "dms" else set(DMS_ONLY))
+        if self.dms_decision == "query":
+            skip.add("dms_decision")
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(DMCConfig)
                 if f.name not in skip}
 

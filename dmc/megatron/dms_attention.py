@@ -26,6 +26,16 @@ attention computes:
   q norm, before the norm: :meth:`~dmc.megatron.attention.DMCSelfAttention._scale_before_norm`);
   :func:`~dmc.megatron.attention.zero_decision_rows_` then zeroes only those rows of
   ``linear_qkv`` (:func:`~dmc.megatron.attention.decision_rows` of a DMS layer).
+- adapter decisions (``dms_decision: adapter``; NVIDIA's ``dms_separate_alpha=True``):
+  ``alpha_logit = decision_proj(x) * dms_logit_scale - c`` with ``x`` the attention input
+  (``input_layernorm(h)``) and ``decision_proj`` a linear map hidden -> KV heads; the query keeps
+  every channel, nothing is zeroed, and ``zero_out`` mode is megatron's attention untouched.
+  NVIDIA normalises ``h`` with a norm of its own (``dms_proj_alpha_norm``); an RMSNorm of the
+  same ``h`` with the same eps differs from ``input_layernorm`` only by its weight, which the
+  converter folds into ``decision_proj`` (:mod:`dmc.convert.nvidia_dms`), so one projection of
+  the attention input is the same function with one norm fewer. ``decision_proj`` starts at 0
+  (every token's logit -c, as the zeroed borrowed rows give) and is what adapter-only training
+  (:mod:`dmc.training.adapter`) trains in this mode.
 - CR loss and measured CR: the one-sided hinge of DMC Eq. 10 on the kept slots
   ``sum(1 - alpha)`` (the global prior per sequence equals NVIDIA's
   ``clamp(target_frac_to_close - frac_closed, min=0)``), annealed from 1x by the phases.
@@ -41,6 +51,7 @@ Megatron tensors are ``[seq, batch, heads, dim]``; the ops take ``[batch, heads,
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear
 
 from dmc.megatron.attention import DMCSelfAttention, to_bhsd, to_sbhd
 from dmc.ops import dmc_attention, split_dms_channels, zero_dms_channel
@@ -59,6 +70,30 @@ class DMSSelfAttention(DMCSelfAttention):
 
     method = "dms"
 
+    def __init__(self, config, submodules, layer_number, dmc, **kwargs):
+        super().__init__(config, submodules, layer_number, dmc, **kwargs)
+        self.decision_proj = None
+        if dmc.config.dms_decision == "adapter":
+            if hasattr(self.linear_qkv, "layer_norm_weight"):
+                raise ValueError("dmc.dms_decision: adapter needs the layer input norm outside "
+                                 "linear_qkv (layer spec backend 'local', not 'te')")
+            # column-parallel: each TP rank holds the rows of its own KV heads, as linear_qkv
+            self.decision_proj = ColumnParallelLinear(
+                config.hidden_size, config.num_query_groups, config=config,
+                init_method=torch.nn.init.zeros_, bias=False, gather_output=False,
+                skip_bias_add=False, is_expert=False, tp_group=self.pg_collection.tp)
+            with torch.no_grad():
+                self.decision_proj.weight.zero_()
+
+    def decision_logits(self, hidden_states):
+        """Adapter mode: ``hidden_states [seq, batch, hidden]`` (the attention input) ->
+        ``decision_proj(hidden_states) [seq, batch, local_kv_heads]``, before the scale and
+        offset (``* dms_logit_scale - c``)."""
+        if (self.decision_proj is None) != (self.dmc.config.dms_decision == "query"):
+            raise ValueError(f"dmc.dms_decision is {self.dmc.config.dms_decision!r} but this "
+                             f"layer was built for the other: build the model from its config")
+        return self.decision_proj(hidden_states)[0]
+
     def _compressed_attention(self, hidden_states, rotary_pos_emb):
         """DMS attention of ``train`` and ``eval`` mode: ``hidden_states [seq, batch, hidden]
         -> (context [batch, q_heads, seq, dim], alpha [batch, kv_heads, seq])`` (this rank's
@@ -66,11 +101,17 @@ class DMSSelfAttention(DMCSelfAttention):
         cfg = self.dmc.config
         groups = self.num_query_groups_per_partition
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        channels = split_dms_channels(to_bhsd(query), groups, cfg.c, cfg.dms_logit_scale)
-        alpha, log_keep = self._decisions(channels.alpha_logit)
-        query, key = self._rotate(to_sbhd(channels.query), key, rotary_pos_emb)
+        if self.decision_proj is not None:
+            logit = self.decision_logits(hidden_states) * cfg.dms_logit_scale - cfg.c
+            alpha, log_keep = self._decisions(logit.permute(1, 2, 0))
+            query, key = self._rotate(query, key, rotary_pos_emb)
+        else:
+            channels = split_dms_channels(to_bhsd(query), groups, cfg.c, cfg.dms_logit_scale)
+            alpha, log_keep = self._decisions(channels.alpha_logit)
+            query, key = self._rotate(to_sbhd(channels.query), key, rotary_pos_emb)
+            query = scale_dms_channel(query, groups, 0.0)
         context = dmc_attention(
-            to_bhsd(scale_dms_channel(query, groups, 0.0)),
+            to_bhsd(query),
             to_bhsd(key),
             to_bhsd(value),
             log_keep,
@@ -83,8 +124,8 @@ class DMSSelfAttention(DMCSelfAttention):
     def _zero_out_forward(self, hidden_states, attention_mask, rotary_pos_emb):
         """Megatron's core attention with the borrowed query channels multiplied by
         ``zero_out_scale`` before and after RoPE (keys untouched); at scale 0 this is the
-        ``eval`` model that evicts nothing."""
-        scale = self.dmc.zero_out_scale
+        ``eval`` model that evicts nothing. Adapter mode borrows no channel: scale 1."""
+        scale = self.dmc.zero_out_scale if self.decision_proj is None else 1.0
         groups = self.num_query_groups_per_partition
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if self.q_layernorm is None:  # else scaled before q_norm (_scale_before_norm)
@@ -97,7 +138,7 @@ class DMSSelfAttention(DMCSelfAttention):
 
     def _scale_borrowed(self, x, is_query, scale):
         """DMS borrows the last channel of the first query head of each KV group only; keys
-        are untouched."""
-        if not is_query:
+        are untouched (and everything in adapter mode)."""
+        if not is_query or self.decision_proj is not None:
             return x
         return scale_dms_channel(x, self.num_query_groups_per_partition, scale)

@@ -1,6 +1,10 @@
 """Adapter-only training (``optim.trainable: decisions``, Model-Optimizer's DMS default): only
 the rows of ``linear_qkv`` that produce the borrowed decision channels are trained
-(:func:`dmc.megatron.attention.decision_rows`, DMC's or DMS's per layer).
+(:func:`dmc.megatron.attention.decision_rows`, DMC's or DMS's per layer), or, for DMS's
+adapter decisions (``dmc.dms_decision: adapter``), the layer's whole ``decision_proj`` (NVIDIA
+Model-Optimizer trains its ``dms_proj_alpha`` / ``dms_proj_alpha_norm`` in that mode; here the
+norm is folded into ``decision_proj``, :mod:`dmc.megatron.dms_attention`) and nothing of
+``linear_qkv``.
 
 Every other parameter gets ``requires_grad=False`` before DDP and the optimizer are built, so
 neither holds it. ``linear_qkv`` itself must stay trainable, so around each optimizer step
@@ -20,7 +24,8 @@ from dmc.megatron.attention import decision_rows, dmc_layers
 
 class DecisionRowsOnly:
     """Freezes every parameter of ``model`` except the decision rows of its DMC/DMS layers'
-    ``linear_qkv`` (weight and bias if any); call before wrapping the model in DDP."""
+    ``linear_qkv`` (weight and bias if any) and DMS adapters' ``decision_proj``; call before
+    wrapping the model in DDP."""
 
     def __init__(self, model: torch.nn.Module):
         layers = dmc_layers(model)
@@ -28,14 +33,19 @@ class DecisionRowsOnly:
             raise ValueError("optim.trainable: decisions needs DMC/DMS attention layers (a "
                              "retrofit with dmc.enabled); this model has none")
         self.targets = []  # (parameter, bool mask of its frozen rows)
+        trainable = set()
         for layer in layers:
+            adapter = getattr(layer, "decision_proj", None)
+            if adapter is not None:
+                trainable.update(id(param) for param in adapter.parameters())
+                continue
             qkv = layer.linear_qkv
             for param in (qkv.weight, getattr(qkv, "bias", None)):
                 if isinstance(param, torch.Tensor) and param.numel():
                     frozen = torch.ones(param.shape[0], dtype=torch.bool, device=param.device)
                     frozen[decision_rows(layer)] = False
                     self.targets.append((param, frozen))
-        trainable = {id(param) for param, _ in self.targets}
+        trainable.update(id(param) for param, _ in self.targets)
         for param in model.parameters():
             if id(param) not in trainable:
                 param.requires_grad_(False)

@@ -72,7 +72,7 @@ class RunCheckpoints:
         if cfg.checkpoint.load_base:  # weights only: a retrofit's base, or a shorter-context stage
             base = Path(cfg.checkpoint.load_base)
             self._check_base_shape(base)
-            ckpt.load_checkpoint(base, self.module)
+            ckpt.load_checkpoint(base, self.module, optional=("decision_proj",))  # DMS adapter
             self.optimizer.reload_model_params()  # bf16/fp16: the main copies take the weights
         return 0, None
 

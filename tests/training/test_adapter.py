@@ -32,13 +32,15 @@ def _trainer(tiny_data, run_dir, base, **extra):
 
 
 def _decision_masks(module) -> dict[str, torch.Tensor]:
-    """``{parameter name: bool mask of its decision rows}`` for the DMC layers' linear_qkv."""
+    """``{parameter name: bool mask of its decision rows}`` for the DMC layers' linear_qkv, or
+    all rows of a DMS adapter's ``decision_proj``."""
     names = {id(p): n for n, p in module.named_parameters()}
     masks = {}
     for layer in dmc_layers(module):
-        weight = layer.linear_qkv.weight
+        adapter = getattr(layer, "decision_proj", None)
+        weight = layer.linear_qkv.weight if adapter is None else adapter.weight
         mask = torch.zeros(weight.shape[0], dtype=torch.bool)
-        mask[decision_rows(layer)] = True
+        mask[decision_rows(layer) if adapter is None else slice(None)] = True
         masks[names[id(weight)]] = mask
     return masks
 
@@ -50,14 +52,17 @@ def _snapshot(module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("precision, extra", [
     ("fp32", {}),
     ("fp32", {"dmc.method": "dms", "dmc.dms_window": 8, "distill.weight": 0.5}),
+    ("fp32", {"dmc.method": "dms", "dmc.dms_window": 8, "dmc.dms_decision": "adapter"}),
     pytest.param("bf16", {}, marks=pytest.mark.gpu),
-], ids=["dmc", "dms-distilled", "dmc-bf16"])
+], ids=["dmc", "dms-distilled", "dms-adapter", "dmc-bf16"])
 def test_only_the_decision_rows_change(tiny_data, tmp_path, base, precision, extra):
-    """DMS with distillation from the base: Model-Optimizer's recipe (adapter-only + KL)."""
+    """DMS with distillation from the base: Model-Optimizer's recipe (adapter-only + KL).
+    DMS adapter decisions: only ``decision_proj`` trains (the vanilla base lacks it: it starts
+    at 0), ``linear_qkv`` is frozen whole."""
     trainer = _trainer(tiny_data, tmp_path, base, precision=precision, **extra)
     module = trainer.module
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
-    assert trainable and all(n.endswith("linear_qkv.weight") for n in trainable)
+    assert trainable and set(trainable) == set(_decision_masks(module))
     masks = _decision_masks(module)
     start = _snapshot(module)
     mains = {n: p.main_param.clone() for n, p in module.named_parameters()
