@@ -45,12 +45,17 @@ def hf_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
 
 def convert_hf_folder(hf_folder: Path, out_folder, model_config: ModelConfig,
                       dmc_config: DMCConfig | None, *, tp: int, pp: int, dtype: str | None,
-                      source: dict, what: str, extra: dict | None = None) -> dict:
+                      source: dict, what: str, extra: dict | None = None,
+                      prepare=None) -> dict:
     """The weights of ``hf_folder`` (HF names, :func:`hf_to_mcore_state`) written as our
     checkpoint of ``model_config`` / ``dmc_config`` in ``out_folder``, with the tokenizer files
-    and ``model.yaml``; ``source`` and ``extra`` go into ``state.json``. Shared by
-    :func:`hf_to_mcore` and :func:`dmc.convert.nvidia_dms.nvidia_dms_to_mcore`."""
+    and ``model.yaml``; ``source`` and ``extra`` go into ``state.json``. ``prepare``: a function
+    of the weights as read (before any dtype cast) returning them in the names
+    :func:`hf_to_mcore_state` takes. Shared by :func:`hf_to_mcore` and
+    :func:`dmc.convert.nvidia_dms.nvidia_dms_to_mcore`."""
     weights = read_hf_weights(hf_folder)
+    if prepare is not None:
+        weights = prepare(weights)
     if dtype is None:
         dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     if dtype not in DTYPES:

@@ -100,7 +100,8 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
     (:class:`dmc.convert.hf_modeling_dmc.DMCLlamaConfig`: ``dmc``'s settings as its ``dmc_*``
     fields) or, for ``dmc.method == "dms"``, the exported DMS model
     (:class:`dmc.convert.hf_modeling_dms.DMSLlamaConfig`: ``dms_window``, ``dms_c``,
-    ``dms_logit_scale``, ``dms_channel``), plus ``dmc_extra``, e.g. the target and measured CR
+    ``dms_logit_scale``, ``dms_channel``, and ``dms_decision`` for adapter decisions), plus
+    ``dmc_extra``, e.g. the target and measured CR
     and ``auto_map``. The exported DMC / DMS models of a model with ``qk_layernorm`` or
     ``kv_channels`` also get ``qk_norm`` and ``head_dim`` (absent otherwise, as before)."""
     heads = model.num_attention_heads
@@ -133,6 +134,8 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
         cfg.update(architectures=[DMS_ARCHITECTURE], model_type=DMS_MODEL_TYPE,
                    rope_llama3_scaling=llama3, dms_window=dmc.dms_window, dms_c=dmc.c,
                    dms_logit_scale=dmc.dms_logit_scale, dms_channel="last", **(dmc_extra or {}))
+        if dmc.dms_decision != "query":
+            cfg["dms_decision"] = dmc.dms_decision
         return cfg
     cfg.update(architectures=[DMC_ARCHITECTURE], model_type=DMC_MODEL_TYPE,
                rope_llama3_scaling=llama3, dmc_window=dmc.window, dmc_c=dmc.c,

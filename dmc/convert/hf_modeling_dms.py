@@ -15,6 +15,10 @@ Attention is DMS in eval mode (hard decisions), the semantics of
   dms_logit_scale - dms_c > 0]`` from the pre-RoPE query of the first head ``g`` of each KV
   group (:func:`split_dms_channels`), that channel zeroed before and after RoPE; ``alpha_t``
   marks key ``t - 1`` for eviction (the first token's decision marks nothing);
+* adapter decisions (``dms_decision: "adapter"``, NVIDIA Model-Optimizer's
+  ``dms_separate_alpha``): ``alpha_t = [dms_decision_proj(x_t) * dms_logit_scale - dms_c > 0]``
+  per KV head from the attention input ``x_t = input_layernorm(h_t)`` (NVIDIA's separate
+  RMSNorm folded into the projection, :mod:`dmc.megatron.dms_attention`); no channel is zeroed;
 * delayed eviction (DMS Sec. 3): key ``j`` is visible to query ``i >= j`` iff ``i - j <= w``
   (``dms_window``) or key ``j`` was not marked.
 
@@ -50,7 +54,8 @@ class DMSLlamaConfig(PretrainedConfig):
     dms_c, dms_logit_scale: the eviction logit is ``q[..., -1] * dms_logit_scale - dms_c``
     (NVIDIA's ``dms_initial_alpha_offset`` and ``dms_alpha_scale``).
     dms_channel: which channel carries the logit (only "last", of the first query head of each
-    KV group). dms_target_cr, dms_measured_cr: the training target and the CR measured at
+    KV group). dms_decision: "query" (that channel) or "adapter" (``dms_decision_proj``, a
+    linear map of the attention input to one logit per KV head). dms_target_cr, dms_measured_cr: the training target and the CR measured at
     export (or None). rope_llama3_scaling, head_dim, qk_norm: as in :class:`DMCLlamaConfig`
     (with ``qk_norm`` the logit is read from ``q_norm(q)``, as NVIDIA's Qwen3 DMS models do).
     """
@@ -63,9 +68,12 @@ class DMSLlamaConfig(PretrainedConfig):
                  max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
                  dms_window=512, dms_c=5.0, dms_logit_scale=100.0, dms_channel="last",
                  dms_target_cr=None, dms_measured_cr=None, use_cache=True, head_dim=None,
-                 qk_norm=False, **kwargs):
+                 qk_norm=False, dms_decision="query", **kwargs):
         if dms_channel != "last":
             raise ValueError(f"dms_channel must be 'last', got {dms_channel!r}")
+        if dms_decision not in ("query", "adapter"):
+            raise ValueError(f"dms_decision must be 'query' or 'adapter', got {dms_decision!r}")
+        self.dms_decision = dms_decision
         if int(dms_window) < 0:
             raise ValueError(f"dms_window must be >= 0, got {dms_window!r}")
         self.vocab_size = vocab_size
@@ -202,6 +210,8 @@ class DMSAttention(CompressedAttention):
         self.c = float(config.dms_c)
         self.logit_scale = float(config.dms_logit_scale)
         self.window = config.dms_window
+        self.dms_decision_proj = (nn.Linear(config.hidden_size, self.kv_heads, bias=False)
+                                  if config.dms_decision == "adapter" else None)
 
     def forward(self, hidden, positions, real, inv_freq, cache: DMSCacheLayer | None,
                 prefill: bool):
@@ -209,11 +219,17 @@ class DMSAttention(CompressedAttention):
         ``prefill``: the cache (if any) is empty and all ``n`` tokens are processed at once;
         otherwise ``n == 1`` and the token goes through ``cache``."""
         batch, n, _ = hidden.shape
-        channels = split_dms_channels(self._queries(hidden), self.kv_heads, self.c,
-                                      self.logit_scale)
-        evict = channels.alpha_logit > 0  # [batch, kv, n]: alpha_t marks key t - 1
-        q = zero_dms_channel(apply_rope(channels.query, positions[:, None], inv_freq),
-                             self.kv_heads)
+        if self.dms_decision_proj is None:
+            channels = split_dms_channels(self._queries(hidden), self.kv_heads, self.c,
+                                          self.logit_scale)
+            logit = channels.alpha_logit
+            q = zero_dms_channel(apply_rope(channels.query, positions[:, None], inv_freq),
+                                 self.kv_heads)
+        else:
+            proj = self.dms_decision_proj(hidden).transpose(1, 2)  # [batch, kv, n]
+            logit = (proj * self.logit_scale - self.c).float()
+            q = apply_rope(self._queries(hidden), positions[:, None], inv_freq)
+        evict = logit > 0  # [batch, kv, n]: alpha_t marks key t - 1
         k = apply_rope(self._keys(hidden), positions[:, None], inv_freq)
         v = self._split(self.v_proj(hidden), self.kv_heads)
         if prefill:

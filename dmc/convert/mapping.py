@@ -11,6 +11,8 @@ apart from hidden / heads); ``linear_fc1 = cat([gate, up])``. Names::
     model.layers.i.self_attn.o_proj             decoder.layers.i.self_attention.linear_proj
     model.layers.i.self_attn.{q,k}_norm         decoder.layers.i.self_attention.{q,k}_layernorm
                                                 (Qwen3: ``qk_layernorm``; ``[head_dim]`` each)
+    model.layers.i.self_attn.dms_decision_proj  decoder.layers.i.self_attention.decision_proj
+                                                (DMS adapter decisions; ``[kv_heads, hidden]``)
     model.layers.i.post_attention_layernorm     decoder.layers.i.pre_mlp_layernorm
     model.layers.i.mlp.{gate,up}_proj           decoder.layers.i.mlp.linear_fc1
     model.layers.i.mlp.down_proj                decoder.layers.i.mlp.linear_fc2
@@ -25,6 +27,7 @@ from dmc.megatron.config import ModelConfig
 
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 QK_NORMS = (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm"))  # (HF, megatron) names
+DECISION_PROJ = ("self_attn.dms_decision_proj.weight", "self_attention.decision_proj.weight")
 
 
 def fuse_qkv(q, k, v, heads: int, groups: int) -> torch.Tensor:
@@ -75,6 +78,10 @@ def hf_to_mcore_state(hf: dict, model_config: ModelConfig, source: str = "HF che
             norm = _take(hf, f"{p}self_attn.{hf_name}.weight", source)
             _check(f"{p}self_attn.{hf_name}.weight", norm, (dim,), source)
             out[f"{o}self_attention.{mcore_name}.weight"] = norm
+        if p + DECISION_PROJ[0] in hf:
+            proj = _take(hf, p + DECISION_PROJ[0], source)
+            _check(p + DECISION_PROJ[0], proj, (groups, hidden), source)
+            out[o + DECISION_PROJ[1]] = proj
         out[o + "pre_mlp_layernorm.weight"] = _take(hf, p + "post_attention_layernorm.weight",
                                                     source)
         gate = _take(hf, p + "mlp.gate_proj.weight", source)
@@ -118,6 +125,8 @@ def mcore_to_hf_state(state: dict, model_config: ModelConfig) -> dict:
         })
         for hf_name, mcore_name in QK_NORMS if m.qk_layernorm else ():
             out[f"{o}self_attn.{hf_name}.weight"] = state[f"{p}self_attention.{mcore_name}.weight"]
+        if p + DECISION_PROJ[1] in state:
+            out[o + DECISION_PROJ[0]] = state[p + DECISION_PROJ[1]]
     out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
     if not m.share_embeddings:
         out["lm_head.weight"] = state["output_layer.weight"]

@@ -22,7 +22,7 @@ import torch
 from dmc.megatron.config import DMCConfig, ModelConfig
 
 COLUMN_PARALLEL = ("linear_qkv.weight", "linear_fc1.weight", "output_layer.weight",
-                   "word_embeddings.weight")
+                   "word_embeddings.weight", "decision_proj.weight")
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
 
 

@@ -28,6 +28,18 @@ its inference cache is built with a window of ``dms_window_size + 1``
 ``i - j > dms_window``, so the value is copied as is. Decisions in our eval model and engine
 are hard (``logit > 0``), as in NVIDIA's cache-based inference.
 
+Separate adapter (``dms_separate_alpha: true``, same ``prepare_attention_input``): per layer
+an RMSNorm ``dms_proj_alpha_norm`` (weight ``g_a``, eps ``rms_norm_eps``) and a linear
+``dms_proj_alpha`` (``W_a [kv_heads, hidden]``) of the layer input ``h`` (before
+``input_layernorm``) give ``logit = dms_proj_alpha(dms_proj_alpha_norm(h)) * dms_alpha_scale -
+dms_initial_alpha_offset`` per KV head; the query keeps every channel. Both norms are RMSNorms
+of the same ``h`` with the same eps, so ``dms_proj_alpha_norm(h) = input_layernorm(h) * g_a /
+g_in`` elementwise and the adapter is one linear map of the attention input with weight
+``W_a * (g_a / g_in)`` (:func:`fold_separate_alpha`), our ``decision_proj`` with
+``dmc.dms_decision: adapter`` (:class:`~dmc.megatron.dms_attention.DMSSelfAttention`). This
+needs ``g_in != 0`` everywhere (else :class:`UnsupportedModelError` naming the layer); the fold
+is computed in float64 and rounded once to the checkpoint's dtype.
+
 ``hard_loss``: NVIDIA's loss counts straight-through rounded decisions while the attention
 uses the soft ones, as for their DMC models. ``dms_cr`` (documentation only upstream) is
 recorded as ``target_cr``. Inference-engine settings (``dms_paged_attention_block_size``,
@@ -35,14 +47,14 @@ recorded as ``target_cr``. Inference-engine settings (``dms_paged_attention_bloc
 ``dms_preallocate_for_tokens``) do not change the model and are ignored.
 
 Rejected (:class:`~dmc.convert.hf_config.UnsupportedModelError`, naming the field):
-``dms_separate_alpha: true`` (a separate ``dms_proj_alpha`` projection of the RMS-normalised
-layer input: our layers read the decision from the query only), ``dms_alpha_per: "layer"``
+``dms_alpha_per: "layer"``
 (one decision per layer shared by its KV heads), and what :func:`model_config_from_hf`
 rejects. ``dms_disable_eviction: true`` is a model that never evicts: it is converted as a
 vanilla Qwen3 (``dmc_config`` None), which the summary says.
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from dmc.convert.from_hf import convert_hf_folder
@@ -51,6 +63,8 @@ from dmc.convert.hf_io import read_hf_config
 from dmc.megatron.config import ConfigError, DMCConfig, ModelConfig
 
 ALPHA_PER_ACCEPTED = ("head",)
+SEPARATE_ALPHA_ACCEPTED = (False, True)
+ALPHA, ALPHA_NORM = "self_attn.dms_proj_alpha.weight", "self_attn.dms_proj_alpha_norm.weight"
 DMS_SUFFIX = "DMS"  # NVIDIA's class names: Qwen3ForCausalLMDMS, Qwen3ConfigDMS
 
 
@@ -63,10 +77,10 @@ def configs_from_nvidia(cfg: dict, source: str = "config.json"
         raise UnsupportedModelError(
             f"{source}: no dms_window_size / dms_alpha_scale: not an NVIDIA DMS checkpoint "
             f"(convert a plain Hugging Face model with `dmc convert hf-to-mcore`)")
-    if cfg.get("dms_separate_alpha", False) is not False:
+    if cfg.get("dms_separate_alpha", False) not in SEPARATE_ALPHA_ACCEPTED:
         raise UnsupportedModelError(
-            f"{source}: dms_separate_alpha={cfg['dms_separate_alpha']!r} is not supported "
-            f"(a separate dms_proj_alpha adapter); accepted: [False]")
+            f"{source}: dms_separate_alpha={cfg['dms_separate_alpha']!r} is not supported; "
+            f"accepted: {list(SEPARATE_ALPHA_ACCEPTED)}")
     if cfg.get("dms_alpha_per", "head") not in ALPHA_PER_ACCEPTED:
         raise UnsupportedModelError(
             f"{source}: dms_alpha_per={cfg['dms_alpha_per']!r} is not supported; accepted: "
@@ -82,10 +96,37 @@ def configs_from_nvidia(cfg: dict, source: str = "config.json"
             method="dms", dms_window=window,
             dms_logit_scale=float(cfg.get("dms_alpha_scale", 100.0)),
             c=float(cfg.get("dms_initial_alpha_offset", 5.0)),
-            tau=float(cfg.get("dms_tau", 0.1)), hard=False, hard_loss=True)
+            tau=float(cfg.get("dms_tau", 0.1)), hard=False, hard_loss=True,
+            dms_decision="adapter" if cfg.get("dms_separate_alpha", False) else "query")
     except ConfigError as err:
         raise UnsupportedModelError(f"{source}: {err} (from the dms_* fields)") from err
     return model_config, dmc_config
+
+
+def fold_separate_alpha(weights: dict, num_layers: int, source: str,
+                        vanilla: bool = False) -> dict:
+    """``weights`` (HF names, consumed) with each layer's ``dms_proj_alpha`` and
+    ``dms_proj_alpha_norm`` replaced by ``self_attn.dms_decision_proj.weight = W_a * (g_a /
+    g_in)[None, :]`` (see the module docstring), in ``W_a``'s dtype; ``vanilla``
+    (``dms_disable_eviction``): only removed."""
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        missing = [p + n for n in (ALPHA, ALPHA_NORM) if p + n not in weights]
+        if missing:
+            raise KeyError(f"{source}: dms_separate_alpha is true but tensor {missing[0]!r} "
+                           f"is missing")
+        w_a, g_a = weights.pop(p + ALPHA), weights.pop(p + ALPHA_NORM)
+        if vanilla:
+            continue
+        g_in = weights[p + "input_layernorm.weight"].double()
+        if not (g_in != 0).all():
+            raise UnsupportedModelError(
+                f"{source}: layer {i}: input_layernorm.weight has zeros, so "
+                f"dms_proj_alpha_norm cannot be folded into a projection of the attention "
+                f"input (it needs input_layernorm.weight != 0 everywhere)")
+        folded = w_a.double() * (g_a.double() / g_in)[None, :]
+        weights[p + "self_attn.dms_decision_proj.weight"] = folded.to(w_a.dtype)
+    return weights
 
 
 def nvidia_dms_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
@@ -100,11 +141,16 @@ def nvidia_dms_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
     cfg = read_hf_config(hf_folder)
     model_config, dmc_config = configs_from_nvidia(cfg, str(hf_folder / "config.json"))
     target = cfg.get("dms_cr")
+    prepare = None
+    if cfg.get("dms_separate_alpha", False):
+        prepare = partial(fold_separate_alpha, num_layers=model_config.num_layers,
+                          source=str(hf_folder), vanilla=dmc_config is None)
     summary = convert_hf_folder(
         hf_folder, out_folder, model_config, dmc_config, tp=tp, pp=pp, dtype=dtype,
         source={"format": "nvidia-dms", "path": str(hf_folder)},
         what=f"NVIDIA DMS checkpoint {hf_folder}",
-        extra={"target_cr": float(target) if target and dmc_config is not None else None})
+        extra={"target_cr": float(target) if target and dmc_config is not None else None},
+        prepare=prepare)
     if dmc_config is None:
         summary["note"] = ("dms_disable_eviction is true: converted as a vanilla model "
                            "(no eviction)")

@@ -9,6 +9,14 @@ does); that channel of the query is zeroed before RoPE and again after it
 keys keep every channel and are rotated at their own position. ``alpha_t`` marks key ``t - 1``
 for eviction after the window of ``dms_window`` more queries (the cache's delayed eviction).
 
+Adapter decisions (``dms_decision: adapter``, NVIDIA's ``dms_separate_alpha=True``; see
+:mod:`dmc.megatron.dms_attention`): ``alpha_t = [decision_proj(x_t)_g * dms_logit_scale - c > 0]``
+from the attention input ``x_t``. The :class:`~dmc.inference.model_runner.ModelRunner` hands
+``decision_proj(x_t)`` over as one extra channel appended to every query head
+(:func:`append_adapter_logits`; the KV-write interface takes queries, keys and values only);
+:meth:`DMSKV._decide` reads it off the first head of each group exactly as it reads the
+borrowed channel and drops it, and no channel of the query is zeroed.
+
 Shapes as :mod:`dmc.inference.kv_write`: queries ``[tokens, heads, dim]``, keys and values
 ``[tokens, kv_heads, dim]`` of one batch row for a prefill chunk, ``[batch, heads, dim]`` for
 decode tokens.
@@ -21,6 +29,15 @@ from dmc.inference.kv_write import KVWrite
 from dmc.megatron.config import DMCConfig
 from dmc.ops import split_dms_channels, zero_dms_channel
 from dmc.ops.rope import apply_rope
+
+
+def append_adapter_logits(query: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``query [..., heads, dim]`` with ``logits [..., kv_heads]`` (the adapter's
+    ``decision_proj`` output of each token) appended as channel ``dim`` of every head of the
+    KV group: ``[..., heads, dim + 1]``."""
+    group = query.shape[-2] // logits.shape[-1]
+    extra = logits.to(query.dtype).repeat_interleave(group, dim=-1)
+    return torch.cat([query, extra[..., None]], dim=-1)
 
 
 class DMSKV(KVWrite):
@@ -37,19 +54,22 @@ class DMSKV(KVWrite):
             raise ValueError("Engine: use_triton=True is not supported with dmc.method='dms' "
                              "(DMS decode runs its PyTorch path on every device)")
         self.config = config
+        self.adapter = config.dms_decision == "adapter"
 
     def _decide(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query [batch, heads, n, dim]`` pre-RoPE -> (the query with the borrowed channels
-        zeroed, float32; ``alpha [batch, kv_heads, n]`` bool)."""
+        """``query [batch, heads, n, dim]`` pre-RoPE (adapter mode: ``dim + 1`` channels, the
+        last one the adapter's logit) -> (the query with the borrowed channels zeroed, or the
+        adapter channel dropped, float32; ``alpha [batch, kv_heads, n]`` bool)."""
         channels = split_dms_channels(query, self.cache.num_kv_heads, self.config.c,
                                       self.config.dms_logit_scale)
-        return channels.query.float(), channels.alpha_logit > 0
+        kept = query[..., :-1] if self.adapter else channels.query
+        return kept.float(), channels.alpha_logit > 0
 
     def _rotate_query(self, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE of ``query [batch, heads, n, dim]`` at ``positions`` (broadcast to ``[batch,
-        heads, n]``), the borrowed channels zeroed again."""
-        return zero_dms_channel(apply_rope(query, positions, self.inv_freq),
-                                self.cache.num_kv_heads)
+        heads, n]``), the borrowed channels zeroed again (none in adapter mode)."""
+        rotated = apply_rope(query, positions, self.inv_freq)
+        return rotated if self.adapter else zero_dms_channel(rotated, self.cache.num_kv_heads)
 
     def write_token(self, layer, seqs, query, key, value, positions):
         query, alpha = self._decide(query[:, :, None])

@@ -15,6 +15,7 @@ import torch
 
 from dmc.inference.block_allocator import to_device
 from dmc.inference.kv_write import KVWrite
+from dmc.inference.kv_write_dms import append_adapter_logits
 from dmc.megatron.config import DMCConfig
 from dmc.megatron.runtime import DMCRuntime
 
@@ -64,8 +65,7 @@ class ModelRunner:
         rows = len(decode)
         decode_slots, decode_positions = [s.slot for s in decode], positions[:rows]
         for index, layer in enumerate(self.layers):
-            query, key, value = layer.self_attention.get_query_key_value_tensors(
-                layer.input_layernorm(x))
+            query, key, value = self._qkv(layer.self_attention, layer.input_layernorm(x))
             query, key, value = query[:, 0], key[:, 0], value[:, 0]  # [tokens, heads, dim]
             parts = []
             if decode:
@@ -86,6 +86,16 @@ class ModelRunner:
             self.kv.policy.evict([seg.slot], [seg.start + len(seg.tokens)], decode=False,
                                  prompt_end=seg.prompt_end)
         return self._segment_logits(x, ordered)
+
+    @staticmethod
+    def _qkv(attention, hidden):
+        """The attention's ``query, key, value [tokens, 1, heads, dim]`` of ``hidden``; a DMS
+        adapter's logits ride along as an extra query channel
+        (:func:`~dmc.inference.kv_write_dms.append_adapter_logits`)."""
+        query, key, value = attention.get_query_key_value_tensors(hidden)
+        if getattr(attention, "decision_proj", None) is not None:
+            query = append_adapter_logits(query, attention.decision_logits(hidden))
+        return query, key, value
 
     def _segment_logits(self, x: torch.Tensor, ordered: list[Segment]) -> list[torch.Tensor]:
         """Final norm and output layer on the rows whose logits are wanted."""

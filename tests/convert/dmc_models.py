@@ -49,10 +49,17 @@ def megatron_logits(model, ids):
         return model(ids, torch.arange(ids.shape[1])[None].expand_as(ids), None)
 
 
-def tiny_dms(groups, window, c=0.0, seed=0):
+def tiny_dms(groups, window, c=0.0, seed=0, adapter=False):
     """``(model, model_config, dmc_config)``: an eval-mode DMS megatron model (hard decisions;
-    the borrowed channel's logit ``q[..., -1] * 100 - c`` mixes keeps and evictions)."""
+    the borrowed channel's logit ``q[..., -1] * 100 - c`` mixes keeps and evictions).
+    ``adapter``: adapter decisions (``dms_decision: adapter``), ``decision_proj`` of std 0.01."""
     torch.manual_seed(seed)
     cfg = model_config(groups)
     dms = {"method": "dms", "dms_window": window, "c": c, "tau": 0.1, "hard": False}
-    return build_model_from_config(cfg, dms).eval(), cfg, dms
+    if adapter:
+        dms["dms_decision"] = "adapter"
+    model = build_model_from_config(cfg, dms).eval()
+    for layer in dmc_layers(model) if adapter else ():
+        with torch.no_grad():
+            layer.decision_proj.weight.normal_(0.0, 0.01)
+    return model, cfg, dms

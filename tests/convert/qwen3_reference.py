@@ -24,8 +24,10 @@ class RefConfig:
 @dataclass
 class RefDMS:
     """``logit = q_norm(q)[first head of group, -1] * scale - offset`` (``separate``: from
-    ``dms_proj_alpha(dms_proj_alpha_norm(layer input))`` instead); key j is dropped for
-    queries i with ``i - j > window`` when ``logit_{j+1} > 0``."""
+    ``dms_proj_alpha(dms_proj_alpha_norm(h)) * scale - offset`` instead, ``h`` the layer input
+    before ``input_layernorm``: NVIDIA's own norm and weights, not the converter's folded
+    projection; the query then keeps every channel); key j is dropped for queries i with
+    ``i - j > window`` when ``logit_{j+1} > 0``."""
     scale: float
     offset: float
     window: int

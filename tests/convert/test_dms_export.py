@@ -2,7 +2,8 @@
 exported folder loads with trust_remote_code, its logits equal the eval-mode
 ``DMSSelfAttention`` model's (full forward and teacher-forced through the HF cache), generate()
 produces dmc.inference.Engine's greedy tokens (one sequence and a left-padded batch), and the HF
-cache holds exactly each head's survivors plus the window, as the engine does."""
+cache holds exactly each head's survivors plus the window, as the engine does; its weights map
+back to the megatron ones. Borrowed-channel and adapter decisions (``dms_decision``)."""
 import json
 
 import pytest
@@ -12,14 +13,18 @@ transformers = pytest.importorskip("transformers")
 
 from dmc.convert import mcore_to_hf  # noqa: E402
 from dmc.inference import Engine, SamplingParams  # noqa: E402
-from dmc_models import VOCAB, megatron_logits, save_tiny, tiny_dms  # noqa: E402
+from dmc.convert.hf_io import read_hf_weights  # noqa: E402
+from dmc.convert.mapping import hf_to_mcore_state  # noqa: E402
+from dmc.megatron.config import ModelConfig  # noqa: E402
+from dmc_models import (VOCAB, full_state, megatron_logits, model_config, save_tiny,  # noqa: E402
+                        tiny_dms)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 NEW = 16
 
 
-def export(tmp_path, groups, window, c):
-    model, cfg, dms = tiny_dms(groups, window, c)
+def export(tmp_path, groups, window, c, adapter=False):
+    model, cfg, dms = tiny_dms(groups, window, c, adapter=adapter)
     save_tiny(model, cfg, dms, tmp_path / "mc", target_cr=2.0)
     sample = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(5)).tolist()
     info = mcore_to_hf(tmp_path / "mc", tmp_path / "hf", cr_tokens=sample)
@@ -42,8 +47,11 @@ def held_reference(hf, ids):
     held = []
     for layer, x in zip(hf.model.layers, inputs):
         attn = layer.self_attn
-        q = attn.q_proj(x).view(n, attn.heads, attn.head_dim)
-        evict = q[:, ::attn.group, -1].T * attn.logit_scale - attn.c > 0  # [kv, n]
+        if attn.dms_decision_proj is not None:  # adapter decisions
+            logit = attn.dms_decision_proj(x)[0].T  # [kv, n]
+        else:
+            logit = attn.q_proj(x).view(n, attn.heads, attn.head_dim)[:, ::attn.group, -1].T
+        evict = logit * attn.logit_scale - attn.c > 0  # [kv, n]
         marked = torch.zeros_like(evict)
         marked[:, :-1] = evict[:, 1:]  # alpha_{j+1} marks key j
         old = torch.arange(n) < n - 1 - w
@@ -51,10 +59,21 @@ def held_reference(hf, ids):
     return torch.stack(held)
 
 
-@pytest.mark.parametrize("groups,window,c", [(2, 4, 10.0), (4, 3, 0.0)], ids=["gqa", "mha"])
-def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window, c):
-    model, hf, info = export(tmp_path, groups, window, c)
+@pytest.mark.parametrize("groups,window,c,adapter", [
+    (2, 4, 10.0, False), (4, 3, 0.0, False), (2, 4, 0.0, True)],
+    ids=["gqa", "mha", "gqa-adapter"])
+def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window, c, adapter):
+    """``adapter``: DMS adapter decisions, exported as ``dms_decision: adapter`` with
+    ``self_attn.dms_decision_proj.weight``, and back (hf_to_mcore_state maps it)."""
+    model, hf, info = export(tmp_path, groups, window, c, adapter)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("dms_decision", "query") == ("adapter" if adapter else "query")
+    hf_weights = read_hf_weights(tmp_path / "hf")
+    assert ("model.layers.1.self_attn.dms_decision_proj.weight" in hf_weights) == adapter
+    back = hf_to_mcore_state(hf_weights, ModelConfig.from_dict(model_config(groups)))
+    want_state = full_state(model)
+    assert set(back) == set(want_state)
+    assert all(torch.equal(back[k], v) for k, v in want_state.items())
     assert config["architectures"] == ["DMSLlamaForCausalLM"]
     assert config["dms_window"] == window and config["dms_c"] == c
     assert config["dms_logit_scale"] == 100.0 and config["dms_channel"] == "last"

@@ -1,9 +1,11 @@
-"""NVIDIA Model-Optimizer DMS checkpoints (Hugging Face Qwen3 + ``dms_*`` config fields) -> ours:
-a tiny fake checkpoint converts; the eval model (hard decisions) equals a float64 reference of
-NVIDIA's forward (q_norm -> logit from the first query head of each KV group -> zero that
-channel -> RoPE -> zero again -> delayed eviction, window ``dms_window_size`` exactly); the paged
-engine's greedy decode equals the eval model and holds NVIDIA's survivors; a TP=2 save loads;
-each unsupported setting fails naming its field (CLI exit code 2)."""
+"""NVIDIA Model-Optimizer DMS checkpoints (Hugging Face Qwen3 + ``dms_*`` config fields) -> ours,
+in both decision modes: a tiny fake checkpoint converts; the eval model (hard decisions) equals
+a float64 reference of NVIDIA's forward (borrowed channel: q_norm -> logit from the first query
+head of each KV group -> zero that channel -> RoPE -> zero again; separate adapter: logit from
+``dms_proj_alpha(dms_proj_alpha_norm(h))`` of the layer input, query untouched; then delayed
+eviction, window ``dms_window_size`` exactly); the paged engine's greedy decode equals the eval
+model and holds NVIDIA's survivors; a TP=2 save loads; each unsupported setting fails naming its
+field (CLI exit code 2)."""
 import json
 
 import pytest
@@ -13,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from dmc.cli import main  # noqa: E402
 from dmc.convert import UnsupportedModelError, nvidia_dms_to_mcore  # noqa: E402
-from dmc.convert.hf_io import read_hf_weights  # noqa: E402
+from dmc.convert.hf_io import WEIGHT_FILES, WEIGHT_INDEXES, read_hf_weights  # noqa: E402
+from dmc.convert.hf_io import write_safetensors  # noqa: E402
 from dmc.inference import Engine, SamplingParams  # noqa: E402
 from dmc.inference.loading import load_model  # noqa: E402
 from dmc.training.config import load_config  # noqa: E402
@@ -51,15 +54,45 @@ def fake_nvidia_dms(folder, shard=None, **fields):
     config.update(fields)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "tokenizer.json").write_text("{}")
+    if config["dms_separate_alpha"]:
+        add_separate_alpha(folder, shard)
 
 
-def test_converted_model_equals_nvidia_reference_and_engine(tmp_path):
-    fake_nvidia_dms(tmp_path / "nv", shard="30KB")
+def add_separate_alpha(folder, shard=None):
+    """Adds NVIDIA's per-layer adapter of ``dms_separate_alpha: true``: ``dms_proj_alpha_norm``
+    (weights around 1, unlike the input norm's) and ``dms_proj_alpha [kv_heads, hidden]``
+    (std 0.02: logits ``* 100 - 5`` about a third positive)."""
+    state = read_hf_weights(folder)
+    for name in WEIGHT_FILES + WEIGHT_INDEXES:
+        (folder / name).unlink(missing_ok=True)
+    for path in folder.glob("model-*.safetensors"):
+        path.unlink()
+    gen = torch.Generator().manual_seed(7)
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn."
+        state[p + "dms_proj_alpha_norm.weight"] = 1 + 0.3 * torch.randn(48, generator=gen)
+        state[p + "dms_proj_alpha.weight"] = 0.02 * torch.randn(2, 48, generator=gen)
+    write_safetensors(folder, state, 30_000 if shard else 1 << 30)
+
+
+def ref_dms(separate, offset=5.0, window=WINDOW):
+    """NVIDIA's settings of :data:`DMS_FIELDS` for the reference."""
+    return RefDMS(100.0, offset, window, separate)
+
+
+MODES = [False, True]
+MODE_IDS = ["borrowed-channel", "separate-alpha"]
+
+
+@pytest.mark.parametrize("separate", MODES, ids=MODE_IDS)
+def test_converted_model_equals_nvidia_reference_and_engine(tmp_path, separate):
+    fake_nvidia_dms(tmp_path / "nv", shard="30KB", dms_separate_alpha=separate)
     assert (tmp_path / "nv" / "model.safetensors.index.json").is_file()
     info = nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc")
     dms = info["dmc_config"]
     assert (dms["method"], dms["dms_window"], dms["dms_logit_scale"], dms["c"], dms["tau"]) == (
         "dms", WINDOW, 100.0, 5.0, 0.1)
+    assert dms.get("dms_decision", "query") == ("adapter" if separate else "query")
     assert dms["hard_loss"] is True and "tokenizer.json" in info["tokenizer"]
     state = json.loads((tmp_path / "mc" / "state.json").read_text())
     assert state["target_cr"] == 8.0 and state["source"]["format"] == "nvidia-dms"
@@ -71,15 +104,15 @@ def test_converted_model_equals_nvidia_reference_and_engine(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
     got = megatron_logits(model, ids).double()
     for row in range(2):
-        want = reference_logits(weights, REF, ids[row], RefDMS(100.0, 5.0, WINDOW))
+        want = reference_logits(weights, REF, ids[row], ref_dms(separate))
         diff = (got[row] - want).abs().max().item()
         print(f"max |logit diff| converted eval model vs NVIDIA reference: {diff:.2e}")
         assert diff < 1e-4
         # the window is converted exactly: one more or one less gives other logits
         for other in (WINDOW - 1, WINDOW + 1):
-            shifted = reference_logits(weights, REF, ids[row], RefDMS(100.0, 5.0, other))
+            shifted = reference_logits(weights, REF, ids[row], ref_dms(separate, window=other))
             assert (got[row] - shifted).abs().max() > 1e-3
-        kept_all = reference_logits(weights, REF, ids[row], RefDMS(100.0, 1e9, WINDOW))
+        kept_all = reference_logits(weights, REF, ids[row], ref_dms(separate, offset=1e9))
         assert (got[row] - kept_all).abs().max() > 1e-2  # tokens really are evicted
 
     prompts = [ids[0, :9].tolist(), ids[1, :17].tolist()]
@@ -95,20 +128,21 @@ def test_converted_model_equals_nvidia_reference_and_engine(tmp_path):
         torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), picked,
                                    atol=1e-4, rtol=0)
         marks, n = [], len(fed)
-        reference_logits(weights, REF, torch.tensor(fed), RefDMS(100.0, 5.0, WINDOW), marks)
+        reference_logits(weights, REF, torch.tensor(fed), ref_dms(separate), marks)
         gone = torch.stack(marks) & (n - 1 - torch.arange(n) > WINDOW)  # [layers, groups, n]
         assert torch.equal(result.compression.slots, n - gone.sum(-1))  # NVIDIA's evictions
         assert result.compression.overall > 1.2
 
 
-def test_tp2_save(tmp_path):
-    fake_nvidia_dms(tmp_path / "nv")
+@pytest.mark.parametrize("separate", MODES, ids=MODE_IDS)
+def test_tp2_save(tmp_path, separate):
+    fake_nvidia_dms(tmp_path / "nv", dms_separate_alpha=separate)
     nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc", tp=2)
     assert json.loads((tmp_path / "mc" / "state.json").read_text())["tp"] == 2
     ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(3))
     got = megatron_logits(load_model(tmp_path / "mc").model, ids)[0].double()
     want = reference_logits(read_hf_weights(tmp_path / "nv"), REF, ids[0],
-                            RefDMS(100.0, 5.0, WINDOW))
+                            ref_dms(separate))
     assert (got - want).abs().max() < 1e-4
 
 
@@ -123,8 +157,27 @@ def test_disable_eviction_converts_as_vanilla(tmp_path, capsys):
     assert (megatron_logits(loaded.model, ids)[0].double() - want).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("separate", MODES, ids=MODE_IDS)
+def test_disable_eviction_drops_the_adapter(tmp_path, separate):
+    fake_nvidia_dms(tmp_path / "nv", dms_disable_eviction=True, dms_separate_alpha=separate)
+    info = nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc")
+    assert "dmc_config" not in info and "note" in info
+
+
+def test_separate_alpha_needs_a_nonzero_input_norm(tmp_path, capsys):
+    fake_nvidia_dms(tmp_path / "nv", dms_separate_alpha=True)
+    state = read_hf_weights(tmp_path / "nv")
+    state["model.layers.1.input_layernorm.weight"][5] = 0
+    (tmp_path / "nv" / "model.safetensors").unlink()
+    write_safetensors(tmp_path / "nv", state, 1 << 30)
+    with pytest.raises(UnsupportedModelError, match="layer 1: input_layernorm.weight has zeros"):
+        nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc")
+    assert main(["convert", "nvidia-dms", str(tmp_path / "nv"), str(tmp_path / "mc2")]) == 2
+
+
 @pytest.mark.parametrize("fields,match", [
-    ({"dms_separate_alpha": True}, "dms_separate_alpha=True is not supported"),
+    ({"dms_separate_alpha": "yes"}, r"dms_separate_alpha='yes' is not supported; accepted: "
+                                    r"\[False, True\]"),
     ({"dms_alpha_per": "layer"}, r"dms_alpha_per='layer' is not supported; accepted: \['head'\]"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "architecture"),
     ({"dms_window_size": -1}, "dmc.dms_window"),

@@ -1,7 +1,9 @@
 """One tiny DMC training step under a given TP/PP layout, for each CR prior (global, local); run
 by test_distributed.py through torchrun (gloo). Writes, per prior, the LM loss, the CR loss, the
 kept slots per head and per sequence, and full gradients keyed by global parameter name to
-``--out`` (rank 0 gathers); the same for a DMS model (``dmc.method: dms``) under ``"dms"``."""
+``--out`` (rank 0 gathers); the same for a DMS model (``dmc.method: dms``) under ``"dms"`` and,
+global prior only, for DMS adapter decisions (``dms_decision: adapter``) under
+``"dms_adapter"``."""
 from __future__ import annotations
 
 import argparse
@@ -28,11 +30,14 @@ TARGET_CR = 2.125  # between the kept fractions of micro-batch 1's two sequences
 # DMS: soft decisions (logits ~ +-1 / tau) that keep about half of the slots, window 4 of 24
 DMS_CONFIG = DMCConfig(method="dms", dms_window=4, c=0.0, dms_logit_scale=2.5, tau=0.5)
 DMS_TARGET_CR = 4.0
+# DMS adapter decisions (decision_proj, column-parallel over KV heads): logits ~ +-1 / tau too
+DMS_ADAPTER_CONFIG = dataclasses.replace(DMS_CONFIG, dms_decision="adapter", dms_logit_scale=1.0)
 HEAD_CR_CAP = 2.2  # below the CR of some heads (kept fractions vary around 0.45)
 
 
 def column_shards(name):
-    return any(s in name for s in ("linear_qkv", "linear_fc1", "output_layer", "word_embeddings"))
+    return any(s in name for s in ("linear_qkv", "linear_fc1", "output_layer", "word_embeddings",
+                                   "decision_proj"))
 
 
 def gather_full(name, tensor, tp_group):
@@ -157,14 +162,16 @@ def main():
     config = llama_transformer_config(LAYERS, HIDDEN, HEADS, FFN, num_query_groups=GROUPS)
     out = {}
     for method, dmc_config, target_cr in (("dmc", DMCConfig(window=4, c=0.0), TARGET_CR),
-                                          ("dms", DMS_CONFIG, DMS_TARGET_CR)):
+                                          ("dms", DMS_CONFIG, DMS_TARGET_CR),
+                                          ("dms_adapter", DMS_ADAPTER_CONFIG, DMS_TARGET_CR)):
         runtime = DMCRuntime(dmc_config, mode="train", target_cr=target_cr, step=5)
         model = build_gpt_model(config, VOCAB, SEQ, dmc=runtime)
         init_by_global_name(model)
-        results = {prior: run_step(model, runtime, prior) for prior in PRIORS}
+        priors = ("global",) if method == "dms_adapter" else PRIORS
+        results = {prior: run_step(model, runtime, prior) for prior in priors}
         if method == "dmc":
             results["global+cap"] = run_step(model, runtime, "global", HEAD_CR_CAP)
-        out.update(results if method == "dmc" else {"dms": results})
+        out.update(results if method == "dmc" else {method: results})
     if dist.get_rank() == 0:
         torch.save(out, args.out)
     destroy_parallel()

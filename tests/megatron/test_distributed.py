@@ -105,10 +105,11 @@ def _assert_same_step(got, want):
 @pytest.mark.distributed
 @pytest.mark.parametrize("method,prior", [("dmc", "global"), ("dmc", "local"),
                                           ("dmc", "global+cap"), ("dms", "global"),
-                                          ("dms", "local")])
+                                          ("dms", "local"), ("dms_adapter", "global")])
 @pytest.mark.parametrize("flags", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
 def test_two_process_layout_matches_single_process(single, layouts, flags, prior, method):
+    """``dms_adapter``: decision_proj is column-parallel over KV heads under TP=2."""
     got, want = layouts(flags), single
-    if method == "dms":
-        got, want = got["dms"], want["dms"]
+    if method != "dmc":
+        got, want = got[method], want[method]
     _assert_same_step(got[prior], want[prior])
