@@ -82,16 +82,22 @@ class DMSSelfAttention(DMCSelfAttention):
                 config.hidden_size, config.num_query_groups, config=config,
                 init_method=torch.nn.init.zeros_, bias=False, gather_output=False,
                 skip_bias_add=False, is_expert=False, tp_group=self.pg_collection.tp)
-            with torch.no_grad():
+            with torch.no_grad():  # also when config.perform_initialization is off
                 self.decision_proj.weight.zero_()
+
+    def _adapter(self) -> bool:
+        """Whether this layer decides with ``decision_proj``; the runtime's config must agree."""
+        if (self.decision_proj is None) != (self.dmc.config.dms_decision == "query"):
+            raise ValueError(f"dmc.dms_decision is {self.dmc.config.dms_decision!r} but this "
+                             f"layer was built for the other: build the model from its config")
+        return self.decision_proj is not None
 
     def decision_logits(self, hidden_states):
         """Adapter mode: ``hidden_states [seq, batch, hidden]`` (the attention input) ->
         ``decision_proj(hidden_states) [seq, batch, local_kv_heads]``, before the scale and
         offset (``* dms_logit_scale - c``)."""
-        if (self.decision_proj is None) != (self.dmc.config.dms_decision == "query"):
-            raise ValueError(f"dmc.dms_decision is {self.dmc.config.dms_decision!r} but this "
-                             f"layer was built for the other: build the model from its config")
+        if not self._adapter():
+            raise ValueError("decision_logits: this DMS layer reads its decisions from the query")
         return self.decision_proj(hidden_states)[0]
 
     def _compressed_attention(self, hidden_states, rotary_pos_emb):
@@ -101,7 +107,7 @@ class DMSSelfAttention(DMCSelfAttention):
         cfg = self.dmc.config
         groups = self.num_query_groups_per_partition
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        if self.decision_proj is not None:
+        if self._adapter():
             logit = self.decision_logits(hidden_states) * cfg.dms_logit_scale - cfg.c
             alpha, log_keep = self._decisions(logit.permute(1, 2, 0))
             query, key = self._rotate(query, key, rotary_pos_emb)
@@ -125,7 +131,7 @@ class DMSSelfAttention(DMCSelfAttention):
         """Megatron's core attention with the borrowed query channels multiplied by
         ``zero_out_scale`` before and after RoPE (keys untouched); at scale 0 this is the
         ``eval`` model that evicts nothing. Adapter mode borrows no channel: scale 1."""
-        scale = self.dmc.zero_out_scale if self.decision_proj is None else 1.0
+        scale = 1.0 if self._adapter() else self.dmc.zero_out_scale
         groups = self.num_query_groups_per_partition
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if self.q_layernorm is None:  # else scaled before q_norm (_scale_before_norm)

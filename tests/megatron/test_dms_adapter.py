@@ -119,6 +119,9 @@ def test_query_keeps_every_channel_and_zero_out_is_vanilla():
     runtime.set_mode("eval")
     runtime.config = DMCConfig(**{**ADAPTER, "c": 5.0})
     torch.testing.assert_close(logits(model, ids), vanilla, rtol=0, atol=1e-5)  # logit -5
+    runtime.config = DMCConfig(**{**ADAPTER, "dms_decision": "query"})
+    with pytest.raises(ValueError, match="built for the other"):
+        logits(model, ids)
 
 
 def test_config_field():
