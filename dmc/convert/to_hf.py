@@ -11,7 +11,9 @@ so that ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
 DMS models (``dmc.method: dms``, DMS paper arXiv 2506.05345 Sec. 3) become
 ``DMSLlamaForCausalLM`` folders the same way: ``dms_window``, ``dms_c``, ``dms_logit_scale``,
 ``dms_channel``, ``dms_target_cr``, ``dms_measured_cr`` and ``modeling_dms.py``
-(:mod:`dmc.convert.hf_modeling_dms`). Models with ``qk_layernorm`` or ``kv_channels`` add
+(:mod:`dmc.convert.hf_modeling_dms`); adapter decisions (``dmc.dms_decision: adapter``) add
+``dms_decision`` and the tensors ``model.layers.i.self_attn.dms_decision_proj.weight``
+(:mod:`dmc.convert.mapping`). Models with ``qk_layernorm`` or ``kv_channels`` add
 ``qk_norm`` and ``head_dim`` to either.
 """
 from __future__ import annotations
