@@ -24,7 +24,9 @@ from dmc.megatron.attention import decision_rows, dmc_layers
 
 class DecisionUpdateScale:
     """Multiplies the optimizer's update of every DMC layer's :func:`decision_rows` by
-    ``mult``: ``w <- w_before + mult * (w_after - w_before)`` around one optimizer step.
+    ``mult``: ``w <- w_before + mult * (w_after - w_before)`` around one optimizer step. A DMS
+    adapter layer (``dmc.dms_decision: adapter``) decides with its ``decision_proj``, whose
+    whole weight is then the decision parameter.
 
     Works on the optimizer's main copy of the weight (megatron's ``param.main_param`` under
     bf16/fp16, the parameter itself in fp32) and writes the result back to the model's copy.
@@ -34,8 +36,10 @@ class DecisionUpdateScale:
         self.mult = mult
         self.targets = []  # (model weight, main weight, row ids)
         for layer in dmc_layers(model):
-            weight = layer.linear_qkv.weight
-            rows = torch.tensor(decision_rows(layer), device=weight.device)
+            adapter = getattr(layer, "decision_proj", None)
+            weight = layer.linear_qkv.weight if adapter is None else adapter.weight
+            rows = (torch.tensor(decision_rows(layer), dtype=torch.long, device=weight.device)
+                    if adapter is None else torch.arange(weight.shape[0], device=weight.device))
             self.targets.append((weight, getattr(weight, "main_param", weight), rows))
 
     @contextmanager

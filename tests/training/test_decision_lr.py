@@ -1,4 +1,5 @@
-"""``optim.decision_lr_mult`` scales the retrofit's update of the decision rows, nothing else."""
+"""``optim.decision_lr_mult`` scales the retrofit's update of the decision rows (a DMS adapter's
+``decision_proj``), nothing else."""
 import pytest
 import torch
 
@@ -12,18 +13,32 @@ STEPS = {"schedule.zero_out_steps": 1, "schedule.retrofit_steps": 2,
          "schedule.solidify_steps": 0, "checkpoint.save_interval": 0}
 
 
+ADAPTER = {"dmc.method": "dms", "dmc.dms_window": 8, "dmc.dms_decision": "adapter"}
+
+
 def _qkv_weights(trainer):
-    return [(layer.linear_qkv.weight.detach().clone(), decision_rows(layer))
-            for layer in dmc_layers(trainer.module)]
+    """Per layer: (its decision weight concatenated under its qkv weight, the decision rows)."""
+    out = []
+    for layer in dmc_layers(trainer.module):
+        qkv, adapter = layer.linear_qkv.weight.detach(), getattr(layer, "decision_proj", None)
+        if adapter is None:
+            out.append((qkv.clone(), decision_rows(layer)))
+        else:
+            rows = list(range(qkv.shape[0], qkv.shape[0] + adapter.weight.shape[0]))
+            out.append((torch.cat([qkv, adapter.weight.detach()]), rows))
+    return out
 
 
-def _trainer(tiny_data, run_dir, mult):
-    overrides = tiny_overrides(tiny_data, run_dir, **STEPS, **{"optim.decision_lr_mult": mult})
+def _trainer(tiny_data, run_dir, mult, method):
+    overrides = tiny_overrides(tiny_data, run_dir, **STEPS, **method,
+                               **{"optim.decision_lr_mult": mult})
     return Trainer(load_config([], overrides), "retrofit")
 
 
-def test_decision_rows_move_mult_times_as_far_in_the_retrofit(tiny_data, tmp_path):
-    plain, scaled = _trainer(tiny_data, tmp_path / "a", 1.0), _trainer(tiny_data, tmp_path / "b", 3.0)
+@pytest.mark.parametrize("method", [{}, ADAPTER], ids=["dmc", "dms-adapter"])
+def test_decision_rows_move_mult_times_as_far_in_the_retrofit(tiny_data, tmp_path, method):
+    plain = _trainer(tiny_data, tmp_path / "a", 1.0, method)
+    scaled = _trainer(tiny_data, tmp_path / "b", 3.0, method)
     for trainer in (plain, scaled):
         trainer.run(stop_after=1)  # the zero-out step: no scaling
     for (a, _), (b, _) in zip(_qkv_weights(plain), _qkv_weights(scaled)):

@@ -1,0 +1,87 @@
+"""Needle error analysis of one checkpoint with its full cache (a plain forward, greedy).
+
+    python benchmarks/needle_probe.py CHECKPOINT DATA_DIR [--lengths 256,512,1024] [--needles 40]
+
+Per context length, on ``--needles`` examples of :func:`dmc.data.needle.make_needle_examples`
+(8-token key, 4-token value, corpus spans of DATA_DIR's held-out split, depths cycling through
+0.1 ... 0.9): exact match of the value, accuracy of its first token, mean token accuracy, and exact
+match split by whether the key's last token occurs elsewhere in the prompt (a model that matches
+on that one token alone cannot tell such needles from the haystack). What it separates: a model
+that does not find the needle (first token wrong) from one that finds it and miscopies the value.
+Prints a table; ``--json PATH`` writes the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from dmc.data.indexed import read_indexed_dataset
+from dmc.data.needle import make_needle_examples
+from dmc.inference.loading import load_model
+
+
+def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
+    """The accuracies above for ``count`` needles in ``length``-token prompts."""
+    totals = {"exact": 0, "first": 0, "token": 0.0, "unique": 0, "exact_unique": 0}
+    for example in make_needle_examples(stream, length, count, seed=seed):
+        tokens = torch.tensor([list(example.tokens)])
+        with torch.no_grad():
+            logits = model(tokens, torch.arange(tokens.shape[1])[None], None)[0]
+        answer = torch.tensor(example.answer)
+        correct = logits[example.prompt_len - 1:-1].argmax(-1) == answer
+        unique = example.prompt.count(example.key[-1]) == 2  # the needle's key and the query's
+        totals["exact"] += bool(correct.all())
+        totals["first"] += bool(correct[0])
+        totals["token"] += correct.float().mean().item()
+        totals["unique"] += unique
+        totals["exact_unique"] += bool(correct.all()) and unique
+    shared = count - totals["unique"]
+    return {"length": length, "needles": count, "exact": totals["exact"] / count,
+            "first_token": totals["first"] / count, "token": totals["token"] / count,
+            "unique_last_key_token": totals["unique"],
+            "exact_if_unique": totals["exact_unique"] / max(totals["unique"], 1),
+            "exact_if_shared": (totals["exact"] - totals["exact_unique"]) / max(shared, 1)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("data", help="a `dmc data prepare` folder (its valid split is used)")
+    parser.add_argument("--lengths", default="256,512,1024")
+    parser.add_argument("--needles", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        print(f"--lengths: expected comma-separated integers, got {args.lengths!r}",
+              file=sys.stderr)
+        return 2
+    prefix = Path(args.data) / "valid_text_document"
+    if not prefix.with_suffix(".idx").is_file():
+        print(f"data: {args.data} holds no valid split (valid_text_document.idx); give a "
+              f"`dmc data prepare` output folder", file=sys.stderr)
+        return 2
+    torch.set_num_threads(2)
+    stream = [t for doc in read_indexed_dataset(str(prefix)) for t in doc]
+    model = load_model(args.checkpoint).model.eval()
+    rows = [probe(model, stream, length, args.needles, args.seed) for length in lengths]
+    print("| length | exact | first token | token | exact (last key token unique / shared) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['length']} | {r['exact']:.2f} | {r['first_token']:.2f} | {r['token']:.2f} | "
+              f"{r['exact_if_unique']:.2f} / {r['exact_if_shared']:.2f} "
+              f"({r['unique_last_key_token']} unique) |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"checkpoint": args.checkpoint, "rows": rows},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
