@@ -63,3 +63,36 @@ def tiny_dms(groups, window, c=0.0, seed=0, adapter=False):
         with torch.no_grad():
             layer.decision_proj.weight.normal_(0.0, 0.01)
     return model, cfg, dms
+
+
+def check_hf_roundtrip(hf, hf_dir, tmp_path, ids):
+    """Converts the saved ``hf`` folder ``hf_dir`` to megatron (``tmp_path / "mc"``): our logits
+    equal HF's to 1e-5; back to HF (``tmp_path / "back"``): every tensor bit-identical and the
+    reloaded model's logits equal. Returns ``(hf_to_mcore's info, the exported config.json)``."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from dmc.convert import hf_to_mcore, mcore_to_hf
+    from dmc.convert.hf_io import read_hf_weights
+    from dmc.inference.loading import load_model
+
+    info = hf_to_mcore(hf_dir, tmp_path / "mc")
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = megatron_logits(load_model(tmp_path / "mc").model, ids)
+    diff = (got - want).abs().max().item()
+    print(f"max |logit diff| HF {type(hf).__name__} vs megatron: {diff:.2e}")
+    assert diff < 1e-5
+    mcore_to_hf(tmp_path / "mc", tmp_path / "back")
+    original = read_hf_weights(hf_dir)
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(back) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(reloaded) is type(hf)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, want)
+    return info, json.loads((tmp_path / "back" / "config.json").read_text())

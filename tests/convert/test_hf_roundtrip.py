@@ -7,11 +7,10 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
-from dmc.convert import UnsupportedModelError, hf_to_mcore, mcore_to_hf  # noqa: E402
-from dmc.convert.hf_io import read_hf_weights  # noqa: E402
+from dmc.convert import UnsupportedModelError, hf_to_mcore  # noqa: E402
 from dmc.inference.loading import load_model  # noqa: E402
+from dmc_models import check_hf_roundtrip, megatron_logits  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 VOCAB, SEQ = 96, 24
@@ -36,11 +35,6 @@ def tokens(seed=1, batch=2):
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def megatron_logits(model, ids):
-    with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1])[None].expand_as(ids), None)
-
-
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 
@@ -54,25 +48,8 @@ def test_hf_to_mcore_logits_and_roundtrip(tmp_path, groups, tie, scaling, shard)
     hf.save_pretrained(tmp_path / "hf", **kwargs)
     if shard:
         assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    info = hf_to_mcore(tmp_path / "hf", tmp_path / "mc")
+    info, _ = check_hf_roundtrip(hf, tmp_path / "hf", tmp_path, tokens())
     assert info["model_config"]["num_query_groups"] == groups
-    ids = tokens()
-    with torch.no_grad():
-        want = hf(ids).logits
-    got = megatron_logits(load_model(tmp_path / "mc").model, ids)
-    diff = (got - want).abs().max().item()
-    print(f"max |logit diff| HF vs megatron ({groups} groups, tie={tie}): {diff:.2e}")
-    assert diff < 1e-5
-
-    mcore_to_hf(tmp_path / "mc", tmp_path / "back")
-    original = read_hf_weights(tmp_path / "hf")
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(back) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(back[name], tensor), name
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, want)
 
 
 def test_bin_weights_and_tp2_save(tmp_path):

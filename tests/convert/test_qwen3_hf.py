@@ -8,13 +8,11 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
 from dmc.convert import UnsupportedModelError, hf_to_mcore, mcore_to_hf  # noqa: E402
-from dmc.convert.hf_io import read_hf_weights  # noqa: E402
 from dmc.inference import Engine, SamplingParams, build_model_from_config  # noqa: E402
-from dmc.inference.loading import load_model  # noqa: E402
-from dmc_models import megatron_logits, save_tiny, spread_decisions  # noqa: E402
+from dmc_models import (  # noqa: E402
+    check_hf_roundtrip, megatron_logits, save_tiny, spread_decisions)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 VOCAB, SEQ = 80, 24
@@ -44,30 +42,11 @@ def tokens(seed=1, batch=2, n=SEQ):
 def test_qwen3_logits_and_roundtrip(tmp_path, groups, tie):
     hf = tiny_qwen3(groups, tie)
     hf.save_pretrained(tmp_path / "hf")
-    info = hf_to_mcore(tmp_path / "hf", tmp_path / "mc")
+    info, config = check_hf_roundtrip(hf, tmp_path / "hf", tmp_path, tokens())
     assert info["model_config"]["qk_layernorm"] is True
     assert info["model_config"]["kv_channels"] == 16
     assert "qk_layernorm: true" in (tmp_path / "mc" / "model.yaml").read_text()
-    ids = tokens()
-    with torch.no_grad():
-        want = hf(ids).logits
-    got = megatron_logits(load_model(tmp_path / "mc").model, ids)
-    diff = (got - want).abs().max().item()
-    print(f"max |logit diff| HF Qwen3 vs megatron ({groups} groups, tie={tie}): {diff:.2e}")
-    assert diff < 1e-5
-
-    mcore_to_hf(tmp_path / "mc", tmp_path / "back")
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 16
-    original = read_hf_weights(tmp_path / "hf")
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(back) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(back[name], tensor), name
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(reloaded).__name__ == "Qwen3ForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, want)
 
 
 def test_llama_with_explicit_head_dim(tmp_path):
@@ -79,17 +58,9 @@ def test_llama_with_explicit_head_dim(tmp_path):
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).float().eval()
     hf.save_pretrained(tmp_path / "hf")
-    info = hf_to_mcore(tmp_path / "hf", tmp_path / "mc")
+    info, config = check_hf_roundtrip(hf, tmp_path / "hf", tmp_path, tokens())
     assert info["model_config"]["kv_channels"] == 16 and "qk_layernorm" not in info["model_config"]
-    ids = tokens()
-    with torch.no_grad():
-        want = hf(ids).logits
-    assert (megatron_logits(load_model(tmp_path / "mc").model, ids) - want).abs().max() < 1e-5
-    mcore_to_hf(tmp_path / "mc", tmp_path / "back")
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 16
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert all(torch.equal(back[k], v) for k, v in read_hf_weights(tmp_path / "hf").items())
 
 
 def qwen3_compressed(dmc: dict, seed=0):
