@@ -55,7 +55,7 @@ DATA_KEYS = {"vocab_size", "retrieval_fraction", "retrieval_doc_tokens", "retrie
              "valid_fraction", "seed"}
 STAGE_KEYS = {"data", "overrides"}
 EVAL_KEYS = {"seq_len", "num_sequences", "prefill_fraction", "needle_lengths", "needle_depths",
-             "needles_per_cell", "batch_size", "seed"}
+             "needles_per_cell", "batch_size", "workers", "seed"}
 QUICK_KEYS = {"data", "model_overrides", "base", "retrofit", "intermediate_crs", "eval"}
 
 
@@ -294,7 +294,8 @@ def evaluate(exp: dict, data: Path, base: Path, finals: dict, out: Path, log) ->
                 methods.append(Method("dmc", "DMC path", str(checkpoint)))
             else:
                 log(f"no intermediate checkpoint {checkpoint}")
-    return run_methods(methods, eval_data, batch_size=e["batch_size"], log=log)
+    return run_methods(methods, eval_data, batch_size=e["batch_size"], workers=e["workers"],
+                       log=log)
 
 
 def add_steps_to_cr(rows: list[dict], finals: dict) -> None:

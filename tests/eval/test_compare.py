@@ -101,6 +101,21 @@ def test_table_json_png_and_numbers(setup, capsys):
         assert rows[label]["needle_accuracy"] == needle["accuracy"]
 
 
+def test_workers_give_the_same_rows(setup, capsys):
+    """Rows scored by two worker processes equal those scored in this one (a row's evaluation
+    is independent of the others; float32 sums may differ in the last bits)."""
+    rows = {}
+    for workers in ("1", "2"):
+        assert run(setup, "--dmc", str(setup / "dmc.pt"), "--gqa", str(setup / "gqa"),
+                   "--policies", "h2o", "--crs", "2", "--workers", workers, "--json") == 0
+        rows[workers] = json.loads(capsys.readouterr().out)["results"]
+    assert [r["label"] for r in rows["2"]] == ["control", "DMC", "GQA", "H2O"]
+    for one, two in zip(rows["1"], rows["2"]):
+        assert one["needle"] == two["needle"] and one["slots_cr"] == two["slots_cr"]
+        for key in ("perplexity", "kl", "top1_agreement", "memory_cr"):
+            assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-7), (one["label"], key)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--policies", "h2o,nope"], "--policies: unknown nope; accepted: h2o, tova"),
     (["--policies", "snapkv@later"],
@@ -109,6 +124,7 @@ def test_table_json_png_and_numbers(setup, capsys):
     (["--prefill-fraction", "0"], r"--prefill-fraction: expected 0 < f < 1"),
     (["--needle-depths", "0.5,2"], "--needle-depths: expected comma-separated numbers in [0, 1]"),
     (["--dmc", "VANILLA"], "is not a DMC model"),
+    (["--workers", "0"], "--workers: must be >= 1, got 0"),
 ])
 def test_bad_flags_name_the_flag(setup, capsys, flags, message):
     flags = [str(setup / "vanilla.pt") if f == "VANILLA" else f for f in flags]
