@@ -76,8 +76,9 @@ class DMCSelfAttention(SelfAttention):
         heads = self.num_query_groups_per_partition
         self.register_buffer("cr_kept", torch.zeros(heads, dtype=torch.float64), persistent=False)
         self.register_buffer("cr_count", torch.zeros((), dtype=torch.float64), persistent=False)
-        for norm in (self.q_layernorm, self.k_layernorm):
-            if norm is not None:
+        self._pre_norm_scale = None  # set by _zero_out_qkv around the q/k projection
+        if config.qk_layernorm:
+            for norm in (self.q_layernorm, self.k_layernorm):
                 norm.register_forward_pre_hook(self._scale_before_norm)
 
     # ------------------------------------------------------------------ forward
@@ -152,19 +153,33 @@ class DMCSelfAttention(SelfAttention):
         does (the model at the end of the zero-out phase is then the DMC model with no merges).
         """
         scale = self.dmc.zero_out_scale
-        query, key, value = self.get_query_key_value_tensors(hidden_states)
-        if self.q_layernorm is None:  # else scaled before the norms (_scale_before_norm)
-            query, key = scale_decision_channel(query, scale), scale_decision_channel(key, scale)
+        query, key, value = self._zero_out_qkv(hidden_states, scale)
         query, key = self._rotate(query, key, rotary_pos_emb)
         query, key = scale_decision_channel(query, scale), scale_decision_channel(key, scale)
         context = self.core_attention(query, key, value, attention_mask,
                                       attn_mask_type=self.attn_mask_type)
         return self.linear_proj(context)
 
+    def _zero_out_qkv(self, hidden_states, scale):
+        """``get_query_key_value_tensors`` with the borrowed channels (:meth:`_scale_borrowed`)
+        multiplied by ``scale``: after the projection, or before the q/k norm when the layer
+        has one (:meth:`_scale_before_norm`). Only the zero-out forward scales: the inference
+        engine calls ``get_query_key_value_tensors`` itself and gets eval semantics whatever
+        the runtime's mode."""
+        if not self.config.qk_layernorm:
+            query, key, value = self.get_query_key_value_tensors(hidden_states)
+            return (self._scale_borrowed(query, True, scale),
+                    self._scale_borrowed(key, False, scale), value)
+        self._pre_norm_scale = scale
+        try:
+            return self.get_query_key_value_tensors(hidden_states)
+        finally:
+            self._pre_norm_scale = None
+
     def _scale_before_norm(self, norm, args):
         """Forward pre-hook of ``q_layernorm`` / ``k_layernorm`` (Qwen3's per-head RMSNorm):
-        in ``zero_out`` mode the decision channels of the norm's input are multiplied by
-        ``zero_out_scale`` (:meth:`_scale_borrowed`), instead of the norm's output.
+        inside :meth:`_zero_out_qkv` the decision channels of the norm's input are multiplied by
+        the zero-out scale (:meth:`_scale_borrowed`), instead of the norm's output.
 
         Why before the norm: the RMS of a head is taken over all its channels, the borrowed one
         included, so the other channels' normalised values depend on it. Scaling after the norm
@@ -173,10 +188,10 @@ class DMCSelfAttention(SelfAttention):
         after the hand-off would differ from the model at the end of the zero-out phase. Scaled
         before the norm, scale 0 is exactly a zeroed row. (NVIDIA's recipe scales after
         ``q_norm``; this is a deviation for an exact hand-off.)"""
-        if self.dmc.mode != "zero_out":
+        if self._pre_norm_scale is None:
             return None
         (x,) = args
-        return (self._scale_borrowed(x, norm is self.q_layernorm, self.dmc.zero_out_scale),)
+        return (self._scale_borrowed(x, norm is self.q_layernorm, self._pre_norm_scale),)
 
     def _scale_borrowed(self, x, is_query, scale):
         """``x [seq, batch, heads, dim]`` (queries or keys) with DMC's borrowed channels, the

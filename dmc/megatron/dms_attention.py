@@ -132,12 +132,9 @@ class DMSSelfAttention(DMCSelfAttention):
         ``zero_out_scale`` before and after RoPE (keys untouched); at scale 0 this is the
         ``eval`` model that evicts nothing. Adapter mode borrows no channel: scale 1."""
         scale = 1.0 if self._adapter() else self.dmc.zero_out_scale
-        groups = self.num_query_groups_per_partition
-        query, key, value = self.get_query_key_value_tensors(hidden_states)
-        if self.q_layernorm is None:  # else scaled before q_norm (_scale_before_norm)
-            query = scale_dms_channel(query, groups, scale)
+        query, key, value = self._zero_out_qkv(hidden_states, scale)
         query, key = self._rotate(query, key, rotary_pos_emb)
-        query = scale_dms_channel(query, groups, scale)
+        query = scale_dms_channel(query, self.num_query_groups_per_partition, scale)
         context = self.core_attention(query, key, value, attention_mask,
                                       attn_mask_type=self.attn_mask_type)
         return self.linear_proj(context)

@@ -14,8 +14,9 @@ from dmc.inference import (
 )
 from dmc.inference.sampling import filtered_probs
 from dmc.megatron.attention import dmc_layers
-from dmc.megatron.runtime import DMCConfig
-from tiny_models import VOCAB, build_tiny
+from dmc.megatron.model import build_gpt_model
+from dmc.megatron.runtime import DMCConfig, DMCRuntime
+from tiny_models import VOCAB, build_tiny, spread_decisions, tiny_config
 
 MAX_SEQ = 160
 PROMPT_LENGTHS = (13, 21, 7)
@@ -106,8 +107,16 @@ def test_chunk_size_does_not_change_the_result(parallel_1x1):
         assert torch.equal(other[0].compression.slots, outs[0][0].compression.slots)
 
 
-def test_engine_uses_eval_semantics_whatever_the_runtime_mode(parallel_1x1):
-    model, runtime = build(2, 3)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-qk-norm"])
+def test_engine_uses_eval_semantics_whatever_the_runtime_mode(parallel_1x1, qk_norm):
+    if qk_norm:  # the zero-out scaling sits in a pre-hook of the q/k norms: still not here
+        torch.manual_seed(0)
+        runtime = DMCRuntime(DMCConfig(window=3, c=-1.0))
+        model = build_gpt_model(tiny_config(2, qk_layernorm=True), VOCAB, MAX_SEQ, dmc=runtime)
+        spread_decisions(model, 0.4)
+        runtime.set_mode("eval")
+    else:
+        model, runtime = build(2, 3)
     prompt_list = prompts((11,))
     params = SamplingParams(max_new_tokens=4)
     expected = Engine(model, page_size=4, max_batch=1, chunk_size=4).generate(prompt_list, params)
