@@ -1,4 +1,4 @@
-"""Achieved memory bandwidth of the Triton paged decode kernel, as a fraction of a device copy.
+"""Achieved memory bandwidth of the paged decode kernel, as a fraction of a device copy.
 
 The kernel reads every cached K and V slot of every (sequence, KV head) once per query group;
 its useful traffic is ``sum(lengths) * head_dim * 2 * bytes`` (plus q and the output). The
@@ -7,9 +7,10 @@ as bytes read + bytes written. Lengths are per (sequence, KV head); ``--cr`` > 1
 variable lengths around ``length / cr``. Pages are handed out in shuffled order (as after many
 allocations and frees).
 
-CUDA only: on a machine without a GPU the script says so and exits 0, after timing the PyTorch
-reference path against a CPU copy when ``--cpu-reference`` is given (that number is NOT the
-kernel's). ``--out FILE.json`` writes the numbers.
+On CUDA: the Triton kernel. Without a GPU: the CPU paths, each a row: the compiled kernel
+(``paged_cpu.c``, when a C compiler is present), the PyTorch batched path, and with
+``--cpu-reference`` the slot-by-slot reference; on the CPU the copy is also timed as a plain read
+(``sum``), the bound of a kernel that only reads. ``--out FILE.json`` writes the numbers.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--num-splits", type=int, default=None, help="split-K (default: heuristic)")
     p.add_argument("--cpu-reference", action="store_true",
-                   help="without CUDA: time the PyTorch reference path on the CPU instead")
+                   help="without CUDA: also time the slot-by-slot PyTorch reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     return p.parse_args(argv)
@@ -101,33 +102,68 @@ def measure(args, device, kernel, timer):
     seconds = timer(lambda: kernel(q, k_pages, v_pages, tables, lengths, scale, max_length),
                     args.iters)
     size = int(lengths.sum()) * args.head_dim * 2 * k_pages.element_size()
-    src = torch.empty(size, dtype=torch.uint8, device=device)
+    src = torch.ones(size, dtype=torch.uint8, device=device)  # touched: no shared zero page
     dst = torch.empty_like(src)
     copy_seconds = timer(lambda: dst.copy_(src), args.iters)
     kernel_bw = moved / seconds
     copy_bw = 2 * size / copy_seconds  # read + write
-    return {
+    out = {
         "kv_bytes": size, "kernel_seconds": seconds, "kernel_GBps": kernel_bw / 1e9,
         "copy_seconds": copy_seconds, "copy_GBps": copy_bw / 1e9,
         "fraction_of_copy": kernel_bw / copy_bw, "mean_length": float(lengths.float().mean()),
     }
+    if device.type == "cpu":  # a plain read of the same bytes: what a reading kernel can reach
+        words = src.view(torch.float32)
+        out["read_GBps"] = size / timer(lambda: words.sum(), args.iters) / 1e9
+    return out
 
 
-def report(args, result, device_name, path_name):
-    print(f"paged decode ({path_name}) on {device_name}: batch {args.batch}, {args.q_heads} q / "
+def report(args, results: dict, device_name: str) -> None:
+    """One table row per path; JSON with every number when ``--out`` is given."""
+    first = next(iter(results.values()))
+    print(f"paged decode on {device_name}: batch {args.batch}, {args.q_heads} q / "
           f"{args.kv_heads} kv heads, head_dim {args.head_dim}, {args.dtype}, page "
-          f"{args.page_size}, mean length {result['mean_length']:.0f} (cr {args.cr})")
-    header = ("KV MiB", "kernel us", "kernel GB/s", "copy GB/s", "fraction")
-    cells = (f"{result['kv_bytes'] / 2**20:.1f}", f"{result['kernel_seconds'] * 1e6:.1f}",
-             f"{result['kernel_GBps']:.1f}", f"{result['copy_GBps']:.1f}",
-             f"{result['fraction_of_copy']:.3f}")
-    print(" | ".join(f"{h:>12}" for h in header))
-    print(" | ".join(f"{c:>12}" for c in cells))
+          f"{args.page_size}, mean length {first['mean_length']:.0f} (cr {args.cr})")
+    header = ("path", "KV MiB", "kernel us", "kernel GB/s", "copy GB/s", "fraction", "read GB/s",
+              "of read")
+    print(" | ".join(f"{h:>14}" for h in header))
+    for path, result in results.items():
+        read = result.get("read_GBps")
+        cells = (path, f"{result['kv_bytes'] / 2**20:.1f}", f"{result['kernel_seconds'] * 1e6:.1f}",
+                 f"{result['kernel_GBps']:.1f}", f"{result['copy_GBps']:.1f}",
+                 f"{result['fraction_of_copy']:.3f}", "-" if read is None else f"{read:.1f}",
+                 "-" if read is None else f"{result['kernel_GBps'] / read:.3f}")
+        print(" | ".join(f"{c:>14}" for c in cells))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": device_name, "path": path_name, "args": vars(args), **result},
-                      f, indent=2)
+            json.dump({"device": device_name, "args": vars(args), "paths": results}, f, indent=2)
         print(f"wrote {args.out}")
+
+
+def cpu_paths(args) -> dict:
+    """The CPU rows: compiled kernel (if it builds here), PyTorch batched, reference."""
+    from dmc.inference.kernels import paged_decode_batched, paged_decode_reference
+    from dmc.inference.kernels.paged_native import native_paged_decode
+
+    paths = {}
+    if native_paged_decode(*make_small_inputs(args)) is not None:
+        paths["compiled"] = lambda q, k, v, t, lengths, scale, _: native_paged_decode(
+            q, k, v, t, lengths, scale)
+    paths["pytorch"] = lambda q, k, v, t, lengths, scale, _: paged_decode_batched(
+        q, k, v, t, lengths, scale, native=False)
+    if args.cpu_reference:
+        paths["reference"] = lambda q, k, v, t, lengths, scale, _: paged_decode_reference(
+            q, k, v, t, lengths, scale)
+    return paths
+
+
+def make_small_inputs(args):
+    """A one-page input of the run's dtype and head size: does the compiled kernel take it?"""
+    dtype = getattr(torch, args.dtype)
+    pages = torch.zeros(1, args.page_size, args.head_dim, dtype=dtype)
+    tables = torch.zeros(1, args.kv_heads, 1, dtype=torch.int32)
+    lengths = torch.ones(1, args.kv_heads, dtype=torch.int32)
+    return torch.zeros(1, args.q_heads, args.head_dim), pages, pages, tables, lengths, 1.0
 
 
 def main(argv=None) -> int:
@@ -140,20 +176,12 @@ def main(argv=None) -> int:
                                 max_length=max_length)
 
         result = measure(args, torch.device("cuda"), kernel, time_cuda)
-        report(args, result, torch.cuda.get_device_name(), "Triton kernel")
+        report(args, {"triton": result}, torch.cuda.get_device_name())
         return 0
-    print("paged_kernel: the Triton paged decode kernel needs a CUDA GPU; none found.")
-    if not args.cpu_reference:
-        print("(pass --cpu-reference to time the PyTorch reference path on the CPU instead)")
-        return 0
-    from dmc.inference.kernels import paged_decode_reference
-
-    print("timing the PyTorch reference path on the CPU instead -- NOT the Triton kernel")
-    def reference(q, k, v, t, lengths, scale, max_length):
-        return paged_decode_reference(q, k, v, t, lengths, scale)
-
-    result = measure(args, torch.device("cpu"), reference, time_cpu)
-    report(args, result, "cpu", "PyTorch reference, not the kernel")
+    cpu = torch.device("cpu")
+    results = {name: measure(args, cpu, kernel, time_cpu)
+               for name, kernel in cpu_paths(args).items()}
+    report(args, results, f"cpu ({torch.get_num_threads()} threads)")
     return 0
 
 

@@ -49,8 +49,9 @@ def summarise(results: Path) -> dict:
                                  "speedup_vs_vanilla")} for row in decode["rows"]]
     kernel = read_json(results / "paged_kernel.json")
     if kernel:
-        summary["figures"]["paged_kernel"] = {k: kernel[k] for k in (
-            "path", "kernel_GBps", "copy_GBps", "fraction_of_copy")}
+        summary["figures"]["paged_kernel"] = [
+            {"path": path, **{k: row[k] for k in ("kernel_GBps", "copy_GBps", "fraction_of_copy")}}
+            for path, row in kernel["paths"].items()]
     train = read_json(results / "train_step.json")
     if train:
         rows = train["results"]
@@ -74,8 +75,7 @@ def as_text(summary: dict) -> str:
         lines.append(f"decode {row['mode']:<16} CR {row['measured_cr']:5.2f}  batch "
                      f"{row['batch']:>4}  {row['tokens_per_s']:10.1f} tok/s  "
                      + ("" if speedup is None else f"x{speedup:.2f} vanilla"))
-    if "paged_kernel" in figures:
-        k = figures["paged_kernel"]
+    for k in figures.get("paged_kernel", []):
         lines.append(f"paged kernel ({k['path']}): {k['kernel_GBps']:.1f} GB/s, "
                      f"{k['fraction_of_copy']:.3f} of copy ({k['copy_GBps']:.1f} GB/s)")
     if "train_step" in figures:

@@ -182,3 +182,12 @@ class BlockAllocator:
         rows = to_device(seqs, self.device)
         self.device_tables[rows, layer] = to_device(self.tables[seqs, layer], self.device)
         self.device_lengths[rows, layer] = to_device(self.lengths[seqs, layer], self.device)
+
+
+def rows_or_zeros(table: torch.Tensor, seq_slots: list) -> torch.Tensor:
+    """``table[seq_slots]`` (host, first dimension a sequence slot) with zeros for ``None``."""
+    out = torch.zeros((len(seq_slots),) + table.shape[1:], dtype=table.dtype)
+    held = [i for i, slot in enumerate(seq_slots) if slot is not None]
+    if held:
+        out[held] = table[[seq_slots[i] for i in held]]
+    return out

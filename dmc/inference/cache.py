@@ -32,7 +32,7 @@ import torch
 
 from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
-from .block_allocator import BlockAllocator, pages_for, to_device
+from .block_allocator import BlockAllocator, pages_for, rows_or_zeros, to_device
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
 
 
@@ -144,9 +144,21 @@ class PagedKVCache:
         """Slots a query of the sequence attends, ``[num_layers, num_kv_heads]`` (host long)."""
         return self.head_lengths(seq_slot).long()
 
-    def paged_growth(self, seq_slot: int | None, tokens: int) -> torch.Tensor:
-        """Paged slots each head gains at most from ``tokens`` more: all, ``[layers, kv]`` long."""
-        return torch.full((self.num_layers, self.num_kv_heads), tokens, dtype=torch.long)
+    def paged_growth(self, seq_slots: list, tokens: int) -> torch.Tensor:
+        """Paged slots each head gains at most from ``tokens`` more: all, ``[n, layers, kv]``
+        long for ``seq_slots`` (``None``: a sequence without a slot yet)."""
+        return torch.full((len(seq_slots), self.num_layers, self.num_kv_heads), tokens,
+                          dtype=torch.long)
+
+    def worst_new_pages(self, seq_slots: list, tokens: int) -> list[int]:
+        """Pages each of ``seq_slots`` (``None``: no slot yet, nothing cached) takes at most
+        for ``tokens`` more tokens, every head growing by :meth:`paged_growth`; one batched
+        computation (the scheduler reserves a whole decode batch with it)."""
+        self.settle()
+        lengths = rows_or_zeros(self.allocator.lengths, seq_slots).long()
+        grown = lengths + self.paged_growth(seq_slots, tokens)
+        size = self.page_size
+        return ((grown + size - 1) // size - (lengths + size - 1) // size).sum((1, 2)).tolist()
 
     def layer_lengths(self, layer: int, seq_slots) -> torch.Tensor:
         """Slots per head of ``layer`` for ``seq_slots``, ``[batch, num_kv_heads]`` (host, long)."""

@@ -56,7 +56,7 @@ import torch
 
 from dmc.ops.mask import bias_from_log_keep
 
-from .block_allocator import to_device
+from .block_allocator import rows_or_zeros, to_device
 from .cache import PagedKVCache
 from .kernels.dms_decode import dms_decode_attention, dms_decode_attention_cpu
 
@@ -103,15 +103,14 @@ class DMSPagedCache(PagedKVCache):
         ring = self.written[seq_slot].clamp(max=self.ring_size)
         return self.head_lengths(seq_slot).long() + ring[:, None]
 
-    def paged_growth(self, seq_slot: int | None, tokens: int) -> torch.Tensor:
+    def paged_growth(self, seq_slots: list, tokens: int) -> torch.Tensor:
         """At most one paged slot per token that leaves the window ring during the next
         ``tokens`` tokens (kept or not: the decisions are not known yet); tokens still in the
-        ring take no page."""
-        written = (torch.zeros(self.num_layers, dtype=torch.long) if seq_slot is None
-                   else self.written[seq_slot])
+        ring take no page. ``[n, layers, kv]`` long for ``seq_slots`` (``None``: no slot yet)."""
+        written = rows_or_zeros(self.written, seq_slots)
         leaving = ((written + tokens - self.ring_size).clamp(min=0)
                    - (written - self.ring_size).clamp(min=0))
-        return leaving[:, None].expand(self.num_layers, self.num_kv_heads).clone()
+        return leaving[:, :, None].expand(-1, -1, self.num_kv_heads).clone()
 
     def sequence_bytes(self, seq_slot: int, dmc_state: bool = True) -> dict:
         """:meth:`PagedKVCache.sequence_bytes` with ``dmc_state`` = the window rings of every

@@ -35,6 +35,7 @@ from dmc.inference.sequence import (
     ScoreResult,
     Sequence,
 )
+from dmc.megatron.compat import cuda_rewrite_suspended
 from dmc.megatron.config import DMCConfig, ModelConfig
 from dmc.megatron.runtime import DMCRuntime
 
@@ -207,7 +208,7 @@ class Engine:
         during this step (and those of requests queued with :meth:`add_request` that finished
         inside :meth:`generate`)."""
         finished, self._unclaimed = self._unclaimed, []
-        with torch.inference_mode():
+        with torch.inference_mode(), cuda_rewrite_suspended():
             while True:
                 plan = self.scheduler.schedule()
                 zero = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.long)
@@ -312,7 +313,8 @@ class Engine:
         tokens run out). ``prefill_tokens`` is one value for all or one per sequence. At most
         ``max_batch`` sequences (the cache's sequence slots); see
         :func:`dmc.inference.scoring.score_batch`."""
-        return score_batch(self, sequences, return_logits, prefill_tokens)
+        with cuda_rewrite_suspended():
+            return score_batch(self, sequences, return_logits, prefill_tokens)
 
     def sequence_bytes(self, slot: int) -> dict:
         """Bytes the cache holds for the sequence in ``slot``: its pages (``kv``), their block

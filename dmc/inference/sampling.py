@@ -124,7 +124,8 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor,
 
 
 def filtered_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    top_p: torch.Tensor, *, filtering: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched :func:`filtered_probs` as log-probabilities up to a per-row constant, sorted.
 
     Args:
@@ -135,8 +136,13 @@ def filtered_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     Returns ``(scores, ids)``, both ``[rows, vocab]``: each row's tempered logits sorted in
     descending order (float32), ``-inf`` where top-k or top-p drops the token (never the first),
     and the vocabulary id of each entry (int64). ``softmax(scores)`` scattered back to ``ids``
-    is :func:`filtered_probs` of the row.
+    is :func:`filtered_probs` of the row. ``filtering=False`` (the caller knows that no row
+    has top-k or top-p) returns the tempered logits unsorted and ``ids = arange(vocab)``: the
+    same pairs of score and id, without the sort.
     """
+    if not filtering:
+        ids = torch.arange(logits.shape[-1], device=logits.device).expand(logits.shape)
+        return logits.float() / temperature[:, None], ids
     scores, ids = torch.sort(logits.float() / temperature[:, None], dim=-1, descending=True)
     vocab = scores.shape[-1]
     keep = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
@@ -180,7 +186,8 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
         scores, ids = filtered_scores(logits[index],
                                       column([p.temperature for p in picked], torch.float32),
                                       column([p.top_k for p in picked], torch.long),
-                                      column([p.top_p for p in picked], torch.float32))
+                                      column([p.top_p for p in picked], torch.float32),
+                                      filtering=any(p.top_k > 0 or p.top_p < 1.0 for p in picked))
         noise = gumbel_noise(column([_int64(seeds[i]) for i in rows], torch.long)[:, None],
                              column([positions[i] for i in rows], torch.long)[:, None], ids)
         best = torch.argmax(scores.double() + noise, dim=-1, keepdim=True)

@@ -97,7 +97,10 @@ class Scheduler:
         """The next step's plan; pages for its worst case are free when it returns."""
         plan = StepPlan()
         self.running.sort(key=lambda s: s.request_id)
-        budget = self.step_tokens - sum(s.decoding for s in self.running)
+        decoding = [s for s in self.running if s.decoding]
+        budget = self.step_tokens - len(decoding)
+        decode_pages = dict(zip(map(id, decoding),
+                                self.cache.worst_new_pages([s.slot for s in decoding], 1)))
         reserved, i = 0, 0
         while i < len(self.running):
             seq = self.running[i]
@@ -107,7 +110,7 @@ class Scheduler:
                 continue
             free = self.cache.free_pages - reserved
             n = n if seq.decoding else self._largest_fit(seq, n, free)
-            need = self._worst_pages(seq, n)
+            need = decode_pages[id(seq)] if seq.decoding else self._worst_pages(seq, n)
             if need <= free:
                 reserved += need
                 if seq.decoding:
@@ -176,13 +179,7 @@ class Scheduler:
         """Pages ``n`` more tokens of ``seq`` take at most (each head gains at most
         :meth:`~dmc.inference.cache.PagedKVCache.paged_growth` slots: one per token, or for DMS
         one per token leaving the window ring)."""
-        if seq.slot is None:
-            lengths = torch.zeros(self.cache.num_layers, self.cache.num_kv_heads, dtype=torch.long)
-        else:
-            lengths = self.cache.head_lengths(seq.slot).long()
-        grown = lengths + self.cache.paged_growth(seq.slot, n)
-        size = self.cache.page_size
-        return int(((grown + size - 1) // size - (lengths + size - 1) // size).sum())
+        return self.cache.worst_new_pages([seq.slot], n)[0]
 
     def _largest_fit(self, seq: Sequence, n: int, free: int) -> int:
         """The longest chunk of at most ``n`` tokens whose worst case fits in ``free`` pages (1

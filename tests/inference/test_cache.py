@@ -207,6 +207,25 @@ def test_vanilla_append_and_alpha_zero_write():
     assert vanilla.head_lengths(seqs[1]).tolist() == [[9, 9]]
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+def test_worst_new_pages_batched_equals_head_by_head(tokens):
+    """The scheduler's batched reservation: per sequence (one without a slot included), the sum
+    over heads of the pages ``tokens`` more slots need beyond those held, head by head."""
+    cache = PagedKVCache(2, 2, 8, 64, page_size=4, max_seqs=3, dtype=torch.float32)
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    for layer, grown in ((0, [[9, 4]]), (1, [[1, 8]])):
+        for step in range(max(map(max, grown))):
+            for s, n in zip(seqs, grown[0]):
+                if step < n:
+                    cache.append(layer, [s], torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+    slots = [seqs[0], None, seqs[1]]
+    expected = []
+    for slot in slots:
+        held = [0] * 4 if slot is None else cache.head_lengths(slot).reshape(-1).tolist()
+        expected.append(sum(-(-(n + tokens) // 4) - -(-n // 4) for n in held))
+    assert cache.worst_new_pages(slots, tokens) == expected
+
+
 def check_allocator_invariants(cache):
     owned = cache.block_tables[cache.block_tables >= 0].tolist()
     free = cache.allocator.free_list

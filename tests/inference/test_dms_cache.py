@@ -174,15 +174,15 @@ def test_paged_growth_is_what_kept_tokens_take():
     window, tokens, kv = 3, 16, 2
     cache = DMSPagedCache(1, kv, DIM, 30, window, page_size=PAGE, max_seqs=1,
                           dtype=torch.float32)
-    assert cache.paged_growth(None, 10).tolist() == [[10 - window - 1] * kv]
-    assert cache.paged_growth(None, window + 1).tolist() == [[0] * kv]
+    assert cache.paged_growth([None], 10)[0].tolist() == [[10 - window - 1] * kv]
+    assert cache.paged_growth([None], window + 1)[0].tolist() == [[0] * kv]
     slot = cache.add_sequence()
     keys = torch.randn(kv, tokens, DIM)
     cache.prefill(0, slot, 0, torch.randn(kv, 2, DIM), keys[:, :2], keys[:, :2],
                   torch.zeros(kv, 2, dtype=torch.bool), 1.0)
     lengths, growth = [cache.head_lengths(slot)[0]], []
     for p in range(2, tokens):
-        growth.append([cache.paged_growth(slot, k)[0] for k in range(1, 5)])
+        growth.append([cache.paged_growth([slot], k)[0, 0] for k in range(1, 5)])
         cache.decode_write(0, [slot], keys[None, :, p], keys[None, :, p],
                            torch.zeros(1, kv, dtype=torch.bool))
         cache.attention(0, [slot], torch.randn(1, kv, DIM))

@@ -15,6 +15,7 @@ from dmc.inference.kernels import (
     resolve_use_triton,
     run_paged_decode,
 )
+from dmc.inference.kernels import paged_native
 from dmc.inference.kernels.paged_cpu import length_buckets
 
 TOLERANCE = {  # output rounding of the dtype, plus one ulp for the interpreter's truncating casts
@@ -168,35 +169,80 @@ def test_dispatch(monkeypatch):
         resolve_use_triton(cpu, True)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "pytorch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_heads,kv_heads,page_size,seed", [
-    (4, 4, 16, 0), (8, 2, 16, 1), (6, 3, 5, 2), (4, 1, 7, 3),
+@pytest.mark.parametrize("q_heads,kv_heads,page_size,head_dim,seed", [
+    (4, 4, 16, 16, 0), (8, 2, 16, 64, 1), (6, 3, 5, 128, 2), (4, 1, 7, 24, 3),
 ])
-def test_batched_decode_matches_reference(dtype, q_heads, kv_heads, page_size, seed):
-    """Random page layouts (NaN past every head's length), lengths 1..2000 with empty heads, GQA:
-    the batched CPU path equals the oracle to float32 rounding."""
+def test_batched_decode_matches_reference(native, dtype, q_heads, kv_heads, page_size, head_dim,
+                                          seed):
+    """Random page layouts (NaN past every head's length), lengths 1..2000 with empty heads, GQA,
+    head_dim 64 / 128 (the compiled kernel's specialised code) and others: the batched CPU path,
+    compiled or PyTorch, equals the oracle to float32 rounding, and its log-sum-exp equals a
+    float64 one."""
     gen = torch.Generator().manual_seed(seed)
     batch = 5
     lengths = torch.randint(1, 2001, (batch, kv_heads), generator=gen)
     lengths[lengths % 5 == 0] //= 40  # short heads next to long ones: several buckets
     lengths[0, 0], lengths[-1, -1], lengths[1, 0] = 0, 2000, 1
-    k_pages, v_pages, tables, lengths = random_paged_kv(lengths, 16, page_size, dtype, gen)
-    q = torch.randn(batch, q_heads, 16, generator=gen).to(dtype)
-    expected = paged_decode_reference(q, k_pages, v_pages, tables, lengths, 0.25)
-    out = paged_decode_batched(q, k_pages, v_pages, tables, lengths, 0.25)
+    k_pages, v_pages, tables, lengths = random_paged_kv(lengths, head_dim, page_size, dtype, gen)
+    q = torch.randn(batch, q_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    expected = paged_decode_reference(q, k_pages, v_pages, tables, lengths, scale)
+    out, lse = paged_decode_batched(q, k_pages, v_pages, tables, lengths, scale, native=native,
+                                    return_lse=True)
     assert out.dtype == dtype and out[0, :q_heads // kv_heads].eq(0).all()
     tol = TOLERANCE[torch.float32] if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out, expected, **tol)
-    dispatched = run_paged_decode(q, k_pages, v_pages, tables, lengths, 0.25, use_triton=False,
-                                  host_lengths=lengths)
-    torch.testing.assert_close(dispatched, out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse_float64(q, k_pages, v_pages, tables, lengths, scale),
+                               atol=1e-4, rtol=1e-5)
+    if native:
+        dispatched = run_paged_decode(q, k_pages, v_pages, tables, lengths, scale,
+                                      use_triton=False, host_lengths=lengths)
+        torch.testing.assert_close(dispatched, out, atol=0, rtol=0)
+
+
+def lse_float64(q, k_pages, v_pages, tables, lengths, scale):
+    """Log-sum-exp of each query's scaled scores over its head's slots, in float64 (-inf for an
+    empty head), from the slots gathered one by one."""
+    batch, q_heads, _ = q.shape
+    group, page_size = q_heads // tables.shape[1], k_pages.shape[1]
+    lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float64)
+    for b, h in itertools.product(range(batch), range(q_heads)):
+        slots = torch.arange(int(lengths[b, h // group]))
+        if slots.numel():
+            keys = k_pages[tables[b, h // group, slots // page_size].long(), slots % page_size]
+            lse[b, h] = torch.logsumexp(keys.double() @ q[b, h].double() * scale, dim=0)
+    return lse.float()
+
+
+def test_compiled_kernel_builds_and_runs_where_it_applies(monkeypatch):
+    """With a C compiler the kernel builds (a failing build raises, it is not skipped) and takes
+    float32 / bfloat16 CPU pools; float16 pools, odd head sizes and ``DMC_NATIVE_KERNELS=0`` fall
+    back to the PyTorch path (``None``)."""
+    if paged_native._compiler() is None:
+        pytest.skip("no C compiler: the PyTorch path runs")
+    assert paged_native.load_library() is not None
+    gen = torch.Generator().manual_seed(0)
+    for head_dim, dtype, runs in [(64, torch.bfloat16, True), (64, torch.float16, False),
+                                  (12, torch.float32, False)]:
+        k_pages, v_pages, tables, lengths = random_paged_kv(torch.tensor([[5, 9]]), head_dim, 4,
+                                                            dtype, gen)
+        q = torch.randn(1, 2, head_dim, generator=gen)
+        result = paged_native.native_paged_decode(q, k_pages, v_pages, tables, lengths, 1.0)
+        assert (result is not None) == runs
+    monkeypatch.setenv("DMC_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(paged_native, "_LIBRARY", [])
+    assert paged_native.load_library() is None
 
 
 def test_batched_decode_all_heads_empty():
     gen = torch.Generator().manual_seed(0)
     paged = random_paged_kv(torch.tensor([[0, 0]]), 8, 4, torch.float32, gen)
-    out = paged_decode_batched(torch.randn(1, 4, 8, generator=gen), *paged, scale=1.0)
-    assert out.eq(0).all()
+    for native in (True, False):
+        out = paged_decode_batched(torch.randn(1, 4, 8, generator=gen), *paged, scale=1.0,
+                                   native=native)
+        assert out.eq(0).all()
 
 
 def test_length_buckets_bound_padding():

@@ -89,6 +89,8 @@ def test_filtered_scores_match_filtered_probs_row_by_row():
 
 
 def test_a_row_samples_the_same_alone_and_in_any_batch():
+    """Also the unsorted path: rows 5 and 7 (no top-k, no top-p) alone skip the sort that the
+    batch, holding filtered rows, runs."""
     vocab = 50
     logits = 3 * torch.randn(8, vocab, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k in

