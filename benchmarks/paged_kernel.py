@@ -143,7 +143,7 @@ def report(args, results: dict, device_name: str) -> None:
 def cpu_paths(args) -> dict:
     """The CPU rows: compiled kernel (if it builds here), PyTorch batched, reference."""
     from dmc.inference.kernels import paged_decode_batched, paged_decode_reference
-    from dmc.inference.kernels.paged_native import native_paged_decode
+    from dmc.inference.kernels.native import native_paged_decode
 
     paths = {}
     if native_paged_decode(*make_small_inputs(args)) is not None:

@@ -1,5 +1,6 @@
 """Paged decode and DMC write kernels: the PyTorch reference against float64, Triton (the
 interpreter on CPU) and the batched CPU paths against the reference."""
+import functools
 import itertools
 import math
 
@@ -15,7 +16,7 @@ from dmc.inference.kernels import (
     resolve_use_triton,
     run_paged_decode,
 )
-from dmc.inference.kernels import paged_native
+from dmc.inference.kernels import native as native_kernels
 from dmc.inference.kernels.paged_cpu import length_buckets
 
 TOLERANCE = {  # output rounding of the dtype, plus one ulp for the interpreter's truncating casts
@@ -220,20 +221,20 @@ def test_compiled_kernel_builds_and_runs_where_it_applies(monkeypatch):
     """With a C compiler the kernel builds (a failing build raises, it is not skipped) and takes
     float32 / bfloat16 CPU pools; float16 pools, odd head sizes and ``DMC_NATIVE_KERNELS=0`` fall
     back to the PyTorch path (``None``)."""
-    if paged_native._compiler() is None:
+    if native_kernels._compiler() is None:
         pytest.skip("no C compiler: the PyTorch path runs")
-    assert paged_native.load_library() is not None
+    assert native_kernels.load_library() is not None
     gen = torch.Generator().manual_seed(0)
     for head_dim, dtype, runs in [(64, torch.bfloat16, True), (64, torch.float16, False),
                                   (12, torch.float32, False)]:
         k_pages, v_pages, tables, lengths = random_paged_kv(torch.tensor([[5, 9]]), head_dim, 4,
                                                             dtype, gen)
         q = torch.randn(1, 2, head_dim, generator=gen)
-        result = paged_native.native_paged_decode(q, k_pages, v_pages, tables, lengths, 1.0)
+        result = native_kernels.native_paged_decode(q, k_pages, v_pages, tables, lengths, 1.0)
         assert (result is not None) == runs
     monkeypatch.setenv("DMC_NATIVE_KERNELS", "0")
-    monkeypatch.setattr(paged_native, "_LIBRARY", [])
-    assert paged_native.load_library() is None
+    monkeypatch.setattr(native_kernels, "_LIBRARY", [])
+    assert native_kernels.load_library() is None
 
 
 def test_batched_decode_all_heads_empty():
@@ -260,9 +261,11 @@ def test_length_buckets_bound_padding():
 
 @pytest.mark.parametrize("window,dtype", [(3, torch.float32), (12, torch.bfloat16),
                                           (None, torch.float32)])
-def test_inplace_write_matches_reference(window, dtype):
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "pytorch"])
+def test_inplace_write_matches_reference(window, dtype, native):
     """Random rings (some heads past a full window, some appending), a subset of sequence slots
-    in shuffled order: every tensor the write touches equals the reference's."""
+    in shuffled order: every tensor the write touches equals the reference's, for the compiled
+    kernel and the PyTorch path."""
     gen = torch.Generator().manual_seed(3)
     seqs, layers, heads, dim, rows, pages, size = 5, 2, 3, 8, window or 1, 64, 4
     state = {
@@ -283,10 +286,14 @@ def test_inplace_write_matches_reference(window, dtype):
                 omega=torch.rand(3, heads, generator=gen) + 0.1, positions=torch.tensor([7, 2, 40]))
     inv_freq = 10000.0 ** (-torch.arange(0, dim, 2).float() / dim)
     results = []
-    for write in (dmc_write_reference, dmc_write_inplace):
+    for write in (dmc_write_reference, functools.partial(dmc_write_inplace, native=native)):
         tensors = {name: t.clone() for name, t in state.items()}
         write(*tensors.values(), inv_freq, window, 1, *step.values())
         results.append(tensors)
+    if native and window is not None and native_kernels._compiler() is not None:
+        copies = [t.clone() for t in state.values()]
+        assert native_kernels.native_dmc_write(*copies, inv_freq, window, 1,
+                                               *step.values())  # it applies: the kernel ran
     for name, want in results[0].items():
         torch.testing.assert_close(results[1][name], want, atol=1e-6, rtol=1e-6)
     assert not torch.equal(results[1]["open_k"], state["open_k"])

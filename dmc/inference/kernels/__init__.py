@@ -1,9 +1,10 @@
 """Kernels of the paged per-head KV cache and the switch between Triton and PyTorch.
 
 ``run_paged_decode`` and ``run_dmc_write`` take ``use_triton``: ``None`` picks Triton for CUDA
-tensors and PyTorch otherwise (the batched :func:`paged_decode_batched` and the in-place
-:func:`dmc_write_inplace`); the references stay the oracles of both paths; ``True`` on CPU tensors needs ``TRITON_INTERPRET=1``
-(the tests). The Triton modules are imported on first use, so the interpreter setting is read
+tensors and the CPU path otherwise (the batched :func:`paged_decode_batched` and the in-place
+:func:`dmc_write_inplace`, each running the compiled C kernel of :mod:`.native` where it applies
+and PyTorch otherwise); the references stay the oracles of every path; ``True`` on CPU tensors
+needs ``TRITON_INTERPRET=1`` (the tests). The Triton modules are imported on first use, so the interpreter setting is read
 then, not when ``dmc.inference`` is imported.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Batched paged decode attention on the CPU (semantics of
 :func:`~dmc.inference.kernels.reference.paged_decode_reference`, which stays the oracle).
 
-The compiled kernel of :mod:`~dmc.inference.kernels.paged_native` runs when it can (it reads the
+The compiled kernel of :mod:`~dmc.inference.kernels.native` runs when it can (it reads the
 pages in place: about 2x faster than the PyTorch code below at 1K-token contexts, 4x under DMC);
 the PyTorch path below is the fallback without a C compiler and for inputs the kernel does not
 take.
@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .paged_native import native_paged_decode
+from .native import native_paged_decode
 
 GROWTH = 1.25  # longest / shortest (pages + SLACK) within a bucket
 SLACK = 4  # pages of padding a bucket of short rows may always carry

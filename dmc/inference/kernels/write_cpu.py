@@ -5,7 +5,9 @@ oracle).
 The reference gathers each head's whole ring, rewrites it with ``where`` and scatters it back
 (about six passes over ``[batch, kv_heads, window, head_dim]`` float32 keys and values per layer);
 here the new token goes straight into its ring row, and the ring is read once for the weighted
-mean. The exact running mean (``window=None``) keeps one row per head and runs the reference.
+mean. The compiled kernel (``write_cpu.c`` through :mod:`~dmc.inference.kernels.native`) runs
+the same steps head by head where it applies (``native=False``: never). The exact running mean
+(``window=None``) keeps one row per head and runs the reference.
 """
 from __future__ import annotations
 
@@ -13,17 +15,22 @@ import torch
 
 from dmc.ops.rope import apply_rope
 
+from .native import native_dmc_write
 from .reference import dmc_write_reference
 
 
 def dmc_write_inplace(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
                       inv_freq, window, layer, seq_slots, slots, append, k, v, omega,
-                      positions) -> None:
+                      positions, native: bool = True) -> None:
     """Arguments and effect of :func:`~dmc.inference.kernels.reference.dmc_write_reference`:
     ``k, v [batch, kv_heads, head_dim]``, ``omega``, ``append``, ``slots [batch, kv_heads]``,
     ``seq_slots``, ``positions [batch]``; rings ``open_k, open_v [max_seqs, num_layers, kv_heads,
     window, head_dim]``, ``open_omega [..., window]``, ``open_count [max_seqs, num_layers,
     kv_heads]``."""
+    if native and native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
+                                   open_count, inv_freq, window, layer, seq_slots, slots, append,
+                                   k, v, omega, positions):
+        return
     if window is None:
         dmc_write_reference(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
                             open_count, inv_freq, window, layer, seq_slots, slots, append, k, v,

@@ -1,6 +1,7 @@
-"""The compiled CPU paged decode (``paged_cpu.c``): build on first use, load, call.
+"""The compiled CPU kernels: paged decode (``paged_cpu.c``) and the windowed DMC write
+(``write_cpu.c``). Built on first use, loaded, called.
 
-The C source is compiled once per machine with the system C compiler (``$CC``, else ``cc``) into
+The C sources are compiled once per machine with the system C compiler (``$CC``, else ``cc``) into
 ``$DMC_KERNEL_CACHE`` (default ``~/.cache/dmc/kernels``), named by a hash of the source, the
 flags, the compiler's version and the CPU's feature flags (``-march=native`` code must not
 reach another CPU). It is loaded with :mod:`ctypes` and called on the tensors' data pointers: no
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_cpu.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_cpu.c", "write_cpu.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _LOCK = threading.Lock()
 _LIBRARY: list = []  # [] before the first try, [None] when unavailable, [CDLL] when loaded
@@ -45,20 +46,20 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([*(path.read_bytes() for path in SOURCES), " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()]))
     cache = Path(os.environ.get("DMC_KERNEL_CACHE", Path.home() / ".cache" / "dmc" / "kernels"))
-    target = cache / f"paged_cpu-{key.hexdigest()[:16]}.so"
+    target = cache / f"dmc_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"compiling {SOURCE} with {compiler} failed:\n{result.stderr}")
+            raise RuntimeError(f"compiling {[p.name for p in SOURCES]} with {compiler} failed:\n"
+                               f"{result.stderr}")
         os.replace(built, target)  # atomic: concurrent builders (spawned workers) agree
     return target
 
@@ -77,8 +78,11 @@ def load_library() -> ctypes.CDLL | None:
                 pointer, integer = ctypes.c_void_p, ctypes.c_int64
                 library.dmc_paged_decode.argtypes = [pointer] * 4 + [integer] + [pointer] * 3 + [
                     integer] * 6
-                library.dmc_paged_limits.restype = ctypes.c_int64
-                library.dmc_paged_limits.argtypes = [ctypes.c_int64]
+                library.dmc_paged_limits.restype = integer
+                library.dmc_paged_limits.argtypes = [integer]
+                library.dmc_write_window.restype = None
+                library.dmc_write_window.argtypes = ([pointer] * 8 + [integer] * 2 + [pointer] * 7
+                                                     + [integer] * 8)
                 _LIBRARY.append(library)
         return _LIBRARY[0]
 
@@ -131,3 +135,39 @@ def native_paged_decode(
         torch.get_num_threads(),
     )
     return out, lse
+
+
+WRITE_INPUTS = dict(open_k=torch.float32, open_v=torch.float32, open_omega=torch.float32,
+                    open_count=torch.int32, block_tables=torch.int32)
+
+
+def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
+                     inv_freq, window, layer, seq_slots, slots, append, k, v, omega,
+                     positions) -> bool:
+    """The windowed DMC write by the compiled kernel; ``False`` (nothing written) where it does
+    not apply: no library, the exact running mean (``window=None``), a GPU tensor, a pool dtype
+    other than float32 / bfloat16, state tensors not contiguous or not of the cache's dtypes.
+
+    Arguments and effect: :func:`~dmc.inference.kernels.reference.dmc_write_reference`.
+    """
+    library = load_library()
+    state = dict(open_k=open_k, open_v=open_v, open_omega=open_omega, open_count=open_count,
+                 block_tables=block_tables)
+    if (library is None or window is None or k_pages.device.type != "cpu"
+            or k_pages.dtype not in (torch.float32, torch.bfloat16) or v_pages.dtype != k_pages.dtype
+            or k_pages.shape[-1] > 1024 or k_pages.shape[-1] % 2
+            or not all(t.is_contiguous() for t in (k_pages, v_pages, *state.values()))
+            or any(state[name].dtype != dtype for name, dtype in WRITE_INPUTS.items())):
+        return False
+    batch, heads = append.shape
+    token = [t.to(torch.float32).contiguous() for t in (k, v, omega, inv_freq)]
+    index = [t.to(torch.int64).contiguous() for t in (seq_slots, slots, positions)]
+    flags = append.to(torch.int8).contiguous()
+    library.dmc_write_window(
+        k_pages.data_ptr(), v_pages.data_ptr(), block_tables.data_ptr(), open_k.data_ptr(),
+        open_v.data_ptr(), open_omega.data_ptr(), open_count.data_ptr(), token[3].data_ptr(),
+        window, layer, index[0].data_ptr(), index[1].data_ptr(), flags.data_ptr(),
+        token[0].data_ptr(), token[1].data_ptr(), token[2].data_ptr(), index[2].data_ptr(),
+        batch, heads, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[-1],
+        k_pages.shape[1], int(k_pages.dtype == torch.bfloat16), torch.get_num_threads())
+    return True
