@@ -186,10 +186,11 @@ class DMSPagedCache(PagedKVCache):
         scale = self.head_dim**-0.5 if scale is None else scale
         ring = to_device(self.ring_occupancy(seqs, layer), self.device)
         if self.device.type == "cpu":  # the host lengths are the device's: exact
+            pools = (self.ring_k.flatten(0, 1), self.ring_v.flatten(0, 1))  # views
             return dms_decode_attention_cpu(
                 q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
-                self.allocator.lengths[seqs, layer], self.ring_k[rows, layer],
-                self.ring_v[rows, layer], ring, scale)
+                self.allocator.lengths[seqs, layer], *pools, seqs * self.num_layers + layer,
+                ring, scale)
         lag = any(done == layer for _, done in self._deferred)  # device lengths: + 1 at most
         bound = int(self.allocator.lengths[seqs, layer].max()) + lag
         return dms_decode_attention(

@@ -44,15 +44,24 @@ def _reference(q, k_pages, v_pages, tables, lengths, ring_k, ring_v, ring_count,
     return out
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "pytorch"])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("ring", [1, 5])
-def test_both_paths_equal_the_float64_loop(q_heads, kv_heads, ring):
+def test_every_path_equals_the_float64_loop(q_heads, kv_heads, ring, native):
+    """The gathering path, and the CPU path compiled (pages and rings in place, the rings a
+    pool addressed by index in shuffled order) or in PyTorch."""
     q, k_pages, v_pages, tables, lengths, ring_k, ring_v, count = _case(3, q_heads, kv_heads,
                                                                         ring)
     want = _reference(q, k_pages, v_pages, tables, lengths, ring_k, ring_v, count, 0.3)
     gathered = dms_decode_attention(q, k_pages, v_pages, tables, lengths.int(),
                                     int(lengths.max()) + 2, ring_k, ring_v, count, 0.3)
-    batched = dms_decode_attention_cpu(q, k_pages, v_pages, tables, lengths.int(), ring_k,
-                                       ring_v, count, 0.3)
     torch.testing.assert_close(gathered.double(), want, atol=2e-5, rtol=0)
+    order = torch.tensor([2, 0, 1])  # the pool holds the rings in another order, plus one more
+    pool_k = torch.cat([ring_k[order], torch.full_like(ring_k[:1], float("nan"))])
+    pool_v = torch.cat([ring_v[order], torch.full_like(ring_v[:1], float("nan"))])
+    for b, n in enumerate(count.tolist()):  # rows past the filled ones are never read
+        pool_k[torch.argsort(order)[b], :, n:] = float("nan")
+        pool_v[torch.argsort(order)[b], :, n:] = float("nan")
+    batched = dms_decode_attention_cpu(q, k_pages, v_pages, tables, lengths.int(), pool_k,
+                                       pool_v, torch.argsort(order), count, 0.3, native=native)
     torch.testing.assert_close(batched.double(), want, atol=2e-5, rtol=0)

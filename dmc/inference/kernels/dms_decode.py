@@ -9,14 +9,17 @@ whatever its decision), so the query attends both under one softmax, with no oth
 Two paths, equal to fp32 tolerance (tested): :func:`dms_decode_attention` gathers every head's
 pages up to a host bound on the lengths (``max_length``) and masks by the device lengths, so a
 decode step reads no length back from the device (any device: the GPU path). On the CPU, where the
-host lengths are exact, :func:`dms_decode_attention_cpu` runs the paged part through the batched
-CPU kernel (:func:`~dmc.inference.kernels.paged_cpu.paged_decode_batched`: no padded copy of the
-cache) and merges the ring's softmax into it by their log-sum-exps.
+host lengths are exact, :func:`dms_decode_attention_cpu` runs the compiled CPU kernel over the
+pages and then the ring, both read in place (:mod:`~dmc.inference.kernels.native`), or where it
+does not apply the batched PyTorch path over the pages
+(:func:`~dmc.inference.kernels.paged_cpu.paged_decode_batched`: no padded copy of the cache)
+merged with the ring's softmax by their log-sum-exps.
 """
 from __future__ import annotations
 
 import torch
 
+from .native import native_paged_decode
 from .paged_cpu import paged_decode_batched
 
 
@@ -74,20 +77,33 @@ def dms_decode_attention_cpu(
     host_lengths: torch.Tensor,
     ring_k: torch.Tensor,
     ring_v: torch.Tensor,
+    ring_index: torch.Tensor,
     ring_count: torch.Tensor,
     scale: float,
+    *,
+    native: bool = True,
 ) -> torch.Tensor:
-    """:func:`dms_decode_attention` with exact host lengths ``host_lengths [batch, kv_heads]``:
-    the paged survivors through the batched CPU kernel (its output ``o_p`` and log-sum-exp
-    ``l_p``), the ring densely (``o_r``, ``l_r``), merged as ``(o_p e^{l_p} + o_r e^{l_r}) /
-    (e^{l_p} + e^{l_r})`` (the ring always holds a key, so ``l_r`` is finite)."""
+    """:func:`dms_decode_attention` with exact host lengths ``host_lengths [batch, kv_heads]``
+    and the rings as pools: ``ring_k, ring_v [n, kv_heads, ring, head_dim]``, sequence ``b``'s
+    ring at ``ring_index[b]`` (host long ``[batch]``). The compiled kernel reads pages and rings
+    in place under one online softmax; otherwise (or ``native=False``) the paged survivors go
+    through the batched PyTorch path (its output ``o_p`` and log-sum-exp ``l_p``), the ring
+    densely (``o_r``, ``l_r``), merged as ``(o_p e^{l_p} + o_r e^{l_r}) / (e^{l_p} + e^{l_r})``
+    (the ring always holds a key, so ``l_r`` is finite)."""
+    ring = (ring_k, ring_v, ring_index, ring_count)
+    compiled = native and native_paged_decode(q, k_pages, v_pages, block_tables, host_lengths,
+                                              scale, ring=ring)
+    if compiled:
+        return compiled[0].to(q.dtype)
     batch, q_heads, head_dim = q.shape
-    kv_heads, ring = ring_k.shape[1], ring_k.shape[2]
+    ring_k, ring_v = ring_k[ring_index], ring_v[ring_index]
+    kv_heads, rows = ring_k.shape[1], ring_k.shape[2]
     paged, paged_lse = paged_decode_batched(q, k_pages, v_pages, block_tables, host_lengths,
-                                            scale, host_lengths=host_lengths, return_lse=True)
+                                            scale, host_lengths=host_lengths, return_lse=True,
+                                            native=native)
     qg = q.float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim) * scale
     scores = torch.einsum("bhgd,bhnd->bhgn", qg, ring_k.float())
-    filled = torch.arange(ring, device=q.device) < ring_count.to(q.device).long()[:, None]
+    filled = torch.arange(rows, device=q.device) < ring_count.to(q.device).long()[:, None]
     scores.masked_fill_(~filled[:, None, None], float("-inf"))
     ring_lse = torch.logsumexp(scores, dim=-1)  # [batch, kv, group]
     ring_v = ring_v.float().masked_fill(~filled[:, None, :, None], 0.0)

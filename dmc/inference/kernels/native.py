@@ -76,8 +76,8 @@ def load_library() -> ctypes.CDLL | None:
                 library = ctypes.CDLL(str(_build(compiler)))
                 library.dmc_paged_decode.restype = None
                 pointer, integer = ctypes.c_void_p, ctypes.c_int64
-                library.dmc_paged_decode.argtypes = [pointer] * 4 + [integer] + [pointer] * 3 + [
-                    integer] * 6
+                library.dmc_paged_decode.argtypes = ([pointer] * 4 + [integer] + [pointer] * 7
+                                                     + [integer] * 6)
                 library.dmc_paged_limits.restype = integer
                 library.dmc_paged_limits.argtypes = [integer]
                 library.dmc_write_window.restype = None
@@ -107,11 +107,16 @@ def native_paged_decode(
     block_tables: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
+    ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Paged decode attention by the compiled kernel, or ``None`` where it does not apply.
 
     Args and semantics: :func:`~dmc.inference.kernels.reference.paged_decode_reference`
-    (``lengths`` exact, on the host: it is this CPU tensor).
+    (``lengths`` exact, on the host: it is this CPU tensor). ``ring``: DMS's window rings,
+    attended after the pages: ``(ring_k, ring_v, ring_index, ring_count)`` with pools
+    ``ring_k, ring_v [n, kv_heads, ring, head_dim]`` of the pages' dtype, read in place,
+    ``ring_index [batch]`` (each sequence's ring in the pools) and ``ring_count [batch]`` (its
+    filled rows, attended by every KV head).
 
     Returns:
         ``out [batch, q_heads, head_dim]`` float32 and ``lse [batch, q_heads]`` float32 (the
@@ -123,15 +128,28 @@ def native_paged_decode(
     group = q_heads // kv_heads
     if library is None or not _takes(q, k_pages, v_pages, group, library):
         return None
+    rows = batch * kv_heads
+    ring_pointers = [None, None, None, None]
+    if ring is not None:
+        ring_k, ring_v, ring_index, ring_count = ring
+        if (ring_k.dtype != k_pages.dtype or ring_v.dtype != k_pages.dtype
+                or not (ring_k.is_contiguous() and ring_v.is_contiguous())
+                or ring_k.shape[-2] > library.dmc_paged_limits(1)):
+            return None
+        heads = torch.arange(kv_heads)
+        offsets = ((ring_index.long()[:, None] * kv_heads + heads) * ring_k.shape[-2] * head_dim)
+        counts = ring_count.to(torch.int32)[:, None].expand(batch, kv_heads).contiguous()
+        ring_tensors = (ring_k, ring_v, offsets.contiguous(), counts)
+        ring_pointers = [t.data_ptr() for t in ring_tensors]
     queries = (q.float() * scale).contiguous()
-    tables = block_tables.reshape(batch * kv_heads, -1).to(torch.int32).contiguous()
-    rows = lengths.reshape(-1).to(torch.int32).contiguous()
+    tables = block_tables.reshape(rows, -1).to(torch.int32).contiguous()
+    row_lengths = lengths.reshape(-1).to(torch.int32).contiguous()
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32)
     lse = torch.empty(batch, q_heads, dtype=torch.float32)
     library.dmc_paged_decode(
         queries.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), tables.data_ptr(),
-        tables.shape[1], rows.data_ptr(), out.data_ptr(), lse.data_ptr(), batch * kv_heads,
-        group, head_dim, k_pages.shape[1], int(k_pages.dtype == torch.bfloat16),
+        tables.shape[1], row_lengths.data_ptr(), *ring_pointers, out.data_ptr(), lse.data_ptr(),
+        rows, group, head_dim, k_pages.shape[1], int(k_pages.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     return out, lse

@@ -53,12 +53,69 @@ static inline float lane_sum(vfloat x) {
     return total;
 }
 
-/* Row `r`: out[group, chunks * LANES] and lse[group] (log-sum-exp of the scaled scores). */
+/* One block of `count` slots (a page, or a DMS window ring) at element `block` of the pools
+ * `keys` / `values`, folded into the running softmax of the row's `group` queries: the scores,
+ * the block's maximum, the rescale of the sums and outputs, then the values. While a key row is
+ * scored, its value row and the row of the next block's keys (`next` in `next_keys`; -1: none)
+ * are fetched. */
+static inline __attribute__((always_inline)) void attend_block(
+    const float *q, const void *keys, const void *values, int64_t block, int64_t count,
+    const void *next_keys, int64_t next, float *out, float *running_max, float *running_sum,
+    float *scores, int64_t group, const int64_t chunks, const int bf16) {
+    const int64_t head_dim = chunks * LANES, element = bf16 ? 2 : 4;
+    for (int64_t s = 0; s < count; ++s) {
+        vfloat key[MAX_CHUNKS];
+        for (int64_t b = 0; b < head_dim * element; b += 64) {
+            if (next >= 0)
+                __builtin_prefetch((const char *)next_keys + (next + s * head_dim) * element + b);
+            __builtin_prefetch((const char *)values + (block + s * head_dim) * element + b);
+        }
+        for (int64_t c = 0; c < chunks; ++c)
+            key[c] = load(keys, block + s * head_dim + c * LANES, bf16);
+        for (int64_t g = 0; g < group; ++g) {
+            vfloat even = {0}, odd = {0};
+            const vfloat_u *qg = (const vfloat_u *)(q + g * head_dim);
+            for (int64_t c = 0; c + 1 < chunks; c += 2) {
+                even += qg[c] * key[c];
+                odd += qg[c + 1] * key[c + 1];
+            }
+            if (chunks % 2) even += qg[chunks - 1] * key[chunks - 1];
+            scores[g * MAX_PAGE + s] = lane_sum(even + odd);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float *sg = scores + g * MAX_PAGE;
+        float top = running_max[g];
+        for (int64_t s = 0; s < count; ++s) top = sg[s] > top ? sg[s] : top;
+        const float shrink = expf(running_max[g] - top); /* exp(-inf) = 0 at the start */
+        float total = running_sum[g] * shrink;
+        for (int64_t s = 0; s < count; ++s) {
+            sg[s] = expf(sg[s] - top);
+            total += sg[s];
+        }
+        running_max[g] = top;
+        running_sum[g] = total;
+        vfloat acc[MAX_CHUNKS];
+        vfloat_u *og = (vfloat_u *)(out + g * head_dim);
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = og[c] * shrink;
+        for (int64_t s = 0; s < count; ++s) {
+            const float p = sg[s];
+            for (int64_t c = 0; c < chunks; ++c)
+                acc[c] += p * load(values, block + s * head_dim + c * LANES, bf16);
+        }
+        for (int64_t c = 0; c < chunks; ++c) og[c] = acc[c];
+    }
+}
+
+/* Row `r`: out[group, chunks * LANES] and lse[group] (log-sum-exp of the scaled scores) over the
+ * row's `length` paged slots, then its `ring_count` rows at element `ring` of the ring pools
+ * (DMS's window; ring_count 0: none). */
 static inline __attribute__((always_inline)) void attend_row(
     const float *q, const void *k_pages, const void *v_pages, const int32_t *table,
-    int64_t length, float *out, float *lse, int64_t group, const int64_t chunks,
-    int64_t page_size, const int bf16) {
-    const int64_t head_dim = chunks * LANES, element = bf16 ? 2 : 4;
+    int64_t length, const void *ring_k, const void *ring_v, int64_t ring, int64_t ring_count,
+    float *out, float *lse, int64_t group, const int64_t chunks, int64_t page_size,
+    const int bf16) {
+    const int64_t head_dim = chunks * LANES, page_elements = page_size * chunks * LANES;
     float running_max[MAX_GROUP], running_sum[MAX_GROUP], scores[MAX_GROUP * MAX_PAGE];
     for (int64_t g = 0; g < group; ++g) {
         running_max[g] = -INFINITY;
@@ -66,53 +123,17 @@ static inline __attribute__((always_inline)) void attend_row(
     }
     memset(out, 0, sizeof(float) * group * head_dim);
     for (int64_t start = 0; start < length; start += page_size) {
-        const int64_t page = (int64_t)table[start / page_size] * page_size * head_dim;
+        const int64_t page = (int64_t)table[start / page_size] * page_elements;
         const int64_t count = length - start < page_size ? length - start : page_size;
-        /* while a key row is scored, its value row and the next page's key row are fetched */
-        const int64_t next = start + page_size < length
-            ? (int64_t)table[start / page_size + 1] * page_size * head_dim : page;
-        for (int64_t s = 0; s < count; ++s) {
-            vfloat key[MAX_CHUNKS];
-            for (int64_t b = 0; b < head_dim * element; b += 64) {
-                __builtin_prefetch((const char *)k_pages + (next + s * head_dim) * element + b);
-                __builtin_prefetch((const char *)v_pages + (page + s * head_dim) * element + b);
-            }
-            for (int64_t c = 0; c < chunks; ++c)
-                key[c] = load(k_pages, page + s * head_dim + c * LANES, bf16);
-            for (int64_t g = 0; g < group; ++g) {
-                vfloat even = {0}, odd = {0};
-                const vfloat_u *qg = (const vfloat_u *)(q + g * head_dim);
-                for (int64_t c = 0; c + 1 < chunks; c += 2) {
-                    even += qg[c] * key[c];
-                    odd += qg[c + 1] * key[c + 1];
-                }
-                if (chunks % 2) even += qg[chunks - 1] * key[chunks - 1];
-                scores[g * page_size + s] = lane_sum(even + odd);
-            }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-            float *sg = scores + g * page_size;
-            float top = running_max[g];
-            for (int64_t s = 0; s < count; ++s) top = sg[s] > top ? sg[s] : top;
-            const float shrink = expf(running_max[g] - top); /* exp(-inf) = 0 at the start */
-            float total = running_sum[g] * shrink;
-            for (int64_t s = 0; s < count; ++s) {
-                sg[s] = expf(sg[s] - top);
-                total += sg[s];
-            }
-            running_max[g] = top;
-            running_sum[g] = total;
-            vfloat acc[MAX_CHUNKS];
-            vfloat_u *og = (vfloat_u *)(out + g * head_dim);
-            for (int64_t c = 0; c < chunks; ++c) acc[c] = og[c] * shrink;
-            for (int64_t s = 0; s < count; ++s) {
-                const float p = sg[s];
-                for (int64_t c = 0; c < chunks; ++c)
-                    acc[c] += p * load(v_pages, page + s * head_dim + c * LANES, bf16);
-            }
-            for (int64_t c = 0; c < chunks; ++c) og[c] = acc[c];
-        }
+        const int last = start + page_size >= length;
+        const int64_t next = !last ? (int64_t)table[start / page_size + 1] * page_elements
+                                   : ring_count ? ring : -1;
+        attend_block(q, k_pages, v_pages, page, count, last ? ring_k : k_pages, next, out,
+                     running_max, running_sum, scores, group, chunks, bf16);
     }
+    if (ring_count)
+        attend_block(q, ring_k, ring_v, ring, ring_count, ring_k, -1, out, running_max,
+                     running_sum, scores, group, chunks, bf16);
     for (int64_t g = 0; g < group; ++g) {
         vfloat_u *og = (vfloat_u *)(out + g * head_dim);
         const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
@@ -129,18 +150,23 @@ int64_t dmc_paged_limits(int64_t which) {
 }
 
 /* q, out [rows, group, head_dim] float32 (q already scaled); lse [rows, group] float32;
- * is_bf16: the pools hold bfloat16 (else float32). head_dim 64 and 128 run specialised code. */
+ * is_bf16: the pools hold bfloat16 (else float32). head_dim 64 and 128 run specialised code.
+ * ring_offsets [rows] int64 (element of each row's ring in ring_k / ring_v, pools of the pages'
+ * dtype) and ring_counts [rows] int32 (rows <= MAX_PAGE to attend after the pages), or NULL. */
 void dmc_paged_decode(const float *q, const void *k_pages, const void *v_pages,
                       const int32_t *tables, int64_t table_stride, const int32_t *lengths,
-                      float *out, float *lse, int64_t rows, int64_t group, int64_t head_dim,
-                      int64_t page_size, int64_t is_bf16, int64_t threads) {
+                      const void *ring_k, const void *ring_v, const int64_t *ring_offsets,
+                      const int32_t *ring_counts, float *out, float *lse, int64_t rows,
+                      int64_t group, int64_t head_dim, int64_t page_size, int64_t is_bf16,
+                      int64_t threads) {
     const int64_t chunks = head_dim / LANES;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t r = 0; r < rows; ++r) {
 #define ROW(CHUNKS, BF16)                                                                      \
     attend_row(q + r * group * head_dim, k_pages, v_pages, tables + r * table_stride,          \
-               lengths[r], out + r * group * head_dim, lse + r * group, group, CHUNKS,         \
-               page_size, BF16)
+               lengths[r], ring_k, ring_v, ring_counts ? ring_offsets[r] : 0,                  \
+               ring_counts ? ring_counts[r] : 0, out + r * group * head_dim, lse + r * group,  \
+               group, CHUNKS, page_size, BF16)
         if (is_bf16) {
             if (chunks == 8) ROW(8, 1);
             else if (chunks == 16) ROW(16, 1);
