@@ -218,9 +218,9 @@ def lse_float64(q, k_pages, v_pages, tables, lengths, scale):
 
 
 def test_compiled_kernel_builds_and_runs_where_it_applies(monkeypatch):
-    """With a C compiler the kernel builds (a failing build raises, it is not skipped) and takes
-    float32 / bfloat16 CPU pools; float16 pools, odd head sizes and ``DMC_NATIVE_KERNELS=0`` fall
-    back to the PyTorch path (``None``)."""
+    """With a C compiler the kernels build (here a failing build fails the test, it is not
+    skipped) and take float32 / bfloat16 CPU pools; float16 pools, odd head sizes and
+    ``DMC_NATIVE_KERNELS=0`` fall back to the PyTorch path (``None``)."""
     if native_kernels._compiler() is None:
         pytest.skip("no C compiler: the PyTorch path runs")
     assert native_kernels.load_library() is not None
@@ -257,6 +257,20 @@ def test_length_buckets_bound_padding():
         assert width == int(pages[picked].max())
         assert (width + 4) / (int(pages[picked].min()) + 4) < 1.25
     assert len(length_buckets(torch.full((64,), 17))) == 1  # vanilla: one bucket
+
+
+def test_a_failing_build_warns_and_falls_back(monkeypatch, tmp_path):
+    """A compiler that fails: a warning and the PyTorch paths; ``DMC_NATIVE_KERNELS=require``
+    turns it into an error."""
+    monkeypatch.setattr(native_kernels, "_LIBRARY", [])
+    monkeypatch.setenv("CC", "false")  # exits 1 whatever it is given
+    monkeypatch.setenv("DMC_KERNEL_CACHE", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="PyTorch paths run instead"):
+        assert native_kernels.load_library() is None
+    monkeypatch.setattr(native_kernels, "_LIBRARY", [])
+    monkeypatch.setenv("DMC_NATIVE_KERNELS", "require")
+    with pytest.raises(RuntimeError, match="failed"):
+        native_kernels.load_library()
 
 
 @pytest.mark.parametrize("window,dtype", [(3, torch.float32), (12, torch.bfloat16),

@@ -8,7 +8,9 @@ reach another CPU). It is loaded with :mod:`ctypes` and called on the tensors' d
 torch headers, a build of about a second. Without a compiler, with ``DMC_NATIVE_KERNELS=0``, or
 for inputs it does not take (a GPU tensor, a pool dtype other than float32 / bfloat16, larger
 groups, pages or heads than its stack buffers) :func:`native_paged_decode` returns ``None`` and
-the caller runs the PyTorch path; a compiler that is present but fails raises.
+the caller runs the PyTorch path. A build that fails (no OpenMP, an unsupported ``-march``) warns
+once with the compiler's message and falls back likewise (``DMC_NATIVE_KERNELS=require`` makes it
+an error instead); an unwritable cache folder falls back to one under the temporary directory.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,15 +47,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _cache_folder() -> Path:
+    """``$DMC_KERNEL_CACHE`` or ``~/.cache/dmc/kernels``, else a per-user temporary folder."""
+    wanted = Path(os.environ.get("DMC_KERNEL_CACHE", Path.home() / ".cache" / "dmc" / "kernels"))
+    try:
+        wanted.mkdir(parents=True, exist_ok=True)
+        if os.access(wanted, os.W_OK):
+            return wanted
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"dmc-kernels-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
 def _build(compiler: str) -> Path:
+    """The library built from :data:`SOURCES` (reused when built before); ``RuntimeError`` with
+    the compiler's message when the build fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([*(path.read_bytes() for path in SOURCES), " ".join(FLAGS).encode(), version.encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()]))
-    cache = Path(os.environ.get("DMC_KERNEL_CACHE", Path.home() / ".cache" / "dmc" / "kernels"))
-    target = cache / f"dmc_kernels-{key.hexdigest()[:16]}.so"
+    parts = [*(path.read_bytes() for path in SOURCES), " ".join(FLAGS).encode(),
+             version.encode(), _cpu_flags().encode(), platform.machine().encode()]
+    cache = _cache_folder()
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = cache / f"dmc_kernels-{digest}.so"
     if target.exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
@@ -64,26 +83,39 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def _load(compiler: str) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(_build(compiler)))
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    library.dmc_paged_decode.restype = None
+    library.dmc_paged_decode.argtypes = [pointer] * 4 + [integer] + [pointer] * 7 + [integer] * 6
+    library.dmc_paged_limits.restype = integer
+    library.dmc_paged_limits.argtypes = [integer]
+    library.dmc_write_window.restype = None
+    library.dmc_write_window.argtypes = ([pointer] * 8 + [integer] * 2 + [pointer] * 7
+                                         + [integer] * 8)
+    return library
+
+
 def load_library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built if needed; ``None`` without a C compiler or with
-    ``DMC_NATIVE_KERNELS=0``."""
+    """The loaded kernel library, built if needed; ``None`` without a C compiler, with
+    ``DMC_NATIVE_KERNELS=0``, or (with a warning) when the build fails."""
     with _LOCK:
         if not _LIBRARY:
+            setting = os.environ.get("DMC_NATIVE_KERNELS", "1")
             compiler = _compiler()
-            if os.environ.get("DMC_NATIVE_KERNELS", "1") == "0" or compiler is None:
-                _LIBRARY.append(None)
-            else:
-                library = ctypes.CDLL(str(_build(compiler)))
-                library.dmc_paged_decode.restype = None
-                pointer, integer = ctypes.c_void_p, ctypes.c_int64
-                library.dmc_paged_decode.argtypes = ([pointer] * 4 + [integer] + [pointer] * 7
-                                                     + [integer] * 6)
-                library.dmc_paged_limits.restype = integer
-                library.dmc_paged_limits.argtypes = [integer]
-                library.dmc_write_window.restype = None
-                library.dmc_write_window.argtypes = ([pointer] * 8 + [integer] * 2 + [pointer] * 7
-                                                     + [integer] * 8)
-                _LIBRARY.append(library)
+            library = None
+            if setting != "0" and compiler is not None:
+                try:
+                    library = _load(compiler)
+                except (OSError, RuntimeError) as error:
+                    if setting == "require":
+                        raise
+                    warnings.warn(f"dmc: the compiled CPU kernels are unavailable, the PyTorch "
+                                  f"paths run instead: {error}", RuntimeWarning, stacklevel=2)
+            elif setting == "require":
+                raise RuntimeError("DMC_NATIVE_KERNELS=require but no C compiler was found "
+                                   "($CC or cc)")
+            _LIBRARY.append(library)
         return _LIBRARY[0]
 
 
