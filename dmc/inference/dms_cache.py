@@ -59,6 +59,7 @@ from dmc.ops.mask import bias_from_log_keep
 from .block_allocator import rows_or_zeros, to_device
 from .cache import PagedKVCache
 from .kernels.dms_decode import dms_decode_attention, dms_decode_attention_cpu
+from .kernels.native import native_dms_write
 
 
 def ring_bytes(dms_window: int, head_dim: int, element_size: int) -> int:
@@ -77,6 +78,8 @@ class DMSPagedCache(PagedKVCache):
         **kwargs: ``page_size``, ``max_seqs``, ``dtype``, ``device``, ``max_seq_len``,
             ``rope_base``, ``inv_freq`` of :class:`PagedKVCache` (its ``window`` is None).
     """
+
+    native_kernels = True  # CPU decode writes by the compiled kernel where it applies
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  dms_window: int, **kwargs):
@@ -144,27 +147,34 @@ class DMSPagedCache(PagedKVCache):
             self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         positions = self.written[seqs, layer]
-        rows = to_device(seqs, self.device)[:, None]
-        heads = torch.arange(self.num_kv_heads, device=self.device)[None]
-        p = to_device(positions, self.device)[:, None]
-        evict = torch.as_tensor(evict, device=self.device).bool() & (p > 0)
-        self.ring_evict[rows, layer, heads, (p - 1) % self.ring_size] = evict
         leaving = (positions >= self.ring_size).nonzero()[:, 0]
-        if leaving.numel():
-            self._move_leaving(layer, seqs[leaving], positions[leaving])
-        row = p % self.ring_size
-        self.ring_k[rows, layer, heads, row] = keys.to(self.dtype)
-        self.ring_v[rows, layer, heads, row] = values.to(self.dtype)
-        self.ring_evict[rows, layer, heads, row] = False
+        if leaving.numel():  # their pages first: a head at a page boundary gets its next page
+            moved = seqs[leaving]
+            full = self.allocator.lengths[moved, layer].long() % self.page_size == 0
+            self.allocator.reserve(moved, layer, full)
+            self._deferred.append((moved, layer))
+        compiled = self.native_kernels and self.device.type == "cpu" and native_dms_write(
+            self.k_pages, self.v_pages, self.block_tables, self.lengths, self.ring_k,
+            self.ring_v, self.ring_evict, layer, seqs, positions, keys, values,
+            torch.as_tensor(evict))
+        if not compiled:
+            rows = to_device(seqs, self.device)[:, None]
+            heads = torch.arange(self.num_kv_heads, device=self.device)[None]
+            p = to_device(positions, self.device)[:, None]
+            evict = torch.as_tensor(evict, device=self.device).bool() & (p > 0)
+            self.ring_evict[rows, layer, heads, (p - 1) % self.ring_size] = evict
+            if leaving.numel():
+                self._move_leaving(layer, seqs[leaving], positions[leaving])
+            row = p % self.ring_size
+            self.ring_k[rows, layer, heads, row] = keys.to(self.dtype)
+            self.ring_v[rows, layer, heads, row] = values.to(self.dtype)
+            self.ring_evict[rows, layer, heads, row] = False
         self.written[seqs, layer] += 1
 
     def _move_leaving(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor) -> None:
         """Token ``positions - w - 1`` of sequences ``seqs`` (host ``[n]``, all with a full
         ring) leaves its ring row ``positions % (w + 1)``: written at slot ``length`` of each
-        head (its page reserved beforehand at a page boundary), length + 1 where kept."""
-        host_lengths = self.allocator.lengths[seqs, layer].long()
-        self.allocator.reserve(seqs, layer, host_lengths % self.page_size == 0)
-        self._deferred.append((seqs, layer))
+        head (its page reserved beforehand), length + 1 where kept."""
         rows = to_device(seqs, self.device)
         heads = torch.arange(self.num_kv_heads, device=self.device)[None]
         ring_rows = (to_device(positions, self.device) % self.ring_size)[:, None]

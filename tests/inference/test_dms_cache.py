@@ -192,3 +192,31 @@ def test_paged_growth_is_what_kept_tokens_take():
         for k, bound in enumerate(bounds, start=1):
             if i + k < len(lengths):
                 assert torch.equal(bound, (lengths[i + k] - lengths[i]).long())
+
+
+@pytest.mark.parametrize("window,dtype", [(0, torch.float32), (2, torch.bfloat16),
+                                          (5, torch.float32)])
+def test_compiled_decode_write_equals_the_pytorch_path(window, dtype):
+    """Random batches of sequences (varying subsets, slot order shuffled) decode through two
+    caches, one writing with the compiled kernel: every tensor of the two caches stays equal
+    (pages, block tables, lengths, rings, flags, token counts), across ring wrap-arounds, page
+    boundaries and evictions."""
+    gen = torch.Generator().manual_seed(window)
+    kv, seqs, steps = 2, 3, 3 * (window + 1) + 2 * PAGE + 3
+    caches = [DMSPagedCache(LAYERS, kv, DIM, 200, window, page_size=PAGE, max_seqs=seqs,
+                            dtype=dtype) for _ in range(2)]
+    caches[1].native_kernels = False
+    slots = [[c.add_sequence() for _ in range(seqs)] for c in caches][0]
+    for step in range(steps):
+        batch = [slots[i] for i in torch.randperm(seqs, generator=gen)[:1 + step % seqs]]
+        keys, values = torch.randn(2, len(batch), kv, DIM, generator=gen)
+        for layer in range(LAYERS):
+            evict = torch.rand(len(batch), kv, generator=gen) < 0.4
+            for cache in caches:
+                cache.decode_write(layer, batch, keys, values, evict)
+        for cache in caches:
+            cache.settle()
+        for name in ("k_pages", "v_pages", "block_tables", "lengths", "ring_k", "ring_v",
+                     "ring_evict", "written"):
+            assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), (step, name)
+    assert caches[0].pages_in_use == caches[1].pages_in_use > 0

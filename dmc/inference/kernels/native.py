@@ -1,5 +1,5 @@
-"""The compiled CPU kernels: paged decode (``paged_cpu.c``) and the windowed DMC write
-(``write_cpu.c``). Built on first use, loaded, called.
+"""The compiled CPU kernels: paged decode (``paged_cpu.c``), the windowed DMC write and the DMS
+decode write (``write_cpu.c``). Built on first use, loaded, called.
 
 The C sources are compiled once per machine with the system C compiler (``$CC``, else ``cc``) into
 ``$DMC_KERNEL_CACHE`` (default ``~/.cache/dmc/kernels``), named by a hash of the source, the
@@ -93,6 +93,8 @@ def _load(compiler: str) -> ctypes.CDLL:
     library.dmc_write_window.restype = None
     library.dmc_write_window.argtypes = ([pointer] * 8 + [integer] * 2 + [pointer] * 7
                                          + [integer] * 8)
+    library.dms_write_token.restype = None
+    library.dms_write_token.argtypes = [pointer] * 12 + [integer] * 10
     return library
 
 
@@ -220,4 +222,38 @@ def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
         token[0].data_ptr(), token[1].data_ptr(), token[2].data_ptr(), index[2].data_ptr(),
         batch, heads, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[-1],
         k_pages.shape[1], int(k_pages.dtype == torch.bfloat16), torch.get_num_threads())
+    return True
+
+
+def native_dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evict, layer,
+                     seqs, positions, keys, values, evict) -> bool:
+    """DMS's decode write by the compiled kernel (``DMSPagedCache.decode_write``'s data
+    movement: the decision flag of token ``p - 1``, token ``p - w - 1`` out of its ring row into
+    its head's reserved page slot, token ``p`` into the ring); ``False`` (nothing written) where
+    it does not apply. Pools ``[num_pages, page_size, head_dim]`` and rings ``[max_seqs, layers,
+    kv_heads, w + 1, head_dim]`` of one dtype (float32 / bfloat16), ``block_tables [max_seqs,
+    layers, kv_heads, max_pages]`` and ``lengths [max_seqs, layers, kv_heads]`` int32,
+    ``ring_evict [..., w + 1]`` bool, all contiguous CPU tensors; ``seqs``, ``positions``
+    ``[batch]`` (host); ``keys``, ``values [batch, kv_heads, head_dim]``; ``evict [batch,
+    kv_heads]``."""
+    library = load_library()
+    pools = (k_pages, v_pages, ring_k, ring_v)
+    if (library is None or k_pages.device.type != "cpu"
+            or k_pages.dtype not in (torch.float32, torch.bfloat16)
+            or any(t.dtype != k_pages.dtype for t in pools)
+            or block_tables.dtype != torch.int32 or lengths.dtype != torch.int32
+            or ring_evict.dtype != torch.bool
+            or not all(t.is_contiguous() for t in (*pools, block_tables, lengths, ring_evict))):
+        return False
+    batch, heads = evict.shape
+    token = [t.to(torch.float32).contiguous() for t in (keys, values)]
+    index = [t.to(torch.int64).contiguous() for t in (seqs, positions)]
+    flags = evict.to(torch.int8).contiguous()
+    library.dms_write_token(
+        k_pages.data_ptr(), v_pages.data_ptr(), block_tables.data_ptr(), lengths.data_ptr(),
+        ring_k.data_ptr(), ring_v.data_ptr(), ring_evict.data_ptr(), token[0].data_ptr(),
+        token[1].data_ptr(), flags.data_ptr(), index[0].data_ptr(), index[1].data_ptr(), layer,
+        batch, heads, block_tables.shape[1], block_tables.shape[-1], ring_k.shape[-2],
+        k_pages.shape[-1], k_pages.shape[1], int(k_pages.dtype == torch.bfloat16),
+        torch.get_num_threads())
     return True

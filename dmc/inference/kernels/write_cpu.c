@@ -87,3 +87,42 @@ void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float
         store(v_pages, index, mean_v, head_dim, (int)is_bf16);
     }
 }
+
+/* DMS decode write of one token per (sequence, KV head) (delayed eviction, DMS paper Sec. 3;
+ * semantics of DMSPagedCache.decode_write's PyTorch path, which stays the oracle): at position
+ * p, token p - 1's ring row takes the decision `evict` (row (p - 1) mod (w + 1); p = 0 writes 0);
+ * when p >= w + 1 token p - w - 1 leaves its ring row p mod (w + 1) for slot `length` of its
+ * head's pages (page reserved by the caller), and `length` grows by one unless it was evicted;
+ * then token p takes that ring row with its flag cleared. Rings [max_seqs, layers, kv_heads,
+ * w + 1, head_dim] and pools in the cache dtype, ring_evict [..., w + 1] bytes, lengths int32;
+ * keys, values [batch, kv_heads, head_dim] float32 (rotated), evict [batch, kv_heads] int8. */
+void dms_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_t *lengths,
+                     void *ring_k, void *ring_v, uint8_t *ring_evict, const float *keys,
+                     const float *values, const int8_t *evict, const int64_t *seq_slots,
+                     const int64_t *positions, int64_t layer, int64_t batch, int64_t kv_heads,
+                     int64_t layers, int64_t max_pages, int64_t ring_size, int64_t head_dim,
+                     int64_t page_size, int64_t is_bf16, int64_t threads) {
+    const int64_t element = is_bf16 ? 2 : 4, row_bytes = head_dim * element;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t row = 0; row < batch * kv_heads; ++row) {
+        const int64_t b = row / kv_heads, h = row % kv_heads, p = positions[b];
+        const int64_t state = (seq_slots[b] * layers + layer) * kv_heads + h;
+        uint8_t *flags = ring_evict + state * ring_size;
+        flags[((p - 1) % ring_size + ring_size) % ring_size] = p > 0 && evict[row];
+        const int64_t ring_row = (state * ring_size + p % ring_size) * head_dim;
+        if (p >= ring_size) {
+            const int keep = !flags[p % ring_size];
+            const int64_t length = lengths[state];
+            const int64_t page = tables[state * max_pages + length / page_size];
+            const int64_t slot = (page * page_size + length % page_size) * head_dim;
+            memcpy((char *)k_pages + slot * element, (char *)ring_k + ring_row * element,
+                   row_bytes);
+            memcpy((char *)v_pages + slot * element, (char *)ring_v + ring_row * element,
+                   row_bytes);
+            lengths[state] = (int32_t)(length + keep);
+        }
+        store(ring_k, ring_row, keys + row * head_dim, head_dim, (int)is_bf16);
+        store(ring_v, ring_row, values + row * head_dim, head_dim, (int)is_bf16);
+        flags[p % ring_size] = 0;
+    }
+}
