@@ -32,7 +32,7 @@ import torch
 
 from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
-from .block_allocator import BlockAllocator, pages_for, rows_or_zeros, to_device
+from .block_allocator import BlockAllocator, pages_for, to_device
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
 
 
@@ -150,16 +150,6 @@ class PagedKVCache:
         return torch.full((len(seq_slots), self.num_layers, self.num_kv_heads), tokens,
                           dtype=torch.long)
 
-    def worst_new_pages(self, seq_slots: list, tokens: int) -> list[int]:
-        """Pages each of ``seq_slots`` (``None``: no slot yet, nothing cached) takes at most
-        for ``tokens`` more tokens, every head growing by :meth:`paged_growth`; one batched
-        computation (the scheduler reserves a whole decode batch with it)."""
-        self.settle()
-        lengths = rows_or_zeros(self.allocator.lengths, seq_slots).long()
-        grown = lengths + self.paged_growth(seq_slots, tokens)
-        size = self.page_size
-        return ((grown + size - 1) // size - (lengths + size - 1) // size).sum((1, 2)).tolist()
-
     def layer_lengths(self, layer: int, seq_slots) -> torch.Tensor:
         """Slots per head of ``layer`` for ``seq_slots``, ``[batch, num_kv_heads]`` (host, long)."""
         self.settle()
@@ -257,12 +247,8 @@ class PagedKVCache:
         self._deferred.clear()
 
     def append(self, layer: int, seq_slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Vanilla append of already-rotated keys: one new slot per head, no merge state kept.
-
-        Args:
-            seq_slots: ``[batch]`` distinct sequence slots.
-            k, v: ``[batch, kv_heads, head_dim]`` post-RoPE key, value.
-        """
+        """Vanilla append of post-RoPE keys and values ``k, v [batch, kv_heads, head_dim]`` of
+        distinct ``seq_slots [batch]``: one new slot per head, no merge state kept."""
         self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         slots = self.allocator.lengths[seqs, layer].long()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dmc.inference.block_allocator import pages_for, rows_or_zeros
 from dmc.inference.cache import PagedKVCache
 from dmc.inference.model_runner import Segment
 from dmc.inference.sequence import Sequence
@@ -100,7 +101,7 @@ class Scheduler:
         decoding = [s for s in self.running if s.decoding]
         budget = self.step_tokens - len(decoding)
         decode_pages = dict(zip(map(id, decoding),
-                                self.cache.worst_new_pages([s.slot for s in decoding], 1)))
+                                worst_new_pages(self.cache, [s.slot for s in decoding], 1)))
         reserved, i = 0, 0
         while i < len(self.running):
             seq = self.running[i]
@@ -179,7 +180,7 @@ class Scheduler:
         """Pages ``n`` more tokens of ``seq`` take at most (each head gains at most
         :meth:`~dmc.inference.cache.PagedKVCache.paged_growth` slots: one per token, or for DMS
         one per token leaving the window ring)."""
-        return self.cache.worst_new_pages([seq.slot], n)[0]
+        return worst_new_pages(self.cache, [seq.slot], n)[0]
 
     def _largest_fit(self, seq: Sequence, n: int, free: int) -> int:
         """The longest chunk of at most ``n`` tokens whose worst case fits in ``free`` pages (1
@@ -205,3 +206,14 @@ class Scheduler:
                     f"after {len(seq.tokens)} tokens")
         return (f"request {seq.request_id}: {len(seq.tokens)} tokens do not fit in the whole "
                 f"pool {pool}")
+
+
+def worst_new_pages(cache: PagedKVCache, seq_slots: list, tokens: int) -> list[int]:
+    """Pages each of ``seq_slots`` (``None``: no slot yet, nothing cached) takes at most for
+    ``tokens`` more tokens, every head growing by ``cache.paged_growth``; one batched
+    computation (a whole decode batch is reserved with it)."""
+    cache.settle()
+    held = rows_or_zeros(cache.allocator.lengths, seq_slots).long()
+    grown = held + cache.paged_growth(seq_slots, tokens)
+    new = pages_for(grown, cache.page_size) - pages_for(held, cache.page_size)
+    return new.sum((1, 2)).tolist()

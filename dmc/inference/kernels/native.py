@@ -121,12 +121,18 @@ def load_library() -> ctypes.CDLL | None:
         return _LIBRARY[0]
 
 
+def _in_place(*pools: torch.Tensor) -> bool:
+    """Whether the kernels can read and write ``pools`` in place: CPU, contiguous, one dtype of
+    float32 / bfloat16 (a pool is never copied for them)."""
+    first = pools[0]
+    return (first.device.type == "cpu" and first.dtype in (torch.float32, torch.bfloat16)
+            and all(p.dtype == first.dtype and p.is_contiguous() for p in pools))
+
+
 def _takes(q, k_pages, v_pages, group: int, library) -> bool:
     """Whether the compiled kernel handles these inputs (else the PyTorch path runs)."""
-    if q.device.type != "cpu" or k_pages.dtype not in (torch.float32, torch.bfloat16):
+    if q.device.type != "cpu" or not _in_place(k_pages, v_pages):
         return False
-    if not (k_pages.is_contiguous() and v_pages.is_contiguous()) or v_pages.dtype != k_pages.dtype:
-        return False  # the kernel reads the pools in place: never copy them
     most_group, most_page, most_head, head_multiple = (library.dmc_paged_limits(i)
                                                        for i in range(4))
     page_size, head_dim = k_pages.shape[1:]
@@ -166,9 +172,7 @@ def native_paged_decode(
     ring_pointers = [None, None, None, None]
     if ring is not None:
         ring_k, ring_v, ring_index, ring_count = ring
-        if (ring_k.dtype != k_pages.dtype or ring_v.dtype != k_pages.dtype
-                or not (ring_k.is_contiguous() and ring_v.is_contiguous())
-                or ring_k.shape[-2] > library.dmc_paged_limits(1)):
+        if not _in_place(k_pages, ring_k, ring_v) or ring_k.shape[-2] > library.dmc_paged_limits(1):
             return None
         heads = torch.arange(kv_heads)
         offsets = ((ring_index.long()[:, None] * kv_heads + heads) * ring_k.shape[-2] * head_dim)
@@ -205,10 +209,9 @@ def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
     library = load_library()
     state = dict(open_k=open_k, open_v=open_v, open_omega=open_omega, open_count=open_count,
                  block_tables=block_tables)
-    if (library is None or window is None or k_pages.device.type != "cpu"
-            or k_pages.dtype not in (torch.float32, torch.bfloat16) or v_pages.dtype != k_pages.dtype
+    if (library is None or window is None or not _in_place(k_pages, v_pages)
             or k_pages.shape[-1] > 1024 or k_pages.shape[-1] % 2
-            or not all(t.is_contiguous() for t in (k_pages, v_pages, *state.values()))
+            or not all(t.is_contiguous() for t in state.values())
             or any(state[name].dtype != dtype for name, dtype in WRITE_INPUTS.items())):
         return False
     batch, heads = append.shape
@@ -237,13 +240,10 @@ def native_dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ri
     ``[batch]`` (host); ``keys``, ``values [batch, kv_heads, head_dim]``; ``evict [batch,
     kv_heads]``."""
     library = load_library()
-    pools = (k_pages, v_pages, ring_k, ring_v)
-    if (library is None or k_pages.device.type != "cpu"
-            or k_pages.dtype not in (torch.float32, torch.bfloat16)
-            or any(t.dtype != k_pages.dtype for t in pools)
+    if (library is None or not _in_place(k_pages, v_pages, ring_k, ring_v)
             or block_tables.dtype != torch.int32 or lengths.dtype != torch.int32
             or ring_evict.dtype != torch.bool
-            or not all(t.is_contiguous() for t in (*pools, block_tables, lengths, ring_evict))):
+            or not all(t.is_contiguous() for t in (block_tables, lengths, ring_evict))):
         return False
     batch, heads = evict.shape
     token = [t.to(torch.float32).contiguous() for t in (keys, values)]
