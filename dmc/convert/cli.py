@@ -38,15 +38,12 @@ def run_mcore_to_hf(args) -> int:
 
     cr_tokens = None
     if args.cr_text:
-        from dmc.convert.to_hf import find_tokenizer
         from dmc.data import load_tokenizer
-        from dmc.inference.loading import resolve_checkpoint
-        from dmc.megatron.checkpoint import read_state
+        from dmc.inference.loading import model_tokenizer
 
-        checkpoint = resolve_checkpoint(args.input)
-        source = args.tokenizer or find_tokenizer(checkpoint, read_state(checkpoint))
+        source = args.tokenizer or model_tokenizer(args.input)
         if source is None:
-            raise ValueError(f"--cr-text: no tokenizer found for {checkpoint} (neither in the "
+            raise ValueError(f"--cr-text: no tokenizer found for {args.input} (neither in the "
                              f"checkpoint folder nor in its run's data.path); pass --tokenizer")
         with open(args.cr_text) as f:
             cr_tokens = load_tokenizer(source).encode(f.read())[: args.cr_max_tokens]

@@ -89,7 +89,3 @@ def copy_tokenizer(source: Path, dest: Path) -> list[str]:
     for f in files:
         shutil.copy2(f, Path(dest) / f.name)
     return [f.name for f in files]
-
-
-def has_tokenizer(folder: Path) -> bool:
-    return any((Path(folder) / n).is_file() for n in ("tokenizer.model", "tokenizer.json"))

@@ -27,9 +27,10 @@ import torch
 
 import dmc.ops
 from dmc.convert.hf_config import hf_config_from_model_config
-from dmc.convert.hf_io import copy_tokenizer, has_tokenizer, write_safetensors
+from dmc.convert.hf_io import copy_tokenizer, write_safetensors
 from dmc.convert.hf_tokenizer import sentencepiece_to_tokenizer_json
 from dmc.convert.mapping import mcore_to_hf_state
+from dmc.inference.loading import find_tokenizer
 
 COMMON_FILE = "hf_modeling_common.py"
 # per method: (this package's modeling file, its name in the export, the dmc.ops files it and
@@ -151,19 +152,3 @@ def _tokenizer_config(out: Path, copied: list[str]) -> dict:
            "pad_token": sp.pad_id()}
     return {"tokenizer_class": "PreTrainedTokenizerFast",
             **{name: sp.id_to_piece(i) for name, i in ids.items() if i >= 0}}
-
-
-def find_tokenizer(checkpoint: Path, state: dict) -> Path | None:
-    """The tokenizer of a checkpoint: the checkpoint folder itself (converted checkpoints), else
-    the run's prepared data (``data.path`` of its config; a relative path is tried from the
-    working directory, then from each folder above the checkpoint, as the run was launched from
-    one of them). None when neither holds one."""
-    if has_tokenizer(checkpoint):
-        return Path(checkpoint)
-    data_path = ((state.get("config") or {}).get("data") or {}).get("path")
-    if not data_path:
-        return None
-    data_path = Path(data_path)
-    places = [data_path] if data_path.is_absolute() else (
-        [data_path] + [above / data_path for above in Path(checkpoint).resolve().parents])
-    return next((p for p in places if has_tokenizer(p)), None)

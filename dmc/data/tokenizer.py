@@ -219,6 +219,11 @@ def _read_hf_config(path: Path) -> dict[str, str]:
     return names
 
 
+def has_tokenizer(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a ``tokenizer.model`` or a ``tokenizer.json``."""
+    return any((Path(folder) / name).is_file() for name in (SENTENCEPIECE_FILE, HF_FILE))
+
+
 def resolve_tokenizer_path(path: str | os.PathLike) -> Path:
     """The tokenizer file named by ``path``: the file itself, or the one inside a folder.
 

@@ -12,9 +12,10 @@ plain dict, read with ``weights_only=True``)::
      "dmc_config": {"window": 12, "c": 5.0, ...} or None,  # DMCConfig fields; None = vanilla
      "state_dict": {name: tensor}}                          # the GPTModel's state dict
 
-Prompts are token ids (``--prompt-ids "1 2 3"``) or text (``--prompt "..."`` with
-``--tokenizer``). ``--model`` may also name a training checkpoint (see
-:func:`dmc.inference.loading.load_model`). megatron-core is imported only when the command runs.
+Prompts are token ids (``--prompt-ids "1 2 3"``) or text (``--prompt "..."``, encoded with
+``--tokenizer``, else the tokenizer of the checkpoint folder or of its run's prepared data).
+``--model`` may also name a training checkpoint (see :func:`dmc.inference.loading.load_model`).
+megatron-core is imported only when the command runs.
 
 Exit codes: 0 every request finished, 2 bad input, 3 (:data:`EXIT_REQUEST_FAILED`) some request
 outgrew the page pool on its own (its result says so; the others are printed).
@@ -40,7 +41,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     """Register the ``dmc generate`` flags on ``parser``; returns it."""
     add_model_argument(parser)
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                        help="a text prompt (needs --tokenizer); repeatable")
+                        help="a text prompt (tokenizer: --tokenizer, else the model's run data); "
+                             "repeatable")
     parser.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
                         help="a prompt as token ids separated by spaces or commas; repeatable")
     parser.add_argument("--tokenizer", metavar="PATH",
@@ -83,13 +85,19 @@ def run_generate(args: argparse.Namespace) -> int:
     from dmc.inference.engine import Engine
     from dmc.inference.sampling import SamplingParams
 
-    tokenizer = None
-    if args.tokenizer:
+    tokenizer, source = None, args.tokenizer
+    if source is None and args.prompt:
+        from dmc.inference.loading import model_tokenizer
+
+        source = model_tokenizer(args.model)
+        if source is None:
+            raise ValueError(f"--prompt: no tokenizer found for --model {args.model} (neither "
+                             f"in the checkpoint folder nor in its run's data.path); pass "
+                             f"--tokenizer (or give --prompt-ids)")
+    if source is not None:
         from dmc.data.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(args.tokenizer)
-    if args.prompt and tokenizer is None:
-        raise ValueError("--prompt needs --tokenizer (or give --prompt-ids)")
+        tokenizer = load_tokenizer(source)
     prompts = [tokenizer.encode(p) for p in args.prompt] + [_parse_ids(p) for p in args.prompt_ids]
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")

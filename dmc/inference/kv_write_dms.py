@@ -27,7 +27,7 @@ import torch
 
 from dmc.inference.kv_write import KVWrite
 from dmc.megatron.config import DMCConfig
-from dmc.ops import split_dms_channels, zero_dms_channel
+from dmc.ops import dms_alpha_logit, split_dms_channels, zero_dms_channel
 from dmc.ops.rope import apply_rope
 
 
@@ -60,10 +60,13 @@ class DMSKV(KVWrite):
         """``query [batch, heads, n, dim]`` pre-RoPE (adapter mode: ``dim + 1`` channels, the
         last one the adapter's logit) -> (the query with the borrowed channels zeroed, or the
         adapter channel dropped, float32; ``alpha [batch, kv_heads, n]`` bool)."""
+        if self.adapter:
+            logit = dms_alpha_logit(query, self.cache.num_kv_heads, self.config.c,
+                                    self.config.dms_logit_scale)
+            return query[..., :-1].float(), logit > 0
         channels = split_dms_channels(query, self.cache.num_kv_heads, self.config.c,
                                       self.config.dms_logit_scale)
-        kept = query[..., :-1] if self.adapter else channels.query
-        return kept.float(), channels.alpha_logit > 0
+        return channels.query.float(), channels.alpha_logit > 0
 
     def _rotate_query(self, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE of ``query [batch, heads, n, dim]`` at ``positions`` (broadcast to ``[batch,

@@ -65,6 +65,35 @@ def saved_configs(saved: dict, source: Path) -> tuple[ModelConfig, DMCConfig | N
             None if dmc_config is None else DMCConfig.from_dict(dmc_config))
 
 
+def find_tokenizer(checkpoint: Path, state: dict) -> Path | None:
+    """The tokenizer of a checkpoint: the checkpoint folder itself (converted checkpoints), else
+    the run's prepared data (``data.path`` of its config; a relative path is tried from the
+    working directory, then from each folder above the checkpoint, as the run was launched from
+    one of them). None when neither holds one."""
+    from dmc.data.tokenizer import has_tokenizer
+
+    if Path(checkpoint).is_dir() and has_tokenizer(checkpoint):
+        return Path(checkpoint)
+    data_path = ((state.get("config") or {}).get("data") or {}).get("path")
+    if not data_path:
+        return None
+    data_path = Path(data_path)
+    places = [data_path] if data_path.is_absolute() else (
+        [data_path] + [above / data_path for above in Path(checkpoint).resolve().parents])
+    return next((p for p in places if has_tokenizer(p)), None)
+
+
+def model_tokenizer(path) -> Path | None:
+    """:func:`find_tokenizer` of the model at ``path`` (a checkpoint, checkpoints or run folder);
+    None for an inference file, which records no data."""
+    from dmc.megatron.checkpoint import read_state
+
+    if Path(path).is_file():
+        return None
+    checkpoint = resolve_checkpoint(path)
+    return find_tokenizer(checkpoint, read_state(checkpoint))
+
+
 def load_model(path, *, dtype: torch.dtype | None = None) -> LoadedModel:
     """Build and load the model stored at ``path`` (see the module docstring), TP = PP = 1,
     on CPU; ``dtype`` overrides the parameter dtype."""

@@ -4,6 +4,7 @@ from dmc.ops.attention import dmc_attention
 from dmc.ops.decisions import (
     DecisionChannels,
     DMSChannels,
+    dms_alpha_logit,
     dms_query_heads,
     gumbel_sigmoid,
     importance,
@@ -42,6 +43,7 @@ __all__ = [
     "compression_loss_from_sums",
     "head_cap_loss_from_sums",
     "dmc_attention_bias",
+    "dms_alpha_logit",
     "dms_attention_bias",
     "dms_query_heads",
     "gumbel_sigmoid",

@@ -173,9 +173,16 @@ def split_dms_channels(query: torch.Tensor, kv_heads: int, c: float = 5.0,
         query: ``[batch, q_heads, seq, dim]`` before RoPE.
         kv_heads: KV heads (query groups) of the layer.
     """
+    return DMSChannels(query=zero_dms_channel(query, kv_heads),
+                       alpha_logit=dms_alpha_logit(query, kv_heads, c, scale))
+
+
+def dms_alpha_logit(query: torch.Tensor, kv_heads: int, c: float = 5.0,
+                    scale: float = 100.0) -> torch.Tensor:
+    """``alpha_logit [batch, kv_heads, seq] = q_g[..., -1] * scale - c`` of the first query head
+    ``g`` of each KV group (see :func:`split_dms_channels`), the query left as it is."""
     heads = dms_query_heads(query.shape[1], kv_heads)
-    alpha_logit = query[:, heads, :, DECISION_CHANNEL] * scale - c
-    return DMSChannels(query=zero_dms_channel(query, kv_heads), alpha_logit=alpha_logit)
+    return query[:, heads, :, DECISION_CHANNEL] * scale - c
 
 
 def zero_dms_channel(query: torch.Tensor, kv_heads: int, scale: float = 0.0) -> torch.Tensor:

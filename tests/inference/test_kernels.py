@@ -3,6 +3,8 @@ interpreter on CPU) and the batched CPU paths against the reference."""
 import functools
 import itertools
 import math
+import os
+import time
 
 import pytest
 import torch
@@ -271,6 +273,25 @@ def test_a_failing_build_warns_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("DMC_NATIVE_KERNELS", "require")
     with pytest.raises(RuntimeError, match="failed"):
         native_kernels.load_library()
+
+
+def test_a_new_build_prunes_builds_unused_for_a_month(monkeypatch, tmp_path):
+    """Building into a cache folder deletes the builds not loaded for
+    ``PRUNE_AFTER_DAYS`` and keeps recent ones (another CPU's, sharing the folder); loading a
+    build marks it used."""
+    if native_kernels._compiler() is None:
+        pytest.skip("no C compiler: nothing is built")
+    monkeypatch.setenv("DMC_KERNEL_CACHE", str(tmp_path))
+    stale, recent = tmp_path / "dmc_kernels-stale.so", tmp_path / "dmc_kernels-recent.so"
+    for path in (stale, recent):
+        path.write_bytes(b"")
+    month_ago = time.time() - (native_kernels.PRUNE_AFTER_DAYS + 1) * 86400
+    os.utime(stale, (month_ago, month_ago))
+    built = native_kernels._build(native_kernels._compiler())
+    assert built.exists() and recent.exists() and not stale.exists()
+    os.utime(built, (month_ago, month_ago))
+    assert native_kernels._build(native_kernels._compiler()) == built
+    assert built.stat().st_mtime > time.time() - 3600
 
 
 @pytest.mark.parametrize("window,dtype", [(3, torch.float32), (12, torch.bfloat16),

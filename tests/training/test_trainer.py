@@ -139,6 +139,11 @@ def test_engine_loads_run_checkpoints(full_run, capsys):
     assert main(["generate", "--model", str(run_dir), "--prompt-ids", "3 4 5",
                  "--max-new-tokens", "4", "--json"]) == 0
     assert '"results"' in capsys.readouterr().out
+    # a text prompt: the tokenizer comes from the run's data.path
+    assert main(["generate", "--model", str(run_dir), "--prompt", "To be", "--no-stop",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert len(result["tokens"]) == 3 and isinstance(result["text"], str)
     assert main(["generate", "--model", str(run_dir / "nowhere"), "--prompt-ids", "3"]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -4,8 +4,9 @@ decode write (``write_cpu.c``). Built on first use, loaded, called.
 The C sources are compiled once per machine with the system C compiler (``$CC``, else ``cc``) into
 ``$DMC_KERNEL_CACHE`` (default ``~/.cache/dmc/kernels``), named by a hash of the source, the
 flags, the compiler's version and the CPU's feature flags (``-march=native`` code must not
-reach another CPU). It is loaded with :mod:`ctypes` and called on the tensors' data pointers: no
-torch headers, a build of about a second. Without a compiler, with ``DMC_NATIVE_KERNELS=0``, or
+reach another CPU); builds unused for 30 days are deleted when a new one is made. It is loaded
+with :mod:`ctypes` and called on the tensors' data pointers: no torch headers, a build of about
+a second. Without a compiler, with ``DMC_NATIVE_KERNELS=0``, or
 for inputs it does not take (a GPU tensor, a pool dtype other than float32 / bfloat16, larger
 groups, pages or heads than its stack buffers) :func:`native_paged_decode` returns ``None`` and
 the caller runs the PyTorch path. A build that fails (no OpenMP, an unsupported ``-march``) warns
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_cpu.c", "write_cpu.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+PRUNE_AFTER_DAYS = 30
 _LOCK = threading.Lock()
 _LIBRARY: list = []  # [] before the first try, [None] when unavailable, [CDLL] when loaded
 
@@ -71,7 +74,9 @@ def _build(compiler: str) -> Path:
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache / f"dmc_kernels-{digest}.so"
     if target.exists():
+        os.utime(target)  # in use: kept by _prune
         return target
+    _prune(cache)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
@@ -81,6 +86,19 @@ def _build(compiler: str) -> Path:
                                f"{result.stderr}")
         os.replace(built, target)  # atomic: concurrent builders (spawned workers) agree
     return target
+
+
+def _prune(cache: Path) -> None:
+    """Delete the builds in ``cache`` unused for :data:`PRUNE_AFTER_DAYS` (those of older sources,
+    compilers or CPUs; a build in use is touched on every load, so machines of different CPUs
+    sharing one home folder keep theirs)."""
+    horizon = time.time() - PRUNE_AFTER_DAYS * 86400
+    for old in cache.glob("dmc_kernels-*.so"):
+        try:
+            if old.stat().st_mtime < horizon:
+                old.unlink()
+        except OSError:
+            pass  # another process pruned it first, or the folder is shared read-only
 
 
 def _load(compiler: str) -> ctypes.CDLL:
