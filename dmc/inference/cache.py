@@ -20,9 +20,10 @@ one row: the running pre-RoPE mean and its running weight ``z``.
 A decode step's DMC writes may be deferred (``write(..., defer=True)``): the append-or-merge
 decisions then stay on the device, every head at a page boundary gets its next page beforehand
 (the scheduler reserved them: its worst case is that every head appends), and :meth:`settle`
-reads the lengths back once for all layers, returning the pages of the heads that merged. Until
-then the host lengths of those heads lag behind on a GPU; every method but :meth:`write` and
-:meth:`attention` settles first.
+reads the lengths back once for all layers (the engine: once per step, in the copy that reads
+the sampled tokens), returning the pages of the heads that merged. Until then the host lengths
+of those heads lag behind on a GPU; every method but :meth:`write` and :meth:`attention`
+settles first.
 """
 from __future__ import annotations
 
@@ -52,22 +53,11 @@ class PagedKVCache:
             included); default: plain RoPE of ``rope_base``.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_pages: int,
-        page_size: int = 16,
-        max_seqs: int = 64,
-        window: int | None = 12,
-        dtype: torch.dtype = torch.bfloat16,
-        device: str | torch.device = "cpu",
-        *,
-        max_seq_len: int = 4096,
-        rope_base: float = 10000.0,
-        inv_freq: torch.Tensor | None = None,
-    ):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+                 page_size: int = 16, max_seqs: int = 64, window: int | None = 12,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", *,
+                 max_seq_len: int = 4096, rope_base: float = 10000.0,
+                 inv_freq: torch.Tensor | None = None):
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
         if window is not None and window < 1:
@@ -232,19 +222,27 @@ class PagedKVCache:
             torch.as_tensor(positions, device=device), use_triton=use_triton,
         )
 
-    def settle(self) -> None:
+    def settle(self, carry: torch.Tensor | None = None) -> torch.Tensor | None:
         """Finish the deferred writes: read their heads' lengths back from the device (one copy
         for all of them) into the host lengths and return the pages reserved for heads that
-        merged instead of appending."""
+        merged instead of appending.
+
+        ``carry``: a float64 device tensor of the step's other results (the engine's sampled
+        tokens) read back in the same copy; returned on the host (None without ``carry``)."""
         if not self._deferred:
-            return
+            return None if carry is None else carry.cpu()
         seqs = torch.cat([s for s, _ in self._deferred])
         layers = torch.cat([torch.full_like(s, layer) for s, layer in self._deferred])
         reached = self.lengths[to_device(seqs, self.device), to_device(layers, self.device)]
+        if carry is not None:
+            host = torch.cat((reached.double().flatten(), carry.flatten())).cpu()
+            count = reached.numel()
+            reached, carry = host[:count].view(reached.shape), host[count:].view(carry.shape)
         reached = reached.cpu().long().split([len(s) for s, _ in self._deferred])
         for (part, layer), lengths in zip(self._deferred, reached):
             self.allocator.shrink(part, layer, lengths)
         self._deferred.clear()
+        return carry
 
     def append(self, layer: int, seq_slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Vanilla append of post-RoPE keys and values ``k, v [batch, kv_heads, head_dim]`` of

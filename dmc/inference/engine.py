@@ -25,7 +25,7 @@ from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
 from dmc.inference.kv_write import make_kv_write, make_policy
 from dmc.inference.loading import load_inference_state, load_model, load_plain
 from dmc.inference.model_runner import ModelRunner, resolve_dmc, rope_frequencies
-from dmc.inference.sampling import SamplingParams, sample_next
+from dmc.inference.sampling import SamplingParams, sample_on_device
 from dmc.inference.scheduler import Scheduler, StepPlan
 from dmc.inference.scoring import score_batch
 from dmc.inference.sequence import (
@@ -222,21 +222,14 @@ class Engine:
         return finished
 
     def _run(self, plan: StepPlan, finished: list[GenerationResult]) -> None:
-        """One forward of ``plan``; samples for the decode tokens and the finished prefills."""
+        """One forward of ``plan``; samples for the decode tokens and the finished prefills.
+        The sampled tokens come back to the host with the lengths of the deferred cache writes
+        in one copy: on a GPU the only wait for the device in a decode step."""
         segments = plan.segments()
         if not segments:
             return
-        self._sync()
         started = time.perf_counter()
         logits = self.runner.forward(segments)
-        self._sync()
-        elapsed = time.perf_counter() - started
-        if plan.prefill:
-            self.stats.prefill_seconds += elapsed
-        else:
-            self.stats.decode_seconds += elapsed
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += len(plan.decode)
         sampled, rows = list(plan.decode), logits[:len(plan.decode)]
         for (seq, n), row in zip(plan.prefill, logits[len(plan.decode):]):
             seq.cached += n
@@ -247,9 +240,24 @@ class Engine:
                 rows.append(row)
         for seq in plan.decode:
             seq.cached += 1
+        drawn = None
+        if sampled:
+            drawn = sample_on_device(torch.cat(rows), [s.params for s in sampled],
+                                     [s.seed for s in sampled],
+                                     [len(s.generated) for s in sampled])
+        drawn = self.cache.settle(carry=drawn)
+        if drawn is None:
+            self._sync()  # nothing read back: wait for the device before timing
+        elapsed = time.perf_counter() - started
+        if plan.prefill:
+            self.stats.prefill_seconds += elapsed
+        else:
+            self.stats.decode_seconds += elapsed
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(plan.decode)
         self._note_usage()
         if sampled:
-            self._sample(sampled, torch.cat(rows), finished)
+            self._take_tokens(sampled, drawn, finished)
 
     def generate(
         self,
@@ -332,12 +340,12 @@ class Engine:
         self.stats = EngineStats()
         self.scheduler.preemptions = 0
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
-                finished: list[GenerationResult]) -> None:
-        """Sample the next token of each sequence from ``logits [batch, vocab]``; end the
-        sequences that reach a stop token or ``max_new_tokens`` (freeing their pages)."""
-        chosen, logps = sample_next(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                    [len(s.generated) for s in seqs])
+    def _take_tokens(self, seqs: list[Sequence], drawn: torch.Tensor,
+                     finished: list[GenerationResult]) -> None:
+        """Append each sequence's sampled token (``drawn [2, batch]`` host float64: tokens,
+        log-probabilities); end the sequences that reach a stop token or ``max_new_tokens``
+        (freeing their pages)."""
+        chosen, logps = [int(t) for t in drawn[0].tolist()], drawn[1].tolist()
         for seq, token, logp in zip(seqs, chosen, logps):
             seq.generated.append(token)
             seq.logprobs.append(logp)

@@ -5,7 +5,10 @@ One forward takes any mix of *segments*: prefill chunks of several sequences and
 of others. Everything but attention runs once over all their tokens, ``[tokens, 1, hidden]``
 (megatron's ``[seq, batch, hidden]``); attention runs per prefill chunk and once for all decode
 tokens, through the cache's :class:`~dmc.inference.kv_write.KVWrite` strategy. The model's own
-modules are reused (TP = PP = 1).
+modules are reused (TP = PP = 1). A forward reads nothing back from the device: the lengths the
+deferred DMC / DMS writes reached stay there until the caller settles the cache
+(:meth:`~dmc.inference.cache.PagedKVCache.settle`; every cache method that needs them settles
+first).
 """
 from __future__ import annotations
 
@@ -78,7 +81,6 @@ class ModelRunner:
                                              value[start:end], seg.start))
                 start = end
             x = self._finish_layer(layer, x, torch.cat(parts).reshape(x.shape[0], 1, -1))
-        self.kv.cache.settle()  # one device read of the lengths the deferred DMC writes reached
         if decode:
             self.kv.policy.evict(decode_slots, torch.tensor([s.start + 1 for s in decode]),
                                  decode=True)

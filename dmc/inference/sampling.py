@@ -1,6 +1,8 @@
 """Next-token sampling: greedy, temperature, top-k and top-p (nucleus), reproducible by seed.
 
-:func:`sample_next` samples a whole batch at once on the logits' device. Sampled rows draw by
+:func:`sample_on_device` samples a whole batch at once on the logits' device and leaves the
+tokens there (the engine reads them back with the cache's lengths, in one copy per step;
+:func:`sample_next` reads them itself). Sampled rows draw by
 the Gumbel-max trick with counter-based noise: the noise of vocabulary id ``v`` when a request
 generates its ``i``-th token is an integer hash of ``(seed, i, v)``. So what a request samples
 depends only on its seed, the index of the token and its own logits: never on which other
@@ -13,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from dmc.inference.block_allocator import to_device
 
 
 @dataclass
@@ -156,7 +160,16 @@ def filtered_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                 positions: list[int]) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits [batch, vocab]`` and its log-probability under the model.
+    """:func:`sample_on_device`, read to the host: each row's token and its log-probability."""
+    host = sample_on_device(logits, params, seeds, positions).cpu()
+    return [int(t) for t in host[0].tolist()], host[1].tolist()
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                     positions: list[int]) -> torch.Tensor:
+    """One token per row of ``logits [batch, vocab]`` and its log-probability under the model,
+    left on the logits' device: ``[2, batch]`` float64 (tokens, then log-probabilities; ids are
+    exact in float64), for the caller to read back with whatever else it reads.
 
     Args:
         logits: ``[batch, vocab]`` raw logits, one row per request, on any device.
@@ -170,8 +183,8 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     and an argmax over the whole batch. The noise (:func:`gumbel_noise`) is counter-based, a
     hash of (seed, position, vocabulary id) computed on the device: a row's token does not
     depend on the other rows, no generator state is kept (a preempted request resamples the same
-    tokens) and nothing is read to the host before the final read of the tokens and their
-    log-probabilities (under the model: before temperature, top-k and top-p) in one copy.
+    tokens) and nothing is read from the device (the per-row settings go to it without a
+    stream sync); the log-probability is under the model, before temperature, top-k and top-p.
     """
     device = logits.device
     tokens = torch.argmax(logits, dim=-1)
@@ -180,7 +193,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
         picked = [params[i] for i in rows]
 
         def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         index = column(rows, torch.long)
         scores, ids = filtered_scores(logits[index],
@@ -193,5 +206,4 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
         best = torch.argmax(scores.double() + noise, dim=-1, keepdim=True)
         tokens[index] = ids.gather(-1, best)[:, 0]
     logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
-    host = torch.stack((tokens.double(), logps.double())).cpu()
-    return [int(t) for t in host[0].tolist()], host[1].tolist()
+    return torch.stack((tokens.double(), logps.double()))

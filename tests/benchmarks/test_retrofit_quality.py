@@ -36,11 +36,22 @@ def test_experiment_files_load_and_merge():
     quick = bench.load_experiment([main], quick=True)
     assert quick["eval"]["seq_len"] < full["eval"]["seq_len"] and quick["model_overrides"]
     assert quick["eval"]["prefill_fraction"] == full["eval"]["prefill_fraction"]
-    ablation = bench.load_experiment(
-        [main, ROOT / "configs" / "experiments" / "uneven_layers.yaml"], quick=False)
-    assert ablation["name"] == "uneven_layers" and ablation["data"] == full["data"]
-    # every variant against the plain DMC run of the same target (reused from the main file)
-    assert {v["cr"] for v in ablation["variants"]} == set(ablation["dmc_crs"]) == {4}
+
+
+ABLATIONS = sorted(p for p in (ROOT / "configs" / "experiments").glob("*.yaml")
+                   if p.name != "retrofit_quality.yaml")
+
+
+@pytest.mark.parametrize("path", ABLATIONS, ids=[p.stem for p in ABLATIONS])
+def test_ablation_files_merge_over_the_main_one(path):
+    bench = load_benchmark()
+    main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
+    full = bench.load_experiment([main], quick=False)
+    ablation = bench.load_experiment([main, path], quick=False)
+    assert ablation["name"] == path.stem and ablation["data"] == full["data"]
+    assert ablation["base"] == full["base"] and ablation["eval"] == full["eval"]
+    # every variant beside a plain DMC run of its target (reused from the main file's runs)
+    assert {v["cr"] for v in ablation["variants"]} <= set(ablation["dmc_crs"])
 
 
 @pytest.mark.parametrize("change,message", [

@@ -300,8 +300,9 @@ def test_allocator_invariants_under_random_operations():
 @pytest.mark.parametrize("window,use_triton", [(3, False), (None, False), (3, True)])
 def test_deferred_write_equals_host_decided_write(window, use_triton):
     """Deferred DMC writes (decisions kept on the device, pages reserved for every head at a page
-    boundary, lengths read back once by settle) leave the same slots, lengths, merge state and
-    page count as host-decided ones; attention before settle sees the new slots."""
+    boundary, lengths read back once by settle, with or without a carried tensor) leave the
+    same slots, lengths, merge state and page count as host-decided ones; attention before
+    settle sees the new slots."""
     gen = torch.Generator().manual_seed(11)
     layers, heads, dim = 2, 3, 8
     caches = [PagedKVCache(layers, heads, dim, 60, page_size=4, max_seqs=3, window=window,
@@ -319,10 +320,15 @@ def test_deferred_write_equals_host_decided_write(window, use_triton):
                             use_triton=use_triton)
                 outs.append(cache.attention(layer, batch, q))
             torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
-        caches[1].settle()
+        if step % 2:  # the engine's way: the sampled tokens ride along in the same copy
+            carried = torch.randn(2, len(batch), dtype=torch.float64, generator=gen)
+            assert torch.equal(caches[1].settle(carry=carried), carried)
+        else:
+            assert caches[1].settle() is None
         check_allocator_invariants(caches[1])
         assert caches[1].pages_in_use == caches[0].pages_in_use
     exact, deferred = caches
+    assert torch.equal(deferred.settle(carry=torch.ones(3, dtype=torch.float64)), torch.ones(3))
     for name in ("lengths", "open_k", "open_v", "open_omega", "open_count"):
         assert torch.equal(getattr(deferred, name), getattr(exact, name)), name
     for layer in range(layers):
