@@ -29,7 +29,7 @@ written per (sequence, layer) (``written``), so positions, ring rows, which rows
 leaving and the ring occupancy are known without reading the device. The decisions stay on the
 device, as in DMC's deferred writes: each leaving row's heads at a page boundary get their next
 page first, the leaving token is written at slot ``length`` of its head whatever its flag, the
-device length grows by its keep flag, and :meth:`settle` (once per forward) reads the lengths
+device length grows by its keep flag, and :meth:`settle` (once per engine step) reads the lengths
 back and returns the reserved pages of the heads that dropped their token. Decode attention
 (:meth:`attention`) runs over the paged survivors and the filled ring rows
 (:mod:`~dmc.inference.kernels.dms_decode`: the batched CPU kernel merged with the ring on the

@@ -4,7 +4,7 @@ strategy per kind of cache, so that the model runner never branches on the model
 * :class:`VanillaKV`: one slot per token, keys rotated when written.
 * :class:`DMCKV`: Algorithm 1 (:mod:`dmc.ops.algorithm1`): eval-mode decisions from the last
   channel, a decode token appends or merges into the open slot (Eq. 9; decided on the device,
-  the host learns the lengths once per forward: :meth:`PagedKVCache.settle`), a prefill chunk is
+  the host learns the lengths once per step: :meth:`PagedKVCache.settle`), a prefill chunk is
   compressed at once and packed; queries see a slot once closed and the open one.
 * ``DMSKV`` (:mod:`dmc.inference.kv_write_dms`): DMS's delayed eviction over a window ring.
 

@@ -172,8 +172,9 @@ class Sequence:
 
 @dataclass
 class EngineStats:
-    """Counters since the last :meth:`Engine.reset_stats`. Seconds of forwards holding a prefill
-    chunk go to ``prefill_seconds``; ``decode_*`` count forwards of decode tokens only."""
+    """Counters since the last :meth:`Engine.reset_stats`. Seconds of forwards (with their
+    sampling and the read of the tokens) holding a prefill chunk go to ``prefill_seconds``;
+    ``decode_*`` count forwards of decode tokens only."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
