@@ -54,6 +54,9 @@ VARIANT_KEYS = {"name", "cr", "overrides", "label"}  # label (default: name) gro
 DATA_KEYS = {"vocab_size", "retrieval_fraction", "retrieval_doc_tokens", "retrieval_kinds",
              "valid_fraction", "seed"}
 STAGE_KEYS = {"data", "overrides"}
+# what a base stage may change in its data: not the seed, vocab_size or valid_fraction, which
+# choose the tokenizer and the train / held-out split (another seed trains another tokenizer)
+STAGE_DATA_KEYS = {"retrieval_fraction", "retrieval_doc_tokens", "retrieval_kinds"}
 EVAL_KEYS = {"seq_len", "num_sequences", "prefill_fraction", "needle_lengths", "needle_depths",
              "needles_per_cell", "batch_size", "workers", "seed"}
 QUICK_KEYS = {"data", "model_overrides", "base", "retrofit", "intermediate_crs", "eval"}
@@ -93,10 +96,11 @@ def load_experiment(paths: list[Path], quick: bool) -> dict:
         raise ValueError("base.stages: expected a non-empty list of {data, overrides}")
     for i, stage in enumerate(exp["base"]["stages"]):
         _check_keys(stage, STAGE_KEYS, f"base.stages[{i}]")
-        unknown = sorted(set(stage["data"]) - DATA_KEYS)
+        unknown = sorted(set(stage["data"]) - STAGE_DATA_KEYS)
         if unknown:
             raise ValueError(f"unknown key {unknown[0]} in base.stages[{i}].data; accepted: "
-                             f"{', '.join(sorted(DATA_KEYS))}")
+                             f"{', '.join(sorted(STAGE_DATA_KEYS))} (the others choose the "
+                             f"tokenizer and the held-out split, which every stage shares)")
     quick_section = exp.pop("quick")
     unknown = sorted(set(quick_section) - QUICK_KEYS)
     if unknown:

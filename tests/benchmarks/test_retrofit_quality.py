@@ -65,6 +65,8 @@ def test_ablation_files_merge_over_the_main_one(path):
     ({"base": {"stages": [{"data": {"vocab": 1}, "overrides": []}]}},
      r"unknown key vocab in base.stages\[0\].data"),
     ({"base": {"overrides": []}}, "unknown key overrides in base"),
+    ({"base": {"stages": [{"data": {"seed": 7}, "overrides": []}]}},
+     r"unknown key seed in base.stages\[0\].data; .* choose the tokenizer"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, change, message):
     bench = load_benchmark()
