@@ -79,6 +79,7 @@ class BlockAllocator:
         self.free_list = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is taken first
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._active = [False] * max_seqs
+        self.step: tuple[torch.Tensor, set] | None = None  # an open decode step: seqs, layers written
 
     @property
     def free_pages(self) -> int:
@@ -123,19 +124,14 @@ class BlockAllocator:
         self.lengths[seqs, layer] = new_lengths.to(torch.int32)
         self.publish(seqs, layer)
 
-    def reserve(self, seqs: torch.Tensor, layer: int, heads: torch.Tensor) -> None:
-        """Give each head of ``[seqs, layer, :]`` marked in ``heads [batch, kv_heads]`` (host bool:
-        heads whose slots fill whole pages) its next page ahead of an append decided on the device
-        (``PagedKVCache.write(..., defer=True)``); lengths unchanged. :meth:`shrink` to the lengths
-        the device reached returns the pages of the heads that merged instead."""
-        self._take(seqs, layer, self.lengths[seqs, layer].long() + heads.long())
-        self.publish(seqs, layer)
-
-    def _take(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
-        """Fill the table columns heads ``[seqs, layer, :]`` of ``new_lengths`` need beyond their
-        current lengths with free pages; raises :class:`CacheFullError` before any change."""
-        old_pages = pages_for(self.lengths[seqs, layer].long(), self.page_size)
-        new_pages = pages_for(new_lengths, self.page_size)
+    def _take(self, seqs: torch.Tensor, layers, new_lengths: torch.Tensor) -> None:
+        """Fill the table columns heads ``[seqs, layers, :]`` (``layers`` an index or a slice) of
+        ``new_lengths`` need beyond their current lengths with free pages; raises
+        :class:`CacheFullError` before any change."""
+        layer_ids = torch.arange(self.lengths.shape[1])[layers].reshape(-1)
+        old = self.lengths[seqs][:, layer_ids].long()  # [batch, layers, kv]
+        old_pages = pages_for(old, self.page_size)
+        new_pages = pages_for(new_lengths.reshape(old.shape), self.page_size)
         if (new_pages > self.max_pages_per_head).any():
             raise CacheFullError(
                 f"a head would hold {int(new_lengths.max())} slots, more than "
@@ -148,18 +144,55 @@ class BlockAllocator:
                 f"need {needed} pages, only {len(self.free_list)} free of {self.num_pages}"
             )
         if needed:
-            b, h = count.nonzero(as_tuple=True)
-            per_head = count[b, h]
-            first_new = old_pages[b, h] - (torch.cumsum(per_head, 0) - per_head)
+            b, layer, h = count.nonzero(as_tuple=True)
+            per_head = count[b, layer, h]
+            first_new = old_pages[b, layer, h] - (torch.cumsum(per_head, 0) - per_head)
             columns = first_new.repeat_interleave(per_head) + torch.arange(needed)
             taken = self.free_list[-needed:][::-1]
             del self.free_list[-needed:]
-            seq, head = seqs[b].repeat_interleave(per_head), h.repeat_interleave(per_head)
-            self.tables[seq, layer, head, columns] = torch.tensor(taken, dtype=torch.int32)
+            index = [part.repeat_interleave(per_head) for part in (seqs[b], layer_ids[layer], h)]
+            self.tables[(*index, columns)] = torch.tensor(taken, dtype=torch.int32)
 
-    def shrink(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
-        """Set the lengths of heads ``[seqs, layer, :]`` (never longer) and return the pages past
-        ``ceil(new_length / page_size)`` to the free list."""
+    # ---------------------------------------------- a decode step decided on the device
+    def reserve_step(self, seqs: torch.Tensor, heads: torch.Tensor) -> None:
+        """Open a decode step whose writes are decided on the device: each head of ``[seqs]``
+        marked in ``heads [batch, num_layers, kv_heads]`` (host bool: heads whose next slot
+        would need a new page) gets its next page now, for every layer in one allocation and
+        one copy to the device. Until :meth:`settle` the device lengths of ``seqs`` may run
+        one slot ahead of the host ones, and each layer is written once (:meth:`claim`)."""
+        if self.step is not None:
+            raise RuntimeError("a decode step is open: settle it before reserving the next")
+        self._take(seqs, slice(None), self.lengths[seqs].long() + heads.long())
+        self.publish(seqs, slice(None))
+        self.step = (seqs, set())
+
+    def claim(self, seqs: torch.Tensor, layer: int) -> None:
+        """Check that a write of ``layer`` for ``seqs`` (host ``[batch]``) uses the pages of the
+        open step (:meth:`reserve_step`), once per layer; raises ``RuntimeError`` otherwise (an
+        append decided on the device could land on a page it does not own)."""
+        if self.step is None or not torch.equal(seqs, self.step[0]) or layer in self.step[1]:
+            raise RuntimeError(f"a deferred write of layer {layer} for sequences "
+                               f"{seqs.tolist()} needs its own reserve_step (begin_decode)")
+        self.step[1].add(layer)
+
+    def settle(self, carry: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Close the open step: read the device lengths of its sequences (every layer) back in
+        one copy, together with ``carry`` (a float64 device tensor, returned on the host; None
+        without it), and give back the pages reserved for heads that did not append."""
+        if self.step is None:
+            return None if carry is None else carry.cpu()
+        seqs, self.step = self.step[0], None
+        reached = self.device_lengths[to_device(seqs, self.device)]
+        if carry is not None:
+            host = torch.cat((reached.double().flatten(), carry.flatten())).cpu()
+            count = reached.numel()
+            reached, carry = host[:count].view(reached.shape), host[count:].view(carry.shape)
+        self.shrink(seqs, slice(None), reached.cpu().long())
+        return carry
+
+    def shrink(self, seqs: torch.Tensor, layer, new_lengths: torch.Tensor) -> None:
+        """Set the lengths of heads ``[seqs, layer, :]`` (``layer`` an index or a slice; never
+        longer) and return the pages past ``ceil(new_length / page_size)`` to the free list."""
         columns = torch.arange(self.max_pages_per_head)
         table = self.tables[seqs, layer]
         drop = (columns >= pages_for(new_lengths, self.page_size)[..., None]) & (table >= 0)

@@ -18,12 +18,13 @@ With ``window=w`` the rows (``rows = w``) are a ring of the open slot's last ``w
 one row: the running pre-RoPE mean and its running weight ``z``.
 
 A decode step's DMC writes may be deferred (``write(..., defer=True)``): the append-or-merge
-decisions then stay on the device, every head at a page boundary gets its next page beforehand
-(the scheduler reserved them: its worst case is that every head appends), and :meth:`settle`
-reads the lengths back once for all layers (the engine: once per step, in the copy that reads
-the sampled tokens), returning the pages of the heads that merged. Until then the host lengths
-of those heads lag behind on a GPU; every method but :meth:`write` and :meth:`attention`
-settles first.
+decisions then stay on the device. :meth:`begin_decode` opens the step before its first layer:
+every head of every layer at a page boundary gets its next page (the scheduler made room: its
+worst case is that every head appends), so the layers' writes take no page and make no host
+work of the allocator. :meth:`settle` closes it, reading the lengths of all layers back in one
+copy (the engine: the copy that reads the sampled tokens) and returning the pages of the heads
+that merged. Until then the host lengths lag behind on a GPU; every method but :meth:`write` and
+:meth:`attention` settles first when the step holds the sequences it is given.
 """
 from __future__ import annotations
 
@@ -79,7 +80,6 @@ class PagedKVCache:
         if inv_freq is None:
             inv_freq = rope_inv_freq(head_dim, rope_base)
         self.inv_freq = inv_freq.float().to(self.device)
-        self._deferred: list[tuple[torch.Tensor, int]] = []  # (seqs, layer) of deferred writes
 
     # ----------------------------------------------------------------- stats
     @property
@@ -111,7 +111,7 @@ class PagedKVCache:
         ``dmc_state``, ``dmc_state``: the open slot's merge state of every (layer, KV head)
         (float32 ring of ``window`` pre-RoPE keys and values and their omegas, or the running
         mean and ``z``, plus the int32 token count), allocated whether or not a head merges."""
-        self.settle()
+        self._settle_for([seq_slot])
         lengths = self.allocator.lengths[seq_slot].long()
         pages = int(pages_for(lengths, self.page_size).sum())
         heads = lengths.numel()
@@ -127,7 +127,7 @@ class PagedKVCache:
 
     def head_lengths(self, seq_slot: int) -> torch.Tensor:
         """Slots per head of one sequence, ``[num_layers, num_kv_heads]`` (host copy)."""
-        self.settle()
+        self._settle_for([seq_slot])
         return self.allocator.lengths[seq_slot].clone()
 
     def held_slots(self, seq_slot: int) -> torch.Tensor:
@@ -142,7 +142,7 @@ class PagedKVCache:
 
     def layer_lengths(self, layer: int, seq_slots) -> torch.Tensor:
         """Slots per head of ``layer`` for ``seq_slots``, ``[batch, num_kv_heads]`` (host, long)."""
-        self.settle()
+        self._settle_for(seq_slots)
         return self.allocator.lengths[self.allocator.seq_index(seq_slots), layer].long()
 
     def open_state(self, layer: int, seq_slots) -> OpenSlot:
@@ -160,7 +160,7 @@ class PagedKVCache:
 
     def free_sequence(self, seq_slot: int) -> None:
         """Return every page of ``seq_slot`` to the free list and release the slot."""
-        self.settle()
+        self._settle_for([seq_slot])
         self.allocator.free_sequence(seq_slot)
         self.open_count[seq_slot] = 0
 
@@ -194,23 +194,21 @@ class PagedKVCache:
             alpha: ``[batch, kv_heads]`` hard decisions, 1 = merge (read on the host unless
                 ``defer``).
             use_triton: kernel choice, see :func:`~dmc.inference.kernels.resolve_use_triton`.
-            defer: decide on the device and leave the host lengths to :meth:`settle` (see the
-                module docstring); pages are then taken for every head at a page boundary.
+            defer: decide on the device and leave the host lengths to :meth:`settle`, in the
+                step :meth:`begin_decode` opened for ``seq_slots`` (see the module docstring).
         """
-        if any(done == layer for _, done in self._deferred):
-            self.settle()
         seqs = self.allocator.seq_index(seq_slots)
-        lengths = self.allocator.lengths[seqs, layer].long()
         device = self.device
         rows = to_device(seqs, device)
         if defer:
-            self.allocator.reserve(seqs, layer, lengths % self.page_size == 0)
+            self.allocator.claim(seqs, layer)
             current = self.lengths[rows, layer].long()
             append = (torch.as_tensor(alpha, device=device) <= 0.5) | (current == 0)
             new_lengths = current + append.long()
             self.lengths[rows, layer] = new_lengths.to(torch.int32)
-            self._deferred.append((seqs, layer))
         else:
+            self._settle_for(seqs)
+            lengths = self.allocator.lengths[seqs, layer].long()
             append = (torch.as_tensor(alpha).detach().cpu() <= 0.5) | (lengths == 0)
             new_lengths = lengths + append.long()
             self.allocator.grow(seqs, layer, new_lengths)
@@ -222,32 +220,34 @@ class PagedKVCache:
             torch.as_tensor(positions, device=device), use_triton=use_triton,
         )
 
-    def settle(self, carry: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Finish the deferred writes: read their heads' lengths back from the device (one copy
-        for all of them) into the host lengths and return the pages reserved for heads that
-        merged instead of appending.
+    def begin_decode(self, seq_slots) -> None:
+        """Open a decode step of ``seq_slots`` whose writes are deferred: settle the previous
+        one, then give every head at a page boundary, in every layer, its next page."""
+        self.settle()
+        seqs = self.allocator.seq_index(seq_slots)
+        self.allocator.reserve_step(seqs, self._step_heads(seqs))
 
-        ``carry``: a float64 device tensor of the step's other results (the engine's sampled
-        tokens) read back in the same copy; returned on the host (None without ``carry``)."""
-        if not self._deferred:
-            return None if carry is None else carry.cpu()
-        seqs = torch.cat([s for s, _ in self._deferred])
-        layers = torch.cat([torch.full_like(s, layer) for s, layer in self._deferred])
-        reached = self.lengths[to_device(seqs, self.device), to_device(layers, self.device)]
-        if carry is not None:
-            host = torch.cat((reached.double().flatten(), carry.flatten())).cpu()
-            count = reached.numel()
-            reached, carry = host[:count].view(reached.shape), host[count:].view(carry.shape)
-        reached = reached.cpu().long().split([len(s) for s, _ in self._deferred])
-        for (part, layer), lengths in zip(self._deferred, reached):
-            self.allocator.shrink(part, layer, lengths)
-        self._deferred.clear()
-        return carry
+    def _step_heads(self, seqs: torch.Tensor) -> torch.Tensor:
+        """``[batch, num_layers, kv_heads]`` host bool: heads whose next slot needs a page."""
+        return self.allocator.lengths[seqs] % self.page_size == 0
+
+    def _settle_for(self, seq_slots) -> None:
+        """Settle when the open decode step holds any of ``seq_slots`` (their host lengths lag);
+        a prefill chunk of another sequence in the same forward leaves the step open."""
+        step = self.allocator.step
+        if step is not None and torch.isin(torch.as_tensor(seq_slots).reshape(-1), step[0]).any():
+            self.settle()
+
+    def settle(self, carry: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Close the open decode step (:meth:`BlockAllocator.settle`): its lengths come back to
+        the host in one copy with ``carry`` (a float64 device tensor of the step's other results,
+        the engine's sampled tokens; returned on the host, None without it)."""
+        return self.allocator.settle(carry)
 
     def append(self, layer: int, seq_slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Vanilla append of post-RoPE keys and values ``k, v [batch, kv_heads, head_dim]`` of
         distinct ``seq_slots [batch]``: one new slot per head, no merge state kept."""
-        self.settle()
+        self._settle_for(seq_slots)
         seqs = self.allocator.seq_index(seq_slots)
         slots = self.allocator.lengths[seqs, layer].long()
         self.allocator.grow(seqs, layer, slots + 1)
@@ -282,7 +282,7 @@ class PagedKVCache:
             overwrite_last: ``[kv_heads]`` bool (chunked prefill): the first given slot replaces
                 the head's current last slot, which the chunk's first token merged into.
         """
-        self.settle()
+        self._settle_for([seq_slot])
         seqs = self.allocator.seq_index([seq_slot])
         length = self.allocator.lengths[seq_slot, layer].long()
         counts = torch.as_tensor(counts).long().cpu()
@@ -308,7 +308,7 @@ class PagedKVCache:
         seqs = self.allocator.seq_index(seq_slots)
         rows = to_device(seqs, self.device)
         host_lengths = self.allocator.lengths[seqs, layer]  # the same tensor on CPU: exact
-        lag = self.device.type != "cpu" and any(done == layer for _, done in self._deferred)
+        lag = self.device.type != "cpu" and self.allocator.step is not None
         return run_paged_decode(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer],
@@ -323,7 +323,7 @@ class PagedKVCache:
 
         Returns keys, values ``[batch, kv_heads, max_len, head_dim]`` float32 (zeros past a
         head's length) and the host lengths ``[batch, kv_heads]`` (long)."""
-        self.settle()
+        self._settle_for(seq_slots)
         seqs = self.allocator.seq_index(seq_slots)
         lengths = self.allocator.lengths[seqs, layer].long()
         max_len = int(lengths.max()) if lengths.numel() else 0
@@ -351,7 +351,7 @@ class PagedKVCache:
 
         Returns the new host lengths ``[batch, kv_heads]`` (long).
         """
-        self.settle()
+        self._settle_for(seq_slots)
         seqs = self.allocator.seq_index(seq_slots)
         lengths = self.allocator.lengths[seqs, layer].long()
         n = keep.shape[-1]

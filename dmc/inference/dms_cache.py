@@ -27,10 +27,11 @@ positions.
 Decode (:meth:`decode_write`, batched over sequences and heads): the host counts the tokens
 written per (sequence, layer) (``written``), so positions, ring rows, which rows have a token
 leaving and the ring occupancy are known without reading the device. The decisions stay on the
-device, as in DMC's deferred writes: each leaving row's heads at a page boundary get their next
-page first, the leaving token is written at slot ``length`` of its head whatever its flag, the
-device length grows by its keep flag, and :meth:`settle` (once per engine step) reads the lengths
-back and returns the reserved pages of the heads that dropped their token. Decode attention
+device, as in DMC's deferred writes: the step opened by ``begin_decode`` gave each head of a
+leaving row at a page boundary its next page (every layer at once), the leaving token is written
+at slot ``length`` of its head whatever its flag, the device length grows by its keep flag, and
+:meth:`settle` (once per engine step) reads the lengths back and returns the reserved pages of
+the heads that dropped their token. Decode attention
 (:meth:`attention`) runs over the paged survivors and the filled ring rows
 (:mod:`~dmc.inference.kernels.dms_decode`: the batched CPU kernel merged with the ring on the
 CPU, a padded gather without host reads elsewhere).
@@ -134,8 +135,8 @@ class DMSPagedCache(PagedKVCache):
                      evict: torch.Tensor) -> None:
         """One token per sequence of ``seq_slots`` at its next position p (tokens written so
         far): flag token p - 1 with ``evict``, move token p - w - 1 out of the ring (to its
-        head's pages if kept; decided on the device, see the module docstring), put token p in
-        its ring row.
+        head's pages if kept; decided on the device in the step ``begin_decode`` opened, see the
+        module docstring), put token p in its ring row.
 
         Args:
             layer: layer index; seq_slots: ``[batch]`` distinct sequence slots.
@@ -143,16 +144,10 @@ class DMSPagedCache(PagedKVCache):
             evict: ``[batch, kv_heads]`` bool ``alpha_p`` (device): token p - 1 leaves the
                 window evicted (ignored at p = 0).
         """
-        if any(done == layer for _, done in self._deferred):
-            self.settle()
         seqs = self.allocator.seq_index(seq_slots)
+        self.allocator.claim(seqs, layer)
         positions = self.written[seqs, layer]
         leaving = (positions >= self.ring_size).nonzero()[:, 0]
-        if leaving.numel():  # their pages first: a head at a page boundary gets its next page
-            moved = seqs[leaving]
-            full = self.allocator.lengths[moved, layer].long() % self.page_size == 0
-            self.allocator.reserve(moved, layer, full)
-            self._deferred.append((moved, layer))
         compiled = self.native_kernels and self.device.type == "cpu" and native_dms_write(
             self.k_pages, self.v_pages, self.block_tables, self.lengths, self.ring_k,
             self.ring_v, self.ring_evict, layer, seqs, positions, keys, values,
@@ -170,6 +165,12 @@ class DMSPagedCache(PagedKVCache):
             self.ring_v[rows, layer, heads, row] = values.to(self.dtype)
             self.ring_evict[rows, layer, heads, row] = False
         self.written[seqs, layer] += 1
+
+    def _step_heads(self, seqs: torch.Tensor) -> torch.Tensor:
+        """Heads whose next paged slot needs a page: a token leaves their full ring this step
+        and their survivors fill whole pages (``[batch, num_layers, kv_heads]`` host bool)."""
+        leaving = (self.written[seqs] >= self.ring_size)[..., None]
+        return leaving & (self.allocator.lengths[seqs] % self.page_size == 0)
 
     def _move_leaving(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor) -> None:
         """Token ``positions - w - 1`` of sequences ``seqs`` (host ``[n]``, all with a full
@@ -201,7 +202,7 @@ class DMSPagedCache(PagedKVCache):
                 q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
                 self.allocator.lengths[seqs, layer], *pools, seqs * self.num_layers + layer,
                 ring, scale)
-        lag = any(done == layer for _, done in self._deferred)  # device lengths: + 1 at most
+        lag = self.allocator.step is not None  # the device lengths: + 1 at most
         bound = int(self.allocator.lengths[seqs, layer].max()) + lag
         return dms_decode_attention(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],

@@ -87,12 +87,19 @@ class KVWrite:
     """
 
     keeps_merge_state = False  # the cache holds an open-slot merge state per head
+    defers_writes = False  # decode writes decided on the device, in a step the cache opens
 
     def __init__(self, cache: PagedKVCache, num_heads: int, scale: float,
                  inv_freq: torch.Tensor, policy, use_triton: bool | None):
         self.cache, self.num_heads, self.scale = cache, num_heads, scale
         self.group = num_heads // cache.num_kv_heads
         self.inv_freq, self.policy, self.use_triton = inv_freq, policy, use_triton
+
+    def begin_decode(self, seqs: list[int]) -> None:
+        """Before a decode forward's first layer: open the cache's step for ``seqs`` when the
+        writes are decided on the device (pages of every layer reserved at once)."""
+        if self.defers_writes:
+            self.cache.begin_decode(seqs)
 
     def decode(self, layer: int, seqs: list[int], query, key, value, positions) -> torch.Tensor:
         """One token per sequence of ``seqs``: ``query [batch, heads, dim]``, ``key, value
@@ -178,6 +185,7 @@ class DMCKV(KVWrite):
     ``window``)."""
 
     keeps_merge_state = True
+    defers_writes = True
 
     def __init__(self, config: DMCConfig, *args):
         super().__init__(*args)

@@ -47,6 +47,7 @@ class DMSKV(KVWrite):
     state (``keeps_merge_state``: reported as ``dmc_state``)."""
 
     keeps_merge_state = True
+    defers_writes = True
 
     def __init__(self, config: DMCConfig, *args):
         super().__init__(*args)

@@ -67,6 +67,8 @@ class ModelRunner:
         x = self.model.embedding(input_ids=ids[None], position_ids=positions[None])
         rows = len(decode)
         decode_slots, decode_positions = [s.slot for s in decode], positions[:rows]
+        if decode:
+            self.kv.begin_decode(decode_slots)
         for index, layer in enumerate(self.layers):
             query, key, value = self._qkv(layer.self_attention, layer.input_layernorm(x))
             query, key, value = query[:, 0], key[:, 0], value[:, 0]  # [tokens, heads, dim]

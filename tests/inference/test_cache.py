@@ -299,8 +299,8 @@ def test_allocator_invariants_under_random_operations():
 
 @pytest.mark.parametrize("window,use_triton", [(3, False), (None, False), (3, True)])
 def test_deferred_write_equals_host_decided_write(window, use_triton):
-    """Deferred DMC writes (decisions kept on the device, pages reserved for every head at a page
-    boundary, lengths read back once by settle, with or without a carried tensor) leave the
+    """Deferred DMC writes (decisions kept on the device, pages reserved for every head of every
+    layer at a page boundary by begin_decode, lengths read back once by settle, with or without a carried tensor) leave the
     same slots, lengths, merge state and page count as host-decided ones; attention before
     settle sees the new slots."""
     gen = torch.Generator().manual_seed(11)
@@ -313,6 +313,7 @@ def test_deferred_write_equals_host_decided_write(window, use_triton):
         k, v, omega, alpha = random_token(gen, heads, dim, len(batch), p_merge=0.6)
         q = torch.randn(len(batch), 2 * heads, dim, generator=gen)
         positions = torch.full((len(batch),), step)
+        caches[1].begin_decode(batch)
         for layer in range(layers):
             outs = []
             for cache, defer in zip(caches, (False, True)):
@@ -334,6 +335,45 @@ def test_deferred_write_equals_host_decided_write(window, use_triton):
     for layer in range(layers):
         for got, want in zip(deferred.read(layer, seqs), exact.read(layer, seqs)):
             torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_a_deferred_write_needs_its_step():
+    """A deferred write outside the step begin_decode opened for the same sequences, or a second
+    one of a layer in a step, raises before touching the cache (an append decided on the device
+    could land on a page its head does not own); begin_decode takes the pages of every layer at
+    a page boundary at once and settle gives back those of the heads that merged."""
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(3, 2, 8, 40, page_size=2, max_seqs=2, dtype=torch.float32,
+                         max_seq_len=16)
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    k, v, omega, _ = random_token(gen, 2, 8, 2)
+    merge, append = torch.ones(2, 2), torch.zeros(2, 2)
+
+    def write(layer, alpha, batch=seqs):
+        cache.write(layer, batch, torch.zeros(len(batch), dtype=torch.long), k[:len(batch)],
+                    v[:len(batch)], omega[:len(batch)], alpha[:len(batch)], defer=True)
+
+    with pytest.raises(RuntimeError, match="layer 0 .* needs its own reserve_step"):
+        write(0, append)
+    cache.begin_decode(seqs)  # every head is empty: one page each, 3 x 2 x 2
+    assert cache.pages_in_use == 12
+    write(0, append)
+    with pytest.raises(RuntimeError, match="layer 0"):
+        write(0, append)
+    with pytest.raises(RuntimeError, match=r"layer 1 for sequences \[0\]"):
+        write(1, append, batch=seqs[:1])
+    write(1, append)
+    cache.settle()  # layer 2 never written: its pages return
+    check_allocator_invariants(cache)
+    assert cache.pages_in_use == 8
+    cache.begin_decode(seqs)  # lengths 1 in layers 0-1 (page not full), 0 in layer 2
+    assert cache.pages_in_use == 12
+    for layer in range(3):
+        write(layer, merge)  # an empty head appends whatever its decision
+    cache.settle()
+    check_allocator_invariants(cache)
+    assert cache.pages_in_use == 12
+    assert cache.head_lengths(seqs[1]).tolist() == [[1, 1]] * 3
 
 
 def test_cache_full_error_names_pages_and_changes_nothing():

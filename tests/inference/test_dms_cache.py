@@ -91,10 +91,11 @@ def test_eviction_timing_equals_float64_mask(q_heads, kv_heads, window, chunk):
     hist = {s: [History(q_heads, kv_heads, n + decode, 0.5, gen) for _ in range(LAYERS)]
             for s, n in zip(slots, prompts)}
 
-    def check(slot, layer, rows, got):
+    def check(slot, layer, rows, got, held=True):
         want, seen = hist[slot][layer].expected(window, rows, scale)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-        assert held_keys(cache, slot, layer) == seen
+        if held:  # reading the held keys settles the cache: not inside a decode step
+            assert held_keys(cache, slot, layer) == seen
 
     for slot, n in zip(slots, prompts):
         for start in range(0, n, chunk):
@@ -106,6 +107,7 @@ def test_eviction_timing_equals_float64_mask(q_heads, kv_heads, window, chunk):
     pages = sum(check_state(cache, s, hist[s], window, n) for s, n in zip(slots, prompts))
     assert cache.pages_in_use == pages
     for step in range(decode):
+        cache.begin_decode(slots)
         for layer in range(LAYERS):
             hs = [hist[s][layer] for s in slots]
             pos = [n + step for n in prompts]
@@ -115,8 +117,12 @@ def test_eviction_timing_equals_float64_mask(q_heads, kv_heads, window, chunk):
             got = cache.attention(layer, slots,
                                   torch.stack([h.queries[:, p] for h, p in zip(hs, pos)]), scale)
             for i, (slot, p) in enumerate(zip(slots, pos)):
-                check(slot, layer, [p], got[i][:, None])
+                check(slot, layer, [p], got[i][:, None], held=False)
         cache.settle()
+        for layer in range(LAYERS):
+            for slot, n in zip(slots, prompts):
+                assert held_keys(cache, slot, layer) == hist[slot][layer].expected(
+                    window, [n + step], scale)[1]
         pages = sum(check_state(cache, s, hist[s], window, n + step + 1)
                     for s, n in zip(slots, prompts))
         assert cache.pages_in_use == pages  # the reserved pages of dropped tokens came back
@@ -137,6 +143,7 @@ def test_evicted_tokens_never_take_a_page(evict):
     cache.prefill(0, slot, 0, torch.randn(kv, 4, DIM), keys[:, :4], keys[:, :4],
                   torch.full((kv, 4), evict), 1.0)
     for p in range(4, tokens):
+        cache.begin_decode([slot])
         cache.decode_write(0, [slot], keys[None, :, p], keys[None, :, p],
                            torch.full((1, kv), evict))
         cache.attention(0, [slot], torch.randn(1, kv, DIM))
@@ -183,6 +190,7 @@ def test_paged_growth_is_what_kept_tokens_take():
     lengths, growth = [cache.head_lengths(slot)[0]], []
     for p in range(2, tokens):
         growth.append([cache.paged_growth([slot], k)[0, 0] for k in range(1, 5)])
+        cache.begin_decode([slot])
         cache.decode_write(0, [slot], keys[None, :, p], keys[None, :, p],
                            torch.zeros(1, kv, dtype=torch.bool))
         cache.attention(0, [slot], torch.randn(1, kv, DIM))
@@ -210,6 +218,8 @@ def test_compiled_decode_write_equals_the_pytorch_path(window, dtype):
     for step in range(steps):
         batch = [slots[i] for i in torch.randperm(seqs, generator=gen)[:1 + step % seqs]]
         keys, values = torch.randn(2, len(batch), kv, DIM, generator=gen)
+        for cache in caches:
+            cache.begin_decode(batch)
         for layer in range(LAYERS):
             evict = torch.rand(len(batch), kv, generator=gen) < 0.4
             for cache in caches:
