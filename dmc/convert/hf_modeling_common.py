@@ -16,13 +16,62 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 try:  # the exported folder
     from .rope import rope_inv_freq
 except ImportError:  # imported from the dmc package
     from dmc.ops.rope import rope_inv_freq
+
+
+class CompressedCacheLayer(CacheLayerMixin):
+    """What the cache layers of the compressed methods share: written by their attention (not
+    by ``update``), ``keys [batch, kv_heads, capacity, dim]`` with ``lengths [batch, kv_heads]``
+    entries per head, and per-sequence tensors named in ``state_names`` that beam search and
+    batch selection reorder along the batch. ``window`` is the method's one constructor
+    argument (``reset`` rebuilds the layer with it)."""
+
+    is_compileable = False
+    is_croppable = False
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, window):
+        super().__init__()
+        self.window = window
+        self.lengths = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} is written by its attention (fill, "
+                                  f"then one token at a time), not by update()")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.keys.shape[2] if self.is_initialized else 0) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.lengths.max()) if self.is_initialized and self.lengths.numel() else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.window)
+
+    def _select(self, index: torch.Tensor) -> None:
+        for name in self.state_names:
+            setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
 
 
 class CompressedCache(Cache):

@@ -31,9 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.cache_utils import CacheLayerMixin
 
-from .hf_modeling_common import (CompressedAttention, CompressedCache,
+from .hf_modeling_common import (CompressedAttention, CompressedCache, CompressedCacheLayer,
                                   CompressedLlamaForCausalLM, CompressedLlamaModel)
 
 try:  # the exported folder: the dmc/ops files shipped next to modeling_dmc.py
@@ -99,7 +98,7 @@ class DMCLlamaConfig(PretrainedConfig):
 
 
 # ----------------------------------------------------------------------------- cache
-class DMCCacheLayer(CacheLayerMixin):
+class DMCCacheLayer(CompressedCacheLayer):
     """The compressed cache of one layer.
 
     keys, values: ``[batch, kv_heads, capacity, dim]`` slots (keys rotated, decision channel 0);
@@ -109,13 +108,11 @@ class DMCCacheLayer(CacheLayerMixin):
     merged into the open slot.
     """
 
-    is_compileable = False
-    is_croppable = False
+    state_names = ("keys", "values", "lengths", "ring_k", "ring_v", "ring_omega", "count")
 
     def __init__(self, window: int | None):
-        super().__init__()
-        self.window = window
-        self.lengths = self.ring_k = self.ring_v = self.ring_omega = self.count = None
+        super().__init__(window)
+        self.ring_k = self.ring_v = self.ring_omega = self.count = None
 
     @property
     def rows(self) -> int:
@@ -132,39 +129,6 @@ class DMCCacheLayer(CacheLayerMixin):
         self.ring_omega = torch.zeros(batch, heads, self.rows, device=device)
         self.count = torch.zeros(batch, heads, dtype=torch.long, device=device)
         self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("DMCCacheLayer is written by DMC attention (fill / merge_token),"
-                                  " not by update()")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.keys.shape[2] if self.is_initialized else 0) + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return int(self.lengths.max()) if self.is_initialized and self.lengths.numel() else 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.__init__(self.window)
-
-    def _select(self, index: torch.Tensor) -> None:
-        for name in ("keys", "values", "lengths", "ring_k", "ring_v", "ring_omega", "count"):
-            setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            self._select(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._select(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            batch = self.keys.shape[0]
-            self._select(torch.arange(batch).repeat_interleave(repeats))
 
     def _reserve(self, slots: int) -> None:
         """Grows ``keys``/``values`` to hold ``slots`` slots per head (doubling)."""

@@ -34,9 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.cache_utils import CacheLayerMixin
 
-from .hf_modeling_common import (CompressedAttention, CompressedCache,
+from .hf_modeling_common import (CompressedAttention, CompressedCache, CompressedCacheLayer,
                                   CompressedLlamaForCausalLM, CompressedLlamaModel)
 
 try:  # the exported folder: the dmc/ops files shipped next to modeling_dms.py
@@ -100,54 +99,20 @@ class DMSLlamaConfig(PretrainedConfig):
 
 
 # ----------------------------------------------------------------------------- cache
-class DMSCacheLayer(CacheLayerMixin):
+class DMSCacheLayer(CompressedCacheLayer):
     """The evicting cache of one layer: ``keys, values [batch, kv_heads, capacity, dim]``
     (keys rotated), ``positions [batch, kv_heads, capacity]``, ``marked`` (bool, same shape:
     the token's successor decided to evict it), ``lengths [batch, kv_heads]`` entries per head;
     entries ``< lengths`` are packed at the front of each head."""
 
-    is_compileable = False
-    is_croppable = False
+    state_names = ("keys", "values", "positions", "marked", "lengths")
 
     def __init__(self, window: int):
-        super().__init__()
-        self.window = window
-        self.positions = self.marked = self.lengths = None
+        super().__init__(window)
+        self.positions = self.marked = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         raise NotImplementedError("DMSCacheLayer is written by DMS attention (fill / append)")
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("DMSCacheLayer is written by DMS attention (fill / append), "
-                                  "not by update()")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.keys.shape[2] if self.is_initialized else 0) + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return int(self.lengths.max()) if self.is_initialized and self.lengths.numel() else 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.__init__(self.window)
-
-    def _select(self, index: torch.Tensor) -> None:
-        for name in ("keys", "values", "positions", "marked", "lengths"):
-            setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            self._select(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._select(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
 
     def _pack(self, keys, values, positions, marked, keep) -> None:
         """Stores the entries with ``keep [batch, kv, m]`` set, in order, at the front of each
