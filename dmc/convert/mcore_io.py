@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from dmc.megatron.config import DMCConfig, ModelConfig
+from dmc.megatron.parallel import torchrun_command
 
 COLUMN_PARALLEL = ("linear_qkv.weight", "linear_fc1.weight", "output_layer.weight",
                    "word_embeddings.weight", "decision_proj.weight")
@@ -140,19 +139,12 @@ def _save_single(folder, full, model_config, dmc_config, meta):
     save_model_checkpoint(model, folder, meta)
 
 
-def _free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
 def _save_distributed(folder, full, meta, tp, pp):
     with tempfile.TemporaryDirectory(prefix="dmc_convert_") as tmp:
         payload = Path(tmp) / "full.pt"
         torch.save({"state": full, "meta": meta}, payload)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp),
-               "--master_addr", "127.0.0.1", "--master_port", _free_port(),
-               "-m", "dmc.convert.dist_save", str(payload), str(folder)]
+        cmd = [*torchrun_command(tp * pp), "-m", "dmc.convert.dist_save", str(payload),
+               str(folder)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))

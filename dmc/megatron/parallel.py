@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,14 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """``python -m torch.distributed.run`` for ``nproc`` processes on this machine. ``--standalone``:
+    its rendezvous store binds a free port itself and the workers share it, so no port is picked
+    beforehand that another process could take in between."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(nproc)]
 
 
 def init_process_group() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 
@@ -33,16 +32,10 @@ def dmc_argv(args: argparse.Namespace) -> list[str]:
     return argv + list(args.overrides)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun_argv(nproc: int, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-            "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), "-m", "dmc.cli", *dmc_argv(args)]
+    from dmc.megatron.parallel import torchrun_command
+
+    return [*torchrun_command(nproc), "-m", "dmc.cli", *dmc_argv(args)]
 
 
 def relaunch(nproc: int, args: argparse.Namespace):

@@ -2,7 +2,6 @@
 with the per-sequence CR hinge of the global prior (carried across pipeline stages) and the
 per-layer hinge of the local prior; the single-process CR loss equals a float64 Eq. 10."""
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,16 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmc.megatron.parallel import torchrun_command
 from dist_worker import DMS_TARGET_CR, GROUPS, LAYERS, MBS, MICRO, SEQ, TARGET_CR
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 ROOT = WORKER.parents[2]
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
 
 
 def _run(tmp_path, nproc, *flags):
@@ -28,8 +22,7 @@ def _run(tmp_path, nproc, *flags):
     if nproc == 1:
         cmd = [sys.executable, str(WORKER), "--out", str(out), *flags]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", _free_port(), str(WORKER), "--out", str(out), *flags]
+        cmd = [*torchrun_command(nproc), str(WORKER), "--out", str(out), *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dmc.megatron.parallel import torchrun_command
+
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE, VOCAB, TEMPERATURE = (2, 6), 48, 1.5
 RETROFIT = {"schedule.zero_out_steps": 1, "schedule.retrofit_steps": 3,
@@ -62,9 +64,8 @@ def _env():
 def test_tp2_kl_and_gradient_match_float64(tmp_path):
     out = tmp_path / "kl.pt"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__,
-         "--out", str(out)], env=_env(), capture_output=True, text=True, timeout=240)
+        [*torchrun_command(2), __file__, "--out", str(out)], env=_env(), capture_output=True,
+        text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(out)
     student, teacher, weights = _logits()
@@ -76,11 +77,6 @@ def test_tp2_kl_and_gradient_match_float64(tmp_path):
     torch.testing.assert_close(got["kl"].double(), want.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["grad"].double(), reference.grad, rtol=1e-5, atol=1e-7)
 
-
-def _free_port():
-    from dmc.training.launch import free_port
-
-    return free_port()
 
 
 def _dmc(*argv):
