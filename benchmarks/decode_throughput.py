@@ -117,6 +117,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="decode-only steps replayed from a CUDA graph per batch size (eager on "
+                        "the CPU); vanilla, GQA and DMC modes (policies and DMS run eagerly)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     from dmc.megatron.compat import cuda_available
@@ -219,7 +222,16 @@ def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None):
     return Engine(model, dmc, policy=policy and policy(), page_size=args.page_size,
                   max_batch=max_batch, max_seq_len=args.prompt_len + args.gen_len,
                   num_pages=num_pages, chunk_size=args.chunk_size,
-                  step_tokens=max_batch * (args.prompt_len + 1), seed=args.seed)
+                  step_tokens=max_batch * (args.prompt_len + 1), seed=args.seed,
+                  cuda_graphs=graphs_for(model, dmc, policy, args))
+
+
+def graphs_for(model, dmc, policy, args) -> bool:
+    """``--cuda-graphs`` where the engine supports it: no policy, not a DMS model."""
+    from dmc.inference.model_runner import resolve_dmc
+
+    config = resolve_dmc(list(model.decoder.layers), dmc)
+    return args.cuda_graphs and policy is None and getattr(config, "method", None) != "dms"
 
 
 def probe(mode, model, dmc, policy, args, params) -> dict:
@@ -254,7 +266,8 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
     params = SamplingParams(max_new_tokens=args.gen_len, temperature=1.0)
     runs, rows = [], {}
     for mode, (model, dmc, policy) in models.items():
-        row = {"mode": mode.label, "kind": mode.kind, "target": mode.value}
+        row = {"mode": mode.label, "kind": mode.kind, "target": mode.value,
+               "cuda_graphs": graphs_for(model, dmc, policy, args)}
         row.update(probe(mode, model, dmc, policy, args, params))
         kv_heads = int(args.groups / mode.value) if mode.kind == "gqa" else args.groups
         shape = dict(num_layers=args.layers, num_kv_heads=kv_heads,
@@ -371,7 +384,9 @@ def main(argv=None) -> int:
           f"{args.prompt_len} + {args.gen_len} generated, page {args.page_size}, budget "
           f"{args.budget_mib:g} MiB per mode, tokens/s over the last {args.steady} full-batch "
           f"decode steps, modes interleaved step by step"
-          + (f", model {args.model}" if args.model else ", random weights"))
+          + (f", model {args.model}" if args.model else ", random weights")
+          + (", decode steps of vanilla / GQA / DMC through DecodeGraphs (CUDA graphs on a GPU)"
+             if args.cuda_graphs else ""))
     print(table(rows))
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "mode_list"}

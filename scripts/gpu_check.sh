@@ -104,7 +104,7 @@ run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rs \
   --continue-on-collection-errors --junitxml "$RESULTS/gpu_tests.xml" tests
 
 if [ "$CUDA" = 1 ]; then
-  run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu \
+  run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs \
     --out "$RESULTS/decode_throughput.json"
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \

@@ -17,12 +17,22 @@ change. It is all-or-nothing: :class:`CacheFullError` is raised before anything 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 
 class CacheFullError(RuntimeError):
     """The cache cannot hold a request (pages, per-head table width or sequence slots)."""
+
+
+class SeqRows(NamedTuple):
+    """Sequence slots validated once (:meth:`BlockAllocator.rows`): ``host [batch]`` long and the
+    same on the device. Every cache method taking ``seq_slots`` takes one, so the layers of a
+    decode step share one validation and one copy."""
+
+    host: torch.Tensor
+    device: torch.Tensor
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -79,7 +89,7 @@ class BlockAllocator:
         self.free_list = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is taken first
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._active = [False] * max_seqs
-        self.step: tuple[torch.Tensor, set] | None = None  # an open decode step: seqs, layers written
+        self.step: tuple[torch.Tensor, set] | None = None  # open decode step: seqs, layers done
 
     @property
     def free_pages(self) -> int:
@@ -109,13 +119,24 @@ class BlockAllocator:
         self._free_seqs.append(seq_slot)
 
     def seq_index(self, seq_slots) -> torch.Tensor:
-        """Validated host ``[batch]`` long tensor of distinct, active sequence slots."""
+        """Validated host ``[batch]`` long tensor of distinct, active sequence slots (a
+        :class:`SeqRows`' own, validated when it was made)."""
+        if isinstance(seq_slots, SeqRows):
+            return seq_slots.host
         seqs = torch.as_tensor(seq_slots, dtype=torch.long).reshape(-1).cpu()
         slots = seqs.tolist()
         known = all(0 <= s < self.max_seqs and self._active[s] for s in slots)
         if len(set(slots)) != len(slots) or not known:
             raise ValueError(f"sequence slots must be distinct and added: {slots}")
         return seqs
+
+    def rows(self, seq_slots) -> SeqRows:
+        """``seq_slots`` validated (:meth:`seq_index`) and copied to the device (a
+        :class:`SeqRows` is returned as it is)."""
+        if isinstance(seq_slots, SeqRows):
+            return seq_slots
+        seqs = self.seq_index(seq_slots)
+        return SeqRows(seqs, to_device(seqs, self.device))
 
     def grow(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
         """Set the lengths of heads ``[seqs, layer, :]`` (``new_lengths [batch, kv_heads]``, never
@@ -152,6 +173,18 @@ class BlockAllocator:
             del self.free_list[-needed:]
             index = [part.repeat_interleave(per_head) for part in (seqs[b], layer_ids[layer], h)]
             self.tables[(*index, columns)] = torch.tensor(taken, dtype=torch.int32)
+
+    def append_all(self, seqs: SeqRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """One more slot for every head of every layer of ``seqs`` (a vanilla decode step,
+        whose every head appends): pages taken, lengths set and published in one go. Returns
+        the device ``(page, offset)`` of each new slot, ``[batch, num_layers, kv_heads]``."""
+        slots = self.lengths[seqs.host].long()
+        self._take(seqs.host, slice(None), slots + 1)
+        self.lengths[seqs.host] = (slots + 1).to(torch.int32)
+        self.publish(seqs.host, slice(None))
+        table = self.tables[seqs.host]
+        pages = table.gather(-1, (slots // self.page_size).unsqueeze(-1)).squeeze(-1).long()
+        return to_device(pages, self.device), to_device(slots % self.page_size, self.device)
 
     # ---------------------------------------------- a decode step decided on the device
     def reserve_step(self, seqs: torch.Tensor, heads: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
-from .block_allocator import BlockAllocator, pages_for, to_device
+from .block_allocator import BlockAllocator, SeqRows, pages_for, to_device
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
 
 
@@ -165,19 +165,8 @@ class PagedKVCache:
         self.open_count[seq_slot] = 0
 
     # ---------------------------------------------------------------- writes
-    def write(
-        self,
-        layer: int,
-        seq_slots,
-        positions,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        omega,
-        alpha,
-        *,
-        use_triton: bool | None = None,
-        defer: bool = False,
-    ) -> None:
+    def write(self, layer: int, seq_slots, positions, k: torch.Tensor, v: torch.Tensor, omega,
+              alpha, *, use_triton: bool | None = None, defer: bool = False) -> None:
         """DMC step of one layer: each (sequence, KV head) appends or merges a token (Algorithm 1).
 
         ``alpha <= 0.5`` (or an empty head) appends a slot holding ``RoPE(k_t, p_t)``, ``v_t``;
@@ -197,9 +186,8 @@ class PagedKVCache:
             defer: decide on the device and leave the host lengths to :meth:`settle`, in the
                 step :meth:`begin_decode` opened for ``seq_slots`` (see the module docstring).
         """
-        seqs = self.allocator.seq_index(seq_slots)
+        seqs, rows = self.allocator.rows(seq_slots)
         device = self.device
-        rows = to_device(seqs, device)
         if defer:
             self.allocator.claim(seqs, layer)
             current = self.lengths[rows, layer].long()
@@ -235,6 +223,8 @@ class PagedKVCache:
         """Settle when the open decode step holds any of ``seq_slots`` (their host lengths lag);
         a prefill chunk of another sequence in the same forward leaves the step open."""
         step = self.allocator.step
+        if isinstance(seq_slots, SeqRows):
+            seq_slots = seq_slots.host
         if step is not None and torch.isin(torch.as_tensor(seq_slots).reshape(-1), step[0]).any():
             self.settle()
 
@@ -244,9 +234,24 @@ class PagedKVCache:
         the engine's sampled tokens; returned on the host, None without it)."""
         return self.allocator.settle(carry)
 
-    def append(self, layer: int, seq_slots, k: torch.Tensor, v: torch.Tensor) -> None:
+    def begin_append(self, seq_slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """A vanilla decode step: every head of every layer of ``seq_slots`` gets its next slot
+        now (:meth:`BlockAllocator.append_all`); returns their device ``pages, offsets
+        [batch, num_layers, kv_heads]`` for :meth:`append`. Until a layer has appended, the
+        slot it reserved is not written: nothing may read that layer in between."""
+        self._settle_for(seq_slots)
+        return self.allocator.append_all(self.allocator.rows(seq_slots))
+
+    def append(self, layer: int, seq_slots, k: torch.Tensor, v: torch.Tensor,
+               reserved: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Vanilla append of post-RoPE keys and values ``k, v [batch, kv_heads, head_dim]`` of
-        distinct ``seq_slots [batch]``: one new slot per head, no merge state kept."""
+        distinct ``seq_slots [batch]``: one new slot per head, no merge state kept; with
+        ``reserved`` (what :meth:`begin_append` returned) into the slots reserved for it."""
+        if reserved is not None:
+            pages, offsets = reserved[0][:, layer], reserved[1][:, layer]
+            self.k_pages[pages, offsets] = k.to(self.dtype)
+            self.v_pages[pages, offsets] = v.to(self.dtype)
+            return
         self._settle_for(seq_slots)
         seqs = self.allocator.seq_index(seq_slots)
         slots = self.allocator.lengths[seqs, layer].long()
@@ -254,20 +259,9 @@ class PagedKVCache:
         heads = torch.arange(self.num_kv_heads).expand_as(slots)
         self._scatter(seqs.unsqueeze(1).expand_as(slots), layer, heads, slots, k, v)
 
-    def pack_prefill(
-        self,
-        layer: int,
-        seq_slot: int,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        counts,
-        open_k: torch.Tensor,
-        open_v: torch.Tensor,
-        open_omega: torch.Tensor,
-        open_count,
-        *,
-        overwrite_last=None,
-    ) -> None:
+    def pack_prefill(self, layer: int, seq_slot: int, keys: torch.Tensor, values: torch.Tensor,
+                     counts, open_k: torch.Tensor, open_v: torch.Tensor,
+                     open_omega: torch.Tensor, open_count, *, overwrite_last=None) -> None:
         """Write a prefilled (already compressed) chunk of one sequence and layer into pages.
 
         Args:
@@ -298,22 +292,23 @@ class PagedKVCache:
         self._set_open_state(seq_slot, layer, open_k, open_v, open_omega, open_count)
 
     def attention(self, layer: int, seq_slots, q: torch.Tensor, scale: float | None = None, *,
-                  use_triton: bool | None = None, num_splits: int | None = None) -> torch.Tensor:
+                  use_triton: bool | None = None, num_splits: int | None = None,
+                  max_length: int | None = None) -> torch.Tensor:
         """Decode attention of ``q [batch, q_heads, head_dim]`` over the cached slots of ``layer``.
 
         Returns ``[batch, q_heads, head_dim]``; ``scale`` defaults to ``head_dim ** -0.5``.
         After a deferred write of ``layer`` the host lengths of a GPU cache lag by at most one
-        slot: the Triton kernel gets that bound, the PyTorch path reads the device lengths.
+        slot: the Triton kernel gets that bound (or ``max_length``, a fixed bound: a captured
+        step's launch size), the PyTorch path reads the device lengths.
         """
-        seqs = self.allocator.seq_index(seq_slots)
-        rows = to_device(seqs, self.device)
+        seqs, rows = self.allocator.rows(seq_slots)
         host_lengths = self.allocator.lengths[seqs, layer]  # the same tensor on CPU: exact
         lag = self.device.type != "cpu" and self.allocator.step is not None
         return run_paged_decode(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer],
             self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
-            num_splits=num_splits, max_length=int(host_lengths.max()) + lag,
+            num_splits=num_splits, max_length=max_length or int(host_lengths.max()) + lag,
             host_lengths=None if lag else host_lengths,
         )
 

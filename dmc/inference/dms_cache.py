@@ -48,8 +48,8 @@ dtype and ``w + 1`` bool flags per (layer, KV head); :meth:`sequence_bytes` repo
 the next query attends, so slots CR = tokens / held slots, the same definition as DMC's (slots a
 query can see). The DMS model's measured CR (``DMSSelfAttention``, its CR loss) counts eventual
 evictions instead: it holds the keys marked for eviction still inside the window (at most w) as
-gone, so it is a little higher. The float32 DMC merge state the base class allocates (``window=None``: one row
-per head) is unused and not reported, as for a vanilla engine.
+gone, so it is a little higher. The float32 DMC merge state the base class allocates
+(``window=None``: one row per head) is unused and not reported, as for a vanilla engine.
 """
 from __future__ import annotations
 
@@ -188,14 +188,15 @@ class DMSPagedCache(PagedKVCache):
         self.lengths[rows, layer] = (length + keep.long()).to(torch.int32)
 
     def attention(self, layer: int, seq_slots, q: torch.Tensor, scale: float | None = None, *,
-                  use_triton: bool | None = None, num_splits: int | None = None) -> torch.Tensor:
+                  use_triton: bool | None = None, num_splits: int | None = None,
+                  max_length: int | None = None) -> torch.Tensor:
         """Decode attention of ``q [batch, q_heads, head_dim]`` over each head's paged survivors
         and filled ring rows (PyTorch on every device: ``use_triton`` and ``num_splits`` are
-        not used). Returns ``[batch, q_heads, head_dim]``."""
-        seqs = self.allocator.seq_index(seq_slots)
-        rows = to_device(seqs, self.device)
+        not used; ``max_length`` bounds the paged lengths on a GPU). Returns ``[batch, q_heads,
+        head_dim]``."""
+        seqs, rows = self.allocator.rows(seq_slots)
         scale = self.head_dim**-0.5 if scale is None else scale
-        ring = to_device(self.ring_occupancy(seqs, layer), self.device)
+        ring = to_device(self.ring_occupancy(seq_slots, layer), self.device)
         if self.device.type == "cpu":  # the host lengths are the device's: exact
             pools = (self.ring_k.flatten(0, 1), self.ring_v.flatten(0, 1))  # views
             return dms_decode_attention_cpu(
@@ -203,7 +204,7 @@ class DMSPagedCache(PagedKVCache):
                 self.allocator.lengths[seqs, layer], *pools, seqs * self.num_layers + layer,
                 ring, scale)
         lag = self.allocator.step is not None  # the device lengths: + 1 at most
-        bound = int(self.allocator.lengths[seqs, layer].max()) + lag
+        bound = max_length or int(self.allocator.lengths[seqs, layer].max()) + lag
         return dms_decode_attention(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer], bound, self.ring_k[rows, layer], self.ring_v[rows, layer],

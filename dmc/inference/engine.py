@@ -21,6 +21,7 @@ import torch
 
 from dmc.inference.block_allocator import default_num_pages, pages_for
 from dmc.inference.cache import PagedKVCache
+from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
 from dmc.inference.kv_write import make_kv_write, make_policy
 from dmc.inference.loading import load_inference_state, load_model, load_plain
@@ -75,6 +76,10 @@ class Engine:
             last chunk, or after every chunk and decode step), freeing pages; the compression
             stats report the slots held, so under the ``"prefill"`` schedule the measured CR
             falls as the decode phase grows.
+        cuda_graphs: run the steps that only decode through static buffers, replayed from a CUDA
+            graph per batch size on a GPU, eagerly on the CPU
+            (:class:`~dmc.inference.decode_graphs.DecodeGraphs`); vanilla, GQA and DMC models
+            without a policy.
 
     ``stats``: an :class:`EngineStats`.
     """
@@ -96,6 +101,7 @@ class Engine:
         use_triton: bool | None = None,
         seed: int = 0,
         policy=None,
+        cuda_graphs: bool = False,
     ):
         from megatron.core import parallel_state
 
@@ -144,6 +150,12 @@ class Engine:
         self.kv = make_kv_write(self.dmc, self.cache, self.num_heads, self.scale,
                                 self.cache.inv_freq, self.policy, use_triton)
         self.runner = ModelRunner(self.model, self.kv)
+        if cuda_graphs and (policy is not None or dms):
+            raise ValueError(f"Engine: cuda_graphs=True needs a vanilla, GQA or DMC model "
+                             f"without a KV policy (got policy={policy!r}, dmc.method="
+                             f"{self.dmc.method if self.dmc else None!r}); accepted: "
+                             f"cuda_graphs=False, or policy=None with a dmc.method of 'dmc'")
+        self.graphs = DecodeGraphs(self.runner) if cuda_graphs else None
         self.scheduler = Scheduler(self.cache, max_batch, chunk_size,
                                    step_tokens or max_batch + chunk_size)
         self.batch_prefill = batch_prefill
@@ -229,7 +241,12 @@ class Engine:
         if not segments:
             return
         started = time.perf_counter()
-        logits = self.runner.forward(segments)
+        if self.graphs is not None and not plan.prefill:
+            logits = list(self.graphs.forward([s.slot for s in segments],
+                                              [s.tokens[0] for s in segments],
+                                              [s.start for s in segments]).split(1))
+        else:
+            logits = self.runner.forward(segments)
         sampled, rows = list(plan.decode), logits[:len(plan.decode)]
         for (seq, n), row in zip(plan.prefill, logits[len(plan.decode):]):
             seq.cached += n

@@ -20,16 +20,19 @@ from typing import NamedTuple
 
 import torch
 
+from dmc.inference.block_allocator import SeqRows
 from dmc.inference.cache import PagedKVCache
 from dmc.megatron.config import DMCConfig
 from dmc.ops import zero_decision_channel
 from dmc.ops.algorithm1 import compress_chunk, empty_prefix, hard_decisions, open_slot_prefix
 from dmc.ops.mask import bias_from_log_keep, log_keep_next
-from dmc.ops.rope import apply_rope
+from dmc.ops.rope import apply_rope, rope_tables, rotate
 
 
 class NoPolicy:
     """The policy hooks of an engine without a KV policy: every slot is kept."""
+
+    compacts_in_forward = False
 
     def __init__(self, cache: PagedKVCache):
         self.cache = cache
@@ -52,6 +55,25 @@ class NoPolicy:
 
     def reported_slots(self, seq: int, tokens: int) -> torch.Tensor:
         return self.cache.held_slots(seq)
+
+
+class DecodeStep(NamedTuple):
+    """What the layers of one decode forward share (:meth:`KVWrite.begin_decode`).
+
+    seqs: the sequences, validated once (host and device); positions: ``[batch]`` (device);
+    reserved: the slots of vanilla appends, reserved for every layer at once
+    (:meth:`PagedKVCache.begin_append`), or None; max_length: a fixed bound of the cached
+    lengths that sets the attention's launch size (a captured step), or None (the host lengths);
+    cos, sin: the RoPE tables at the positions, ``[batch, 1, dim]``
+    (:func:`~dmc.ops.rope.rope_tables`), once :meth:`KVWrite.prepare_rotations` ran.
+    """
+
+    seqs: SeqRows
+    positions: torch.Tensor
+    reserved: tuple | None = None
+    max_length: int | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 class Chunk(NamedTuple):
@@ -94,22 +116,47 @@ class KVWrite:
         self.cache, self.num_heads, self.scale = cache, num_heads, scale
         self.group = num_heads // cache.num_kv_heads
         self.inv_freq, self.policy, self.use_triton = inv_freq, policy, use_triton
+        self.step: DecodeStep | None = None
 
-    def begin_decode(self, seqs: list[int]) -> None:
-        """Before a decode forward's first layer: open the cache's step for ``seqs`` when the
-        writes are decided on the device (pages of every layer reserved at once)."""
+    def begin_decode(self, seqs: list[int], positions: torch.Tensor, buffers=None,
+                     max_length: int | None = None) -> None:
+        """Host work before a decode forward of ``seqs`` at ``positions [batch]`` (device), once
+        for all its layers: validate the sequences, and open the cache's step when the writes
+        are decided on the device (pages of every layer reserved at once) or reserve the slots
+        of vanilla appends (unless the policy compacts within a forward).
+
+        ``buffers`` (the static tensors of a captured step: ``rows [batch]``, ``pages,
+        offsets [batch, layers, kv_heads]``) receive the sequence rows and reserved slots, which
+        the step then reads from there; ``max_length`` fixes the attention's launch size."""
+        rows, reserved = self.cache.allocator.rows(seqs), None
         if self.defers_writes:
-            self.cache.begin_decode(seqs)
+            self.cache.begin_decode(rows)
+        elif not self.policy.compacts_in_forward:
+            reserved = self.cache.begin_append(rows)
+        if buffers is not None:
+            rows = SeqRows(rows.host, buffers.rows.copy_(rows.device))
+            if reserved is not None:
+                reserved = (buffers.pages.copy_(reserved[0]), buffers.offsets.copy_(reserved[1]))
+        self.step = DecodeStep(rows, positions, reserved, max_length)
 
-    def decode(self, layer: int, seqs: list[int], query, key, value, positions) -> torch.Tensor:
-        """One token per sequence of ``seqs``: ``query [batch, heads, dim]``, ``key, value
-        [batch, kv, dim]`` at ``positions [batch]`` (device). Returns ``[batch, heads, dim]``."""
-        q_rot = self.write_token(layer, seqs, query, key, value, positions)
-        context = self.policy.decode_attention(layer, seqs, q_rot)
+    def prepare_rotations(self) -> None:
+        """The RoPE tables of the step's positions, computed once for all its layers (device
+        work: part of a captured step)."""
+        cos, sin = rope_tables(self.step.positions[:, None], self.inv_freq)
+        self.step = self.step._replace(cos=cos, sin=sin)
+
+    def decode(self, layer: int, query, key, value) -> torch.Tensor:
+        """One token per sequence of the step :meth:`begin_decode` opened: ``query [batch,
+        heads, dim]``, ``key, value [batch, kv, dim]``. Returns ``[batch, heads, dim]``."""
+        step = self.step
+        q_rot = self.write_token(layer, step, query, key, value)
+        context = self.policy.decode_attention(layer, step.seqs.host, q_rot)
         if context is None:
-            context = self.cache.attention(layer, seqs, q_rot, self.scale,
-                                           use_triton=self.use_triton)
-        self.policy.observe(layer, seqs, q_rot[:, :, None], positions[:, None], prefill=False)
+            context = self.cache.attention(layer, step.seqs, q_rot, self.scale,
+                                           use_triton=self.use_triton,
+                                           max_length=step.max_length)
+        self.policy.observe(layer, step.seqs.host, q_rot[:, :, None], step.positions[:, None],
+                            prefill=False)
         return context
 
     def prefill(self, layer: int, seq: int, query, key, value, start: int) -> torch.Tensor:
@@ -125,8 +172,9 @@ class KVWrite:
         self.policy.observe(layer, [seq], chunk.q_rot[None], positions[None], prefill=True)
         return context.transpose(0, 1)
 
-    def write_token(self, layer, seqs, query, key, value, positions) -> torch.Tensor:
-        """Write one token per sequence; returns the rotated queries ``[batch, heads, dim]``."""
+    def write_token(self, layer: int, step: DecodeStep, query, key, value) -> torch.Tensor:
+        """Write one token per sequence of ``step``; returns the rotated queries ``[batch,
+        heads, dim]``."""
         raise NotImplementedError
 
     def prepare_chunk(self, layer, seq, query, key, value, positions, lengths) -> Chunk:
@@ -164,10 +212,10 @@ class KVWrite:
 class VanillaKV(KVWrite):
     """One slot per token; keys rotated at their position when written."""
 
-    def write_token(self, layer, seqs, query, key, value, positions):
-        self.cache.append(layer, seqs, apply_rope(key.float(), positions[:, None], self.inv_freq),
-                          value)
-        return apply_rope(query.float(), positions[:, None], self.inv_freq)
+    def write_token(self, layer, step, query, key, value):
+        self.cache.append(layer, step.seqs, rotate(key.float(), step.cos, step.sin), value,
+                          step.reserved)
+        return rotate(query.float(), step.cos, step.sin)
 
     def prepare_chunk(self, layer, seq, query, key, value, positions, lengths):
         heads, n, dim = self.cache.num_kv_heads, query.shape[0], query.shape[-1]
@@ -196,13 +244,12 @@ class DMCKV(KVWrite):
         dim]``."""
         return hard_decisions(query, key, self.config.c, self.config.omega_offset)
 
-    def write_token(self, layer, seqs, query, key, value, positions):
+    def write_token(self, layer, step, query, key, value):
         decided = self._decide(query[:, :, None], key[:, :, None])
-        self.cache.write(layer, seqs, positions, decided.key[:, :, 0], value,
+        self.cache.write(layer, step.seqs, step.positions, decided.key[:, :, 0], value,
                          decided.omega[..., 0], decided.alpha[..., 0], use_triton=self.use_triton,
                          defer=True)
-        q_rot = apply_rope(decided.query[:, :, 0].float(), positions[:, None], self.inv_freq)
-        return zero_decision_channel(q_rot)
+        return zero_decision_channel(rotate(decided.query[:, :, 0].float(), step.cos, step.sin))
 
     def prepare_chunk(self, layer, seq, query, key, value, positions, lengths):
         heads, dim = self.cache.num_kv_heads, query.shape[-1]

@@ -28,7 +28,7 @@ import torch
 from dmc.inference.kv_write import KVWrite
 from dmc.megatron.config import DMCConfig
 from dmc.ops import dms_alpha_logit, split_dms_channels, zero_dms_channel
-from dmc.ops.rope import apply_rope
+from dmc.ops.rope import apply_rope, rotate
 
 
 def append_adapter_logits(query: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -69,24 +69,23 @@ class DMSKV(KVWrite):
                                       self.config.dms_logit_scale)
         return channels.query.float(), channels.alpha_logit > 0
 
-    def _rotate_query(self, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE of ``query [batch, heads, n, dim]`` at ``positions`` (broadcast to ``[batch,
-        heads, n]``), the borrowed channels zeroed again (none in adapter mode)."""
-        rotated = apply_rope(query, positions, self.inv_freq)
+    def _zero_again(self, rotated: torch.Tensor) -> torch.Tensor:
+        """Rotated queries ``[..., heads, n, dim]`` with the borrowed channels zeroed again (none
+        in adapter mode)."""
         return rotated if self.adapter else zero_dms_channel(rotated, self.cache.num_kv_heads)
 
-    def write_token(self, layer, seqs, query, key, value, positions):
+    def write_token(self, layer, step, query, key, value):
         query, alpha = self._decide(query[:, :, None])
-        keys = apply_rope(key.float(), positions[:, None], self.inv_freq)
-        self.cache.decode_write(layer, seqs, keys, value, alpha[..., 0])
-        return self._rotate_query(query, positions[:, None, None])[:, :, 0]
+        keys = rotate(key.float(), step.cos, step.sin)
+        self.cache.decode_write(layer, step.seqs, keys, value, alpha[..., 0])
+        return self._zero_again(rotate(query, step.cos[:, :, None], step.sin[:, :, None]))[:, :, 0]
 
     def prefill(self, layer: int, seq: int, query, key, value, start: int) -> torch.Tensor:
         """Exact chunked prefill of ``n`` tokens at positions ``start ..`` (see
         :meth:`DMSPagedCache.prefill`). Returns ``[n, heads, dim]``."""
         positions = torch.arange(start, start + query.shape[0], device=query.device)
         query, alpha = self._decide(query.transpose(0, 1)[None])
-        q_rot = self._rotate_query(query, positions)[0]
+        q_rot = self._zero_again(apply_rope(query, positions, self.inv_freq))[0]
         keys = apply_rope(key.float().transpose(0, 1), positions, self.inv_freq)
         context = self.cache.prefill(layer, seq, start, q_rot, keys, value.transpose(0, 1),
                                      alpha[0], self.scale)

@@ -68,14 +68,14 @@ class ModelRunner:
         rows = len(decode)
         decode_slots, decode_positions = [s.slot for s in decode], positions[:rows]
         if decode:
-            self.kv.begin_decode(decode_slots)
+            self.kv.begin_decode(decode_slots, decode_positions)
+            self.kv.prepare_rotations()
         for index, layer in enumerate(self.layers):
             query, key, value = self._qkv(layer.self_attention, layer.input_layernorm(x))
             query, key, value = query[:, 0], key[:, 0], value[:, 0]  # [tokens, heads, dim]
             parts = []
             if decode:
-                parts.append(self.kv.decode(index, decode_slots, query[:rows], key[:rows],
-                                            value[:rows], decode_positions))
+                parts.append(self.kv.decode(index, query[:rows], key[:rows], value[:rows]))
             start = rows
             for seg in prefill:
                 end = start + len(seg.tokens)
@@ -90,6 +90,21 @@ class ModelRunner:
             self.kv.policy.evict([seg.slot], [seg.start + len(seg.tokens)], decode=False,
                                  prompt_end=seg.prompt_end)
         return self._segment_logits(x, ordered)
+
+    def decode_forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The device work of a forward of decode tokens only, after the host work of
+        :meth:`KVWrite.begin_decode` (which took the step's sequences, in the same order):
+        ``ids, positions [batch]`` (device) -> logits ``[batch, vocab]``. Reads nothing from
+        the host and, with the step's ``max_length`` fixed, launches the same kernels for any
+        step of a batch size: what :class:`~dmc.inference.decode_graphs.DecodeGraphs` captures.
+        No KV policy (its hooks run on the host)."""
+        self.kv.prepare_rotations()
+        x = self.model.embedding(input_ids=ids[None], position_ids=positions[None])
+        for index, layer in enumerate(self.layers):
+            query, key, value = self._qkv(layer.self_attention, layer.input_layernorm(x))
+            context = self.kv.decode(index, query[:, 0], key[:, 0], value[:, 0])
+            x = self._finish_layer(layer, x, context.reshape(x.shape[0], 1, -1))
+        return self._logits(x)
 
     @staticmethod
     def _qkv(attention, hidden):
@@ -110,12 +125,16 @@ class ModelRunner:
             picked.extend(wanted)
             sizes.append(len(wanted))
             row += n
-        hidden = self.model.decoder.final_layernorm(x[to_device(torch.tensor(picked), x.device)])
+        return list(self._logits(x[to_device(torch.tensor(picked), x.device)]).split(sizes))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output layer: ``x [rows, 1, hidden]`` -> ``[rows, vocab]``."""
+        hidden = self.model.decoder.final_layernorm(x)
         weight = None
         if self.model.share_embeddings_and_output_weights:
             weight = self.model.shared_embedding_or_output_weight()
         logits, _ = self.model.output_layer(hidden, weight=weight)
-        return list(logits[:, 0].split(sizes))
+        return logits[:, 0]
 
     @staticmethod
     def _finish_layer(layer, x, context):

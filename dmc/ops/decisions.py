@@ -189,18 +189,17 @@ def zero_dms_channel(query: torch.Tensor, kv_heads: int, scale: float = 0.0) -> 
     """``query [batch, q_heads, seq, dim]`` with the DMS-borrowed channels (the last channel of
     the first query head of each KV group) multiplied by ``scale`` (0: zeroed; the zero-out
     phase's ``1 - t / n_t``, Eq. 12 of the DMC paper), out of place and differentiable."""
-    heads = dms_query_heads(query.shape[1], kv_heads)
-    factor = torch.ones(query.shape[1], query.shape[-1], dtype=query.dtype, device=query.device)
-    factor[heads, DECISION_CHANNEL] = scale
-    return query * factor[None, :, None, :]
+    batch, q_heads, seq, dim = query.shape
+    dms_query_heads(q_heads, kv_heads)  # validates the grouping
+    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, seq, dim)
+    first = scale_decision_channel(grouped[:, :, :1], scale)
+    return torch.cat([first, grouped[:, :, 1:]], dim=2).reshape(query.shape)
 
 
 def scale_decision_channel(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Returns ``x`` with its last channel multiplied by ``scale`` (out of place,
     differentiable): the zero-out phase's ``q[..., -1] * (1 - t / n_t)`` (Eq. 12)."""
-    factor = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    factor[DECISION_CHANNEL] = scale
-    return x * factor
+    return torch.cat([x[..., :-1], x[..., -1:] * scale], dim=-1)
 
 
 def zero_decision_channel(x: torch.Tensor) -> torch.Tensor:

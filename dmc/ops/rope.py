@@ -35,6 +35,24 @@ def rope_inv_freq(head_dim: int, base: float = 10000.0, device=None,
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_tables(positions: torch.Tensor,
+                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation of positions ``[...]`` as two tables ``[..., head_dim]`` for
+    :func:`rotate`: ``cos`` of the angles ``position * inv_freq`` (each half), and their ``sin``
+    with the first half negated (rotate-half's sign folded in)."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [..., head_dim]`` with tables of :func:`rope_tables`
+    (broadcastable against ``x``): ``x * cos + roll(x, head_dim / 2) * sin``, i.e. the halves
+    ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``. A decode step computes the tables once
+    for all its layers."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin`` with angles ``position * inv_freq``.
 
@@ -43,8 +61,4 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
         positions: ``[...]`` integer positions, broadcastable against ``x[..., 0]``.
         inv_freq: ``[head_dim // 2]`` float32.
     """
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    cos, sin = angles.cos(), angles.sin()
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotate(x, *rope_tables(positions, inv_freq))

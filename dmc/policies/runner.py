@@ -67,6 +67,12 @@ class PolicyRunner:
         self.bank = (ContextBank(policy, cache, self.positions)
                      if isinstance(policy, OmniKV) and policy.offload else None)
 
+    @property
+    def compacts_in_forward(self) -> bool:
+        """OmniKV's context bank compacts layers within a decode forward (:meth:`observe`), so a
+        vanilla decode step cannot reserve every layer's next slot before its first layer."""
+        return self.bank is not None
+
     def reset(self, seq: int) -> None:
         self.positions[seq] = -1
         self.compressed_at[seq] = 0

@@ -26,18 +26,23 @@ def test_greedy_generation_on_cuda_equals_eval_model(parallel_1x1, groups, windo
     assert engine.cache.pages_in_use == 0
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("window", [3, "vanilla"])
-def test_decode_step_waits_for_the_device_once(parallel_1x1, window):
+def test_decode_step_waits_for_the_device_once(parallel_1x1, window, cuda_graphs):
     """A decode step synchronises with the host exactly once: the copy that brings back the
     sampled tokens together with the lengths the deferred DMC writes reached. Decisions, append
     slots and lengths stay on the device, pages are reserved on the host beforehand, host data
-    goes to the device without a stream sync."""
+    goes to the device without a stream sync; with ``cuda_graphs``, the same for a step replayed
+    from its graph."""
     model, _ = build(2, window)
-    engine = Engine(model, page_size=4, max_batch=2, chunk_size=16)
+    engine = Engine(model, page_size=4, max_batch=2, chunk_size=16, cuda_graphs=cuda_graphs)
     for prompt in prompts((9, 13)):
         engine.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9))
     engine.step()  # prefill and first tokens
     engine.step()  # a first decode step: kernels compiled, pages in place
+    if cuda_graphs:
+        engine.step()  # batch 2 captured (and replayed)
+        assert engine.graphs.captured == [2]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -48,3 +53,22 @@ def test_decode_step_waits_for_the_device_once(parallel_1x1, window):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchronizing" in str(w.message)]
     assert len(syncs) == 1, syncs
+
+
+@pytest.mark.parametrize("groups,window", [(4, None), (2, 3), (2, "vanilla")])
+def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1, groups, window):
+    """Steps replayed from a CUDA graph per batch size give the eval-mode model's tokens, as the
+    eager engine does (the attention's launch size differs: logprobs to 1e-4)."""
+    model, runtime = build(groups, window)
+    prompt_list = prompts()
+    params = [SamplingParams(max_new_tokens=n) for n in (24, 12, 32)]  # batches 3, 2, 1
+    engine = Engine(model, page_size=4, max_batch=4, chunk_size=5, cuda_graphs=True)
+    results = engine.generate(prompt_list, params)
+    assert engine.graphs.captured == [1, 2, 3]
+    check_against_model(model, results, prompt_list, dmc=runtime is not None)
+    eager = Engine(model, page_size=4, max_batch=4, chunk_size=5).generate(prompt_list, params)
+    for a, b in zip(results, eager):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-4, rtol=0)
+    assert engine.cache.pages_in_use == 0

@@ -1,0 +1,63 @@
+"""Decode steps through static buffers (``Engine(cuda_graphs=True)``): on the CPU the static path
+runs eagerly and must give what the ordinary forward gives, token for token and bit for bit, with
+batch sizes that change as requests finish and pages that fill (the CUDA capture and replay of
+the same path: test_engine_gpu.py)."""
+import pytest
+import torch
+
+from dmc.inference import Engine, SamplingParams
+from dmc.inference.decode_graphs import DecodeGraphs
+from dmc.megatron.runtime import DMCConfig
+from dmc.policies import get_policy
+from test_engine import build, check_against_model, prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CASES = [(4, "vanilla"), (2, "vanilla"), (2, 3), (4, None)]
+
+
+def generate(model, groups, cuda_graphs, params, lengths=(13, 21, 7, 9), max_new=(20, 9, 30, 14)):
+    """Requests of different lengths and budgets on a small pool (18 pages per KV head of a
+    layer: all prompts take 15, every vanilla sequence at its end 33, the longest alone 10):
+    the decode batch shrinks as they finish and the youngest is preempted when pages run out."""
+    engine = Engine(model, page_size=4, max_batch=4, chunk_size=5, num_pages=36 * groups,
+                    cuda_graphs=cuda_graphs)
+    request_params = [SamplingParams(max_new_tokens=n, temperature=params.temperature,
+                                     top_p=params.top_p) for n in max_new]
+    return engine, engine.generate(prompts(lengths), request_params)
+
+
+@pytest.mark.parametrize("groups,window", CASES)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_static_decode_steps_equal_the_ordinary_forward(parallel_1x1, groups, window,
+                                                        temperature):
+    model, runtime = build(groups, window)
+    params = SamplingParams(temperature=temperature, top_p=0.9 if temperature else 1.0)
+    eager_engine, eager = generate(model, groups, False, params)
+    static_engine, static = generate(model, groups, True, params)
+    for a, b in zip(eager, static):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs
+        assert torch.equal(a.compression.slots, b.compression.slots)
+        assert a.finish_reason == b.finish_reason == "length"
+    graphs = static_engine.graphs
+    assert isinstance(graphs, DecodeGraphs) and not graphs.capture and graphs.captured == []
+    assert len(graphs.buffers) >= 3, "the batch size should change as requests finish"
+    assert static_engine.stats.preemptions == eager_engine.stats.preemptions
+    if window == "vanilla":
+        assert static_engine.stats.preemptions > 0, "the pool should run out of pages"
+    assert static_engine.cache.pages_in_use == 0
+    if temperature == 0.0:
+        check_against_model(model, static, prompts((13, 21, 7, 9)), dmc=runtime is not None)
+
+
+def test_cuda_graphs_refuse_a_policy_dms_and_capture_on_cpu(parallel_1x1):
+    model, _ = build(2, "vanilla")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs .* without a KV policy"):
+        Engine(model, page_size=4, max_batch=2, cuda_graphs=True,
+               policy=get_policy("h2o", compression_ratio=2.0))
+    with pytest.raises(ValueError, match="dmc.method='dms'"):
+        Engine(model, DMCConfig(method="dms", dms_window=4), page_size=4, max_batch=2,
+               cuda_graphs=True)
+    engine = Engine(model, page_size=4, max_batch=2)
+    with pytest.raises(ValueError, match="capture=True needs a model on a CUDA device"):
+        DecodeGraphs(engine.runner, capture=True)
