@@ -5,15 +5,18 @@ device work. The host work is the scheduler's plan and :meth:`KVWrite.begin_deco
 <dmc.inference.kv_write.KVWrite.begin_decode>`: the sequence rows validated, the pages of the
 step reserved. The device work, :meth:`ModelRunner.decode_forward
 <dmc.inference.model_runner.ModelRunner.decode_forward>` (embedding, each layer's cache write and
-attention, logits), reads only the cache's tensors and the static tensors of its batch size
+attention, logits) then :func:`~dmc.inference.sampling.sample_static` (every row's token and
+log-probability), reads only the cache's tensors and the static tensors of its batch size
 (:class:`StepBuffers`: token ids, positions, sequence rows, the slots reserved for vanilla
-appends), and launches the same kernels at every step of that size: the attention's launch size
-is fixed by the longest head a block table can hold. So on CUDA the device work of a batch size
-is captured once and replayed: a step costs one graph launch instead of dozens of kernel
-launches per layer, each with its Python dispatch. A batch size runs eagerly the first time
-(Triton compiles its kernels, lazy initialisations happen outside a capture), is captured the
-second time and replayed from then on. Without CUDA (or with ``capture=False``) the same static
-path runs eagerly every time: the CPU tests compare it with the ordinary forward.
+appends, the sampling settings), and launches the same kernels at every step of that size: the
+attention's launch size is fixed by the longest head a block table can hold (a batch with
+top-k or top-p has a graph of its own: it sorts the vocabulary). So on CUDA the device work of
+a batch size is captured once and replayed: a step costs one graph launch instead of dozens of
+kernel launches per layer, each with its Python dispatch. A batch size runs eagerly the first
+time, on a side stream (Triton compiles its kernels, libraries initialise outside a capture), is
+captured the second time and replayed from then on. Without CUDA (or with ``capture=False``) the
+same static path runs eagerly every time: the CPU tests compare it with the ordinary forward
+and sampling.
 
 Not captured: forwards with prefill chunks (their shapes change), KV policies (their hooks run
 on the host) and DMS (its decode write branches on the host on the tokens leaving the window):
@@ -27,26 +30,28 @@ from typing import NamedTuple
 import torch
 
 from dmc.inference.model_runner import ModelRunner
+from dmc.inference.sampling import SamplingColumns, needs_filter, sample_static
 
 
 class StepBuffers(NamedTuple):
     """The static inputs of one batch size's captured step: ``ids, positions, rows [batch]``
-    (token ids, their positions, the sequences' cache slots) and ``pages, offsets [batch,
+    (token ids, their positions, the sequences' cache slots), ``pages, offsets [batch,
     num_layers, kv_heads]`` (the slots reserved for vanilla appends; unused under DMC), all
-    long on the cache's device."""
+    long, and the sampling settings (``[batch]`` columns), on the cache's device."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     rows: torch.Tensor
     pages: torch.Tensor
     offsets: torch.Tensor
+    sampling: SamplingColumns
 
 
 class DecodeGraphs:
     """Decode-only forwards of ``runner`` through static buffers, replayed from a CUDA graph
     per batch size when ``capture`` (default: on CUDA), else run eagerly.
 
-    ``captured``: the batch sizes with a graph."""
+    ``captured``: the ``(batch size, filtering)`` pairs with a graph."""
 
     def __init__(self, runner: ModelRunner, capture: bool | None = None):
         self.runner, self.kv = runner, runner.kv
@@ -58,48 +63,79 @@ class DecodeGraphs:
         self.max_length = cache.max_pages_per_head * cache.page_size
         self.shape = (cache.num_layers, cache.num_kv_heads)
         self.buffers: dict[int, StepBuffers] = {}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.warm: set[int] = set()
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.warm: set[tuple] = set()
         self.pool = None
 
     @property
-    def captured(self) -> list[int]:
+    def captured(self) -> list[tuple[int, bool]]:
         return sorted(self.graphs)
 
-    def forward(self, seq_slots: list[int], tokens: list[int],
-                positions: list[int]) -> torch.Tensor:
-        """Logits ``[batch, vocab]`` of one token per sequence: ``tokens[i]`` at
-        ``positions[i]`` of the sequence in cache slot ``seq_slots[i]``. Valid until the next
-        call (a graph's output is overwritten by its next replay)."""
-        batch = len(seq_slots)
+    def decode(self, seqs: list) -> torch.Tensor:
+        """One token for each sequence (:class:`~dmc.inference.sequence.Sequence`, holding a
+        cache slot, its newest token not cached yet): ``[2, batch]`` float64 on the device, the
+        sampled tokens and their log-probabilities (see
+        :func:`~dmc.inference.sampling.sample_on_device`). Valid until the next call (a graph's
+        output is overwritten by its next replay)."""
+        batch = len(seqs)
+        key = (batch, needs_filter([s.params for s in seqs]))
         buffers = self._buffers(batch)
-        buffers.ids.copy_(torch.tensor(tokens), non_blocking=True)
+        positions = [len(s.tokens) - 1 for s in seqs]
+        buffers.ids.copy_(torch.tensor([s.tokens[-1] for s in seqs]), non_blocking=True)
         buffers.positions.copy_(torch.tensor(positions), non_blocking=True)
-        self.kv.begin_decode(seq_slots, buffers.positions, buffers, self.max_length)
-        if not self.capture or batch not in self.warm:
-            self.warm.add(batch)
-            return self.runner.decode_forward(buffers.ids, buffers.positions)
-        if batch not in self.graphs:
-            self.graphs[batch] = self._capture(buffers)
-        graph, logits = self.graphs[batch]
+        settings = SamplingColumns.of([s.params for s in seqs], [s.seed for s in seqs],
+                                      [len(s.generated) for s in seqs], torch.device("cpu"))
+        for static, given in zip(buffers.sampling, settings):
+            static.copy_(given, non_blocking=True)
+        self.kv.begin_decode([s.slot for s in seqs], buffers.positions, buffers,
+                             self.max_length)
+        if not self.capture:
+            return self._device_work(buffers, key[1])
+        if key not in self.warm:
+            self.warm.add(key)
+            return self._warm_up(buffers, key[1])
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(buffers, key[1])
+        graph, drawn = self.graphs[key]
         graph.replay()
-        return logits
+        return drawn
+
+    def _device_work(self, buffers: StepBuffers, filtering: bool) -> torch.Tensor:
+        logits = self.runner.decode_forward(buffers.ids, buffers.positions)
+        return sample_static(logits, buffers.sampling, filtering)
 
     def _buffers(self, batch: int) -> StepBuffers:
         if batch not in self.buffers:
             def zeros(*shape):
                 return torch.zeros(shape, dtype=torch.long, device=self.device)
 
+            real = torch.zeros(batch, device=self.device)
+            sampling = SamplingColumns(real, zeros(batch), real.clone(), zeros(batch),
+                                       zeros(batch))
             self.buffers[batch] = StepBuffers(zeros(batch), zeros(batch), zeros(batch),
-                                              zeros(batch, *self.shape), zeros(batch, *self.shape))
+                                              zeros(batch, *self.shape), zeros(batch, *self.shape),
+                                              sampling)
         return self.buffers[batch]
 
-    def _capture(self, buffers: StepBuffers) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _warm_up(self, buffers: StepBuffers, filtering: bool) -> torch.Tensor:
+        """The first step of a batch size, eager, on a side stream (as PyTorch's CUDA-graph
+        notes ask: libraries initialise their per-stream state outside a capture)."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            drawn = self._device_work(buffers, filtering)
+        current.wait_stream(side)
+        drawn.record_stream(current)
+        return drawn
+
+    def _capture(self, buffers: StepBuffers,
+                 filtering: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Record the device work of this step (capturing runs nothing: the caller replays).
         Every batch size shares one memory pool."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.runner.decode_forward(buffers.ids, buffers.positions)
-        return graph, logits
+            drawn = self._device_work(buffers, filtering)
+        return graph, drawn

@@ -241,12 +241,10 @@ class Engine:
         if not segments:
             return
         started = time.perf_counter()
-        if self.graphs is not None and not plan.prefill:
-            logits = list(self.graphs.forward([s.slot for s in segments],
-                                              [s.tokens[0] for s in segments],
-                                              [s.start for s in segments]).split(1))
+        if self.graphs is not None and not plan.prefill:  # forward and sampling, static
+            logits, drawn = [], self.graphs.decode(plan.decode)
         else:
-            logits = self.runner.forward(segments)
+            logits, drawn = self.runner.forward(segments), None
         sampled, rows = list(plan.decode), logits[:len(plan.decode)]
         for (seq, n), row in zip(plan.prefill, logits[len(plan.decode):]):
             seq.cached += n
@@ -257,8 +255,7 @@ class Engine:
                 rows.append(row)
         for seq in plan.decode:
             seq.cached += 1
-        drawn = None
-        if sampled:
+        if rows:
             drawn = sample_on_device(torch.cat(rows), [s.params for s in sampled],
                                      [s.seed for s in sampled],
                                      [len(s.generated) for s in sampled])

@@ -13,6 +13,7 @@ readable one-row reference of the distribution that :func:`filtered_scores` comp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -190,20 +191,66 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], seeds: 
     tokens = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        picked = [params[i] for i in rows]
+        settings = SamplingColumns.of([params[i] for i in rows], [seeds[i] for i in rows],
+                                      [positions[i] for i in rows], device)
+        index = to_device(torch.tensor(rows), device)
+        tokens[index] = gumbel_pick(logits[index], settings, needs_filter(params))
+    return with_logprobs(logits, tokens)
 
+
+class SamplingColumns(NamedTuple):
+    """Per-row sampling settings on the device, ``[rows]`` each: temperature (float32, > 0
+    where a row samples), top_k (int64), top_p (float32), seed (int64, modulo 2^64) and the
+    index of the token generated (int64)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
+           device: torch.device) -> SamplingColumns:
         def column(values, dtype):
             return to_device(torch.tensor(values, dtype=dtype), device)
 
-        index = column(rows, torch.long)
-        scores, ids = filtered_scores(logits[index],
-                                      column([p.temperature for p in picked], torch.float32),
-                                      column([p.top_k for p in picked], torch.long),
-                                      column([p.top_p for p in picked], torch.float32),
-                                      filtering=any(p.top_k > 0 or p.top_p < 1.0 for p in picked))
-        noise = gumbel_noise(column([_int64(seeds[i]) for i in rows], torch.long)[:, None],
-                             column([positions[i] for i in rows], torch.long)[:, None], ids)
-        best = torch.argmax(scores.double() + noise, dim=-1, keepdim=True)
-        tokens[index] = ids.gather(-1, best)[:, 0]
+        return cls(column([p.temperature for p in params], torch.float32),
+                   column([p.top_k for p in params], torch.long),
+                   column([p.top_p for p in params], torch.float32),
+                   column([_int64(s) for s in seeds], torch.long),
+                   column(positions, torch.long))
+
+
+def needs_filter(params: list[SamplingParams]) -> bool:
+    """Whether a sampled row has top-k or top-p (else :func:`filtered_scores` skips its sort)."""
+    return any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
+
+
+def gumbel_pick(logits: torch.Tensor, settings: SamplingColumns, filtering: bool) -> torch.Tensor:
+    """The Gumbel-max draw of every row of ``logits [rows, vocab]`` under ``settings`` (see
+    :func:`sample_on_device`): ``[rows]`` token ids. A row's draw depends on its own logits and
+    settings only; ``filtering`` False (no row has top-k or top-p) draws the same tokens without
+    the sort."""
+    scores, ids = filtered_scores(logits, settings.temperature, settings.top_k, settings.top_p,
+                                  filtering=filtering)
+    noise = gumbel_noise(settings.seed[:, None], settings.position[:, None], ids)
+    best = torch.argmax(scores.double() + noise, dim=-1, keepdim=True)
+    return ids.gather(-1, best)[:, 0]
+
+
+def sample_static(logits: torch.Tensor, settings: SamplingColumns,
+                  filtering: bool) -> torch.Tensor:
+    """:func:`sample_on_device` with the same shapes for any mix of greedy and sampled rows
+    (what a captured decode step runs): every row is drawn, rows of temperature 0 then take the
+    argmax. ``[2, rows]`` float64, equal to :func:`sample_on_device` row for row."""
+    sampled = settings.temperature > 0
+    drawn = gumbel_pick(logits, settings._replace(
+        temperature=torch.where(sampled, settings.temperature, 1.0)), filtering)
+    return with_logprobs(logits, torch.where(sampled, drawn, torch.argmax(logits, dim=-1)))
+
+
+def with_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[2, rows]`` float64: ``tokens [rows]`` and their log-probabilities under ``logits``."""
     logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
     return torch.stack((tokens.double(), logps.double()))

@@ -1,7 +1,7 @@
 """Decode steps through static buffers (``Engine(cuda_graphs=True)``): on the CPU the static path
-runs eagerly and must give what the ordinary forward gives, token for token and bit for bit, with
-batch sizes that change as requests finish and pages that fill (the CUDA capture and replay of
-the same path: test_engine_gpu.py)."""
+(forward and sampling) runs eagerly and must give what the ordinary forward and sampling give,
+token for token and bit for bit, with batch sizes that change as requests finish and pages that
+fill (the CUDA capture and replay of the same path: test_engine_gpu.py)."""
 import pytest
 import torch
 
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CASES = [(4, "vanilla"), (2, "vanilla"), (2, 3), (4, None)]
 
 
-def generate(model, groups, cuda_graphs, params, lengths=(13, 21, 7, 9), max_new=(20, 9, 30, 14)):
+def generate(model, groups, cuda_graphs, params, lengths=(13, 21, 7, 9),
+             max_new=(20, 9, 30, 14)):
     """Requests of different lengths and budgets on a small pool (18 pages per KV head of a
     layer: all prompts take 15, every vanilla sequence at its end 33, the longest alone 10):
     the decode batch shrinks as they finish and the youngest is preempted when pages run out."""
@@ -24,15 +25,16 @@ def generate(model, groups, cuda_graphs, params, lengths=(13, 21, 7, 9), max_new
                     cuda_graphs=cuda_graphs)
     request_params = [SamplingParams(max_new_tokens=n, temperature=params.temperature,
                                      top_p=params.top_p) for n in max_new]
+    request_params[1].temperature = 0.0  # a greedy request among sampled ones
     return engine, engine.generate(prompts(lengths), request_params)
 
 
 @pytest.mark.parametrize("groups,window", CASES)
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 1.0), (0.8, 0.9)])
 def test_static_decode_steps_equal_the_ordinary_forward(parallel_1x1, groups, window,
-                                                        temperature):
+                                                        temperature, top_p):
     model, runtime = build(groups, window)
-    params = SamplingParams(temperature=temperature, top_p=0.9 if temperature else 1.0)
+    params = SamplingParams(temperature=temperature, top_p=top_p)
     eager_engine, eager = generate(model, groups, False, params)
     static_engine, static = generate(model, groups, True, params)
     for a, b in zip(eager, static):
@@ -61,3 +63,25 @@ def test_cuda_graphs_refuse_a_policy_dms_and_capture_on_cpu(parallel_1x1):
     engine = Engine(model, page_size=4, max_batch=2)
     with pytest.raises(ValueError, match="capture=True needs a model on a CUDA device"):
         DecodeGraphs(engine.runner, capture=True)
+
+
+def test_static_sampling_equals_sampling_on_device():
+    """Every row drawn at once (greedy rows then take the argmax), with or without the sort:
+    the tokens and log-probabilities of :func:`sample_on_device`, row for row."""
+    from dmc.inference.sampling import (SamplingColumns, needs_filter, sample_on_device,
+                                        sample_static)
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=generator) * 3
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p)
+              for t, k, p in [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.0, 3, 0.5),
+                              (1.0, 0, 0.8), (2.0, 0, 1.0)]]
+    seeds, positions = [3, -7, 2**70, 11, 0, 5], [0, 4, 9, 2, 1, 30]
+    for rows in ([0, 1, 5], list(range(6))):
+        picked = [params[i] for i in rows]
+        expected = sample_on_device(logits[rows], picked, [seeds[i] for i in rows],
+                                    [positions[i] for i in rows])
+        settings = SamplingColumns.of(picked, [seeds[i] for i in rows],
+                                      [positions[i] for i in rows], torch.device("cpu"))
+        for filtering in {needs_filter(picked), True}:
+            assert torch.equal(sample_static(logits[rows], settings, filtering), expected)

@@ -42,7 +42,7 @@ def test_decode_step_waits_for_the_device_once(parallel_1x1, window, cuda_graphs
     engine.step()  # a first decode step: kernels compiled, pages in place
     if cuda_graphs:
         engine.step()  # batch 2 captured (and replayed)
-        assert engine.graphs.captured == [2]
+        assert engine.graphs.captured == [(2, True)]  # batch 2, top-p: the sorting graph
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -64,7 +64,7 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1, g
     params = [SamplingParams(max_new_tokens=n) for n in (24, 12, 32)]  # batches 3, 2, 1
     engine = Engine(model, page_size=4, max_batch=4, chunk_size=5, cuda_graphs=True)
     results = engine.generate(prompt_list, params)
-    assert engine.graphs.captured == [1, 2, 3]
+    assert engine.graphs.captured == [(1, False), (2, False), (3, False)]
     check_against_model(model, results, prompt_list, dmc=runtime is not None)
     eager = Engine(model, page_size=4, max_batch=4, chunk_size=5).generate(prompt_list, params)
     for a, b in zip(results, eager):
