@@ -177,14 +177,14 @@ class BlockAllocator:
     def append_all(self, seqs: SeqRows) -> tuple[torch.Tensor, torch.Tensor]:
         """One more slot for every head of every layer of ``seqs`` (a vanilla decode step,
         whose every head appends): pages taken, lengths set and published in one go. Returns
-        the device ``(page, offset)`` of each new slot, ``[batch, num_layers, kv_heads]``."""
+        the host ``(page, offset)`` of each new slot, ``[batch, num_layers, kv_heads]`` long."""
         slots = self.lengths[seqs.host].long()
         self._take(seqs.host, slice(None), slots + 1)
         self.lengths[seqs.host] = (slots + 1).to(torch.int32)
         self.publish(seqs.host, slice(None))
         table = self.tables[seqs.host]
         pages = table.gather(-1, (slots // self.page_size).unsqueeze(-1)).squeeze(-1).long()
-        return to_device(pages, self.device), to_device(slots % self.page_size, self.device)
+        return pages, slots % self.page_size
 
     # ---------------------------------------------- a decode step decided on the device
     def reserve_step(self, seqs: torch.Tensor, heads: torch.Tensor) -> None:

@@ -236,9 +236,9 @@ class PagedKVCache:
 
     def begin_append(self, seq_slots) -> tuple[torch.Tensor, torch.Tensor]:
         """A vanilla decode step: every head of every layer of ``seq_slots`` gets its next slot
-        now (:meth:`BlockAllocator.append_all`); returns their device ``pages, offsets
-        [batch, num_layers, kv_heads]`` for :meth:`append`. Until a layer has appended, the
-        slot it reserved is not written: nothing may read that layer in between."""
+        now (:meth:`BlockAllocator.append_all`); returns their host ``pages, offsets
+        [batch, num_layers, kv_heads]`` (moved to the device, for :meth:`append`). Until a layer
+        has appended, the slot it reserved is not written: nothing may read that layer then."""
         self._settle_for(seq_slots)
         return self.allocator.append_all(self.allocator.rows(seq_slots))
 
@@ -246,11 +246,10 @@ class PagedKVCache:
                reserved: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Vanilla append of post-RoPE keys and values ``k, v [batch, kv_heads, head_dim]`` of
         distinct ``seq_slots [batch]``: one new slot per head, no merge state kept; with
-        ``reserved`` (what :meth:`begin_append` returned) into the slots reserved for it."""
+        ``reserved`` (what :meth:`begin_append` returned, on the device) into the slots
+        reserved for it."""
         if reserved is not None:
-            pages, offsets = reserved[0][:, layer], reserved[1][:, layer]
-            self.k_pages[pages, offsets] = k.to(self.dtype)
-            self.v_pages[pages, offsets] = v.to(self.dtype)
+            self._store(reserved[0][:, layer], reserved[1][:, layer], k, v)
             return
         self._settle_for(seq_slots)
         seqs = self.allocator.seq_index(seq_slots)
@@ -372,7 +371,10 @@ class PagedKVCache:
     # --------------------------------------------------------------- helpers
     def _scatter(self, seqs, layer, heads, slots, k, v) -> None:
         """Store ``k``, ``v`` ``[..., head_dim]`` at ``slots`` of heads ``(seqs, layer, heads)``."""
-        pages, offsets = self.allocator.locate(seqs, layer, heads, slots)
+        self._store(*self.allocator.locate(seqs, layer, heads, slots), k, v)
+
+    def _store(self, pages, offsets, k, v) -> None:
+        """Store ``k``, ``v`` ``[..., head_dim]`` at device ``(pages, offsets)``."""
         self.k_pages[pages, offsets] = k.to(self.dtype)
         self.v_pages[pages, offsets] = v.to(self.dtype)
 

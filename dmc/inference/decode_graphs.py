@@ -77,12 +77,12 @@ class DecodeGraphs:
         sampled tokens and their log-probabilities (see
         :func:`~dmc.inference.sampling.sample_on_device`). Valid until the next call (a graph's
         output is overwritten by its next replay)."""
-        batch = len(seqs)
-        key = (batch, needs_filter([s.params for s in seqs]))
+        batch, filtering = len(seqs), needs_filter([s.params for s in seqs])
+        key = (batch, filtering)
         buffers = self._buffers(batch)
-        positions = [len(s.tokens) - 1 for s in seqs]
         buffers.ids.copy_(torch.tensor([s.tokens[-1] for s in seqs]), non_blocking=True)
-        buffers.positions.copy_(torch.tensor(positions), non_blocking=True)
+        buffers.positions.copy_(torch.tensor([len(s.tokens) - 1 for s in seqs]),
+                                non_blocking=True)
         settings = SamplingColumns.of([s.params for s in seqs], [s.seed for s in seqs],
                                       [len(s.generated) for s in seqs], torch.device("cpu"))
         for static, given in zip(buffers.sampling, settings):
@@ -90,12 +90,12 @@ class DecodeGraphs:
         self.kv.begin_decode([s.slot for s in seqs], buffers.positions, buffers,
                              self.max_length)
         if not self.capture:
-            return self._device_work(buffers, key[1])
+            return self._device_work(buffers, filtering)
         if key not in self.warm:
             self.warm.add(key)
-            return self._warm_up(buffers, key[1])
+            return self._warm_up(buffers, filtering)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(buffers, key[1])
+            self.graphs[key] = self._capture(buffers, filtering)
         graph, drawn = self.graphs[key]
         graph.replay()
         return drawn

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from dmc.inference.block_allocator import SeqRows
+from dmc.inference.block_allocator import SeqRows, to_device
 from dmc.inference.cache import PagedKVCache
 from dmc.megatron.config import DMCConfig
 from dmc.ops import zero_decision_channel
@@ -128,15 +128,18 @@ class KVWrite:
         ``buffers`` (the static tensors of a captured step: ``rows [batch]``, ``pages,
         offsets [batch, layers, kv_heads]``) receive the sequence rows and reserved slots, which
         the step then reads from there; ``max_length`` fixes the attention's launch size."""
-        rows, reserved = self.cache.allocator.rows(seqs), None
+        def on_device(host: torch.Tensor, name: str) -> torch.Tensor:
+            if buffers is None:
+                return to_device(host, self.cache.device)
+            return getattr(buffers, name).copy_(host, non_blocking=True)
+
+        host = self.cache.allocator.seq_index(seqs)
+        rows, reserved = SeqRows(host, on_device(host, "rows")), None
         if self.defers_writes:
             self.cache.begin_decode(rows)
         elif not self.policy.compacts_in_forward:
-            reserved = self.cache.begin_append(rows)
-        if buffers is not None:
-            rows = SeqRows(rows.host, buffers.rows.copy_(rows.device))
-            if reserved is not None:
-                reserved = (buffers.pages.copy_(reserved[0]), buffers.offsets.copy_(reserved[1]))
+            pages, offsets = self.cache.begin_append(rows)
+            reserved = (on_device(pages, "pages"), on_device(offsets, "offsets"))
         self.step = DecodeStep(rows, positions, reserved, max_length)
 
     def prepare_rotations(self) -> None:
