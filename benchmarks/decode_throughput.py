@@ -223,15 +223,12 @@ def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None):
                   max_batch=max_batch, max_seq_len=args.prompt_len + args.gen_len,
                   num_pages=num_pages, chunk_size=args.chunk_size,
                   step_tokens=max_batch * (args.prompt_len + 1), seed=args.seed,
-                  cuda_graphs=graphs_for(model, dmc, policy, args))
+                  cuda_graphs=graphs_for(policy, args))
 
 
-def graphs_for(model, dmc, policy, args) -> bool:
-    """``--cuda-graphs`` where the engine supports it: no policy, not a DMS model."""
-    from dmc.inference.model_runner import resolve_dmc
-
-    config = resolve_dmc(list(model.decoder.layers), dmc)
-    return args.cuda_graphs and policy is None and getattr(config, "method", None) != "dms"
+def graphs_for(policy, args) -> bool:
+    """``--cuda-graphs`` where the engine supports it: every mode but the policies."""
+    return args.cuda_graphs and policy is None
 
 
 def probe(mode, model, dmc, policy, args, params) -> dict:
@@ -267,7 +264,7 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
     runs, rows = [], {}
     for mode, (model, dmc, policy) in models.items():
         row = {"mode": mode.label, "kind": mode.kind, "target": mode.value,
-               "cuda_graphs": graphs_for(model, dmc, policy, args)}
+               "cuda_graphs": graphs_for(policy, args)}
         row.update(probe(mode, model, dmc, policy, args, params))
         kv_heads = int(args.groups / mode.value) if mode.kind == "gqa" else args.groups
         shape = dict(num_layers=args.layers, num_kv_heads=kv_heads,
@@ -385,8 +382,8 @@ def main(argv=None) -> int:
           f"{args.budget_mib:g} MiB per mode, tokens/s over the last {args.steady} full-batch "
           f"decode steps, modes interleaved step by step"
           + (f", model {args.model}" if args.model else ", random weights")
-          + (", decode steps of vanilla / GQA / DMC through DecodeGraphs (CUDA graphs on a GPU)"
-             if args.cuda_graphs else ""))
+          + (", decode steps of every mode but the policies through DecodeGraphs (CUDA graphs "
+             "on a GPU)" if args.cuda_graphs else ""))
     print(table(rows))
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "mode_list"}

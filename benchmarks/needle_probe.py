@@ -8,12 +8,17 @@ Per context length, on ``--needles`` examples of :func:`dmc.data.needle.make_nee
 match split by whether the key's last token occurs elsewhere in the prompt (a model that matches
 on that one token alone cannot tell such needles from the haystack). What it separates: a model
 that does not find the needle (first token wrong) from one that finds it and miscopies the value.
+Beside them, the copy accuracy: ``--needles`` spans of 24 tokens drawn one by one from the held-out
+stream (no n-gram predicts them), after ``length - 48`` tokens of held-out text and then repeated;
+top-1 accuracy on tokens 2..24 of the repeat. It bounds what a model's induction copy can give a
+needle's value (a value of 4 tokens copied at accuracy ``a`` is exact about ``a^4`` of the time).
 Prints a table; ``--json PATH`` writes the numbers.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -22,6 +27,24 @@ import torch
 from dmc.data.indexed import read_indexed_dataset
 from dmc.data.needle import make_needle_examples
 from dmc.inference.loading import load_model
+
+
+COPY_SPAN = 24
+
+
+def copy_accuracy(model, stream: list[int], length: int, count: int, seed: int) -> float:
+    """Mean top-1 accuracy on tokens 2..COPY_SPAN of the repeat (see the module docstring)."""
+    rng = random.Random(seed)
+    total = 0.0
+    for _ in range(count):
+        span = [stream[rng.randrange(len(stream))] for _ in range(COPY_SPAN)]
+        start = rng.randrange(len(stream) - length)
+        tokens = torch.tensor([stream[start:start + length - 2 * COPY_SPAN] + span + span])
+        with torch.no_grad():
+            logits = model(tokens, torch.arange(tokens.shape[1])[None], None)[0]
+        predicted = logits[-COPY_SPAN:-1].argmax(-1)
+        total += (predicted == tokens[0, 1 - COPY_SPAN:]).float().mean().item()
+    return total / count
 
 
 def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
@@ -44,7 +67,8 @@ def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
             "first_token": totals["first"] / count, "token": totals["token"] / count,
             "unique_last_key_token": totals["unique"],
             "exact_if_unique": totals["exact_unique"] / max(totals["unique"], 1),
-            "exact_if_shared": (totals["exact"] - totals["exact_unique"]) / max(shared, 1)}
+            "exact_if_shared": (totals["exact"] - totals["exact_unique"]) / max(shared, 1),
+            "copy": copy_accuracy(model, stream, length, count, seed)}
 
 
 def main(argv=None) -> int:
@@ -62,6 +86,10 @@ def main(argv=None) -> int:
         print(f"--lengths: expected comma-separated integers, got {args.lengths!r}",
               file=sys.stderr)
         return 2
+    if min(lengths) <= 2 * COPY_SPAN:
+        print(f"--lengths: every length must be > {2 * COPY_SPAN}, got {args.lengths!r}",
+              file=sys.stderr)
+        return 2
     prefix = Path(args.data) / "valid_text_document"
     if not prefix.with_suffix(".idx").is_file():
         print(f"data: {args.data} holds no valid split (valid_text_document.idx); give a "
@@ -71,12 +99,13 @@ def main(argv=None) -> int:
     stream = [t for doc in read_indexed_dataset(str(prefix)) for t in doc]
     model = load_model(args.checkpoint).model.eval()
     rows = [probe(model, stream, length, args.needles, args.seed) for length in lengths]
-    print("| length | exact | first token | token | exact (last key token unique / shared) |")
-    print("|---|---|---|---|---|")
+    print("| length | exact | first token | token | exact (last key token unique / shared) "
+          "| copy |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['length']} | {r['exact']:.2f} | {r['first_token']:.2f} | {r['token']:.2f} | "
               f"{r['exact_if_unique']:.2f} / {r['exact_if_shared']:.2f} "
-              f"({r['unique_last_key_token']} unique) |")
+              f"({r['unique_last_key_token']} unique) | {r['copy']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"checkpoint": args.checkpoint, "rows": rows},
                                               indent=1))

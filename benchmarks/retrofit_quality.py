@@ -202,7 +202,7 @@ def ensure_base(exp: dict, log) -> Path:
         return final
     missing = sum(not (d / "checkpoints" / "pretrain" / "state.json").is_file() for _, d in stages)
     log(f"base: {missing} of {len(stages)} stages not cached for these settings: PRETRAINING them "
-        f"now (33-43 min measured on 2 CPU cores for the whole full config). Pass --base PATH "
+        f"now (44 min measured on 2 CPU cores for the whole full config). Pass --base PATH "
         f"to use another.")
     previous = []
     for i, ((data_settings, run_dir), stage) in enumerate(zip(stages, exp["base"]["stages"])):

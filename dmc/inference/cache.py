@@ -208,9 +208,10 @@ class PagedKVCache:
             torch.as_tensor(positions, device=device), use_triton=use_triton,
         )
 
-    def begin_decode(self, seq_slots) -> None:
+    def begin_decode(self, seq_slots, static: bool = False) -> None:
         """Open a decode step of ``seq_slots`` whose writes are deferred: settle the previous
-        one, then give every head at a page boundary, in every layer, its next page."""
+        one, then give every head at a page boundary, in every layer, its next page (``static``,
+        a captured step, changes nothing here: DMC's writes read no host state)."""
         self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         self.allocator.reserve_step(seqs, self._step_heads(seqs))

@@ -18,10 +18,13 @@ captured the second time and replayed from then on. Without CUDA (or with ``capt
 same static path runs eagerly every time: the CPU tests compare it with the ordinary forward
 and sampling.
 
-Not captured: forwards with prefill chunks (their shapes change), KV policies (their hooks run
-on the host) and DMS (its decode write branches on the host on the tokens leaving the window):
-:class:`~dmc.inference.engine.Engine` refuses ``cuda_graphs=True`` with a policy or a DMS model
-and runs the steps that prefill eagerly.
+DMS's write branches on which sequences have a token leaving the window ring; once every ring of
+the step is full (every sequence holds ``w + 1`` tokens) every row has one, and the step is
+static (:meth:`DMSPagedCache.begin_decode <dmc.inference.dms_cache.DMSPagedCache.begin_decode>`);
+before that (:meth:`KVWrite.static_ready <dmc.inference.kv_write.KVWrite.static_ready>`), the
+step runs eagerly. Not captured: forwards with prefill chunks (their shapes change) and KV
+policies (their hooks run on the host): :class:`~dmc.inference.engine.Engine` refuses
+``cuda_graphs=True`` with a policy and runs the steps that prefill eagerly.
 """
 from __future__ import annotations
 

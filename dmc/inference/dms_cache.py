@@ -31,7 +31,11 @@ device, as in DMC's deferred writes: the step opened by ``begin_decode`` gave ea
 leaving row at a page boundary its next page (every layer at once), the leaving token is written
 at slot ``length`` of its head whatever its flag, the device length grows by its keep flag, and
 :meth:`settle` (once per engine step) reads the lengths back and returns the reserved pages of
-the heads that dropped their token. Decode attention
+the heads that dropped their token. A step opened with ``static=True`` (a captured decode step,
+:class:`~dmc.inference.decode_graphs.DecodeGraphs`) has every row's ring full, so every row has a
+token leaving: the host advances ``written`` for every layer when the step opens, and the writes
+and the attention read only device tensors (the positions, a ring occupancy of ``w + 1``), the
+same kernels at every step. Decode attention
 (:meth:`attention`) runs over the paged survivors and the filled ring rows
 (:mod:`~dmc.inference.kernels.dms_decode`: the batched CPU kernel merged with the ring on the
 CPU, a padded gather without host reads elsewhere).
@@ -93,6 +97,7 @@ class DMSPagedCache(PagedKVCache):
         self.ring_v = torch.zeros_like(self.ring_k)
         self.ring_evict = torch.zeros(rows, dtype=torch.bool, device=self.device)
         self.written = torch.zeros(self.max_seqs, num_layers, dtype=torch.long)  # host
+        self.static_step = False  # the open decode step is a static one (begin_decode)
 
     # ----------------------------------------------------------------- stats
     def ring_occupancy(self, seq_slots, layer: int) -> torch.Tensor:
@@ -131,8 +136,21 @@ class DMSPagedCache(PagedKVCache):
         self.written[seq_slot] = 0
 
     # ---------------------------------------------------------------- decode
+    def begin_decode(self, seq_slots, static: bool = False) -> None:
+        """:meth:`PagedKVCache.begin_decode`; ``static``: a step whose writes and attention read
+        no host state (every sequence's ring must be full: ValueError otherwise), its tokens
+        counted in ``written`` now, for every layer."""
+        super().begin_decode(seq_slots)
+        self.static_step = static
+        if static:
+            seqs = self.allocator.seq_index(seq_slots)
+            if (self.written[seqs] < self.ring_size).any():
+                raise ValueError(f"a static DMS decode step needs every sequence's window ring "
+                                 f"full ({self.ring_size} tokens written)")
+            self.written[seqs] += 1
+
     def decode_write(self, layer: int, seq_slots, keys: torch.Tensor, values: torch.Tensor,
-                     evict: torch.Tensor) -> None:
+                     evict: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """One token per sequence of ``seq_slots`` at its next position p (tokens written so
         far): flag token p - 1 with ``evict``, move token p - w - 1 out of the ring (to its
         head's pages if kept; decided on the device in the step ``begin_decode`` opened, see the
@@ -143,28 +161,43 @@ class DMSPagedCache(PagedKVCache):
             keys: ``[batch, kv_heads, head_dim]`` rotated at p; values: same shape.
             evict: ``[batch, kv_heads]`` bool ``alpha_p`` (device): token p - 1 leaves the
                 window evicted (ignored at p = 0).
+            positions: ``[batch]`` the positions p on the device (required in a static step,
+                which reads them there instead of ``written``).
         """
-        seqs = self.allocator.seq_index(seq_slots)
+        seqs, rows = self.allocator.rows(seq_slots)
         self.allocator.claim(seqs, layer)
-        positions = self.written[seqs, layer]
-        leaving = (positions >= self.ring_size).nonzero()[:, 0]
+        if self.static_step:  # every ring full: every row has a token leaving
+            self._write_rows(layer, rows, positions, keys, values, evict, rows, positions)
+            return
+        written = self.written[seqs, layer]
         compiled = self.native_kernels and self.device.type == "cpu" and native_dms_write(
             self.k_pages, self.v_pages, self.block_tables, self.lengths, self.ring_k,
-            self.ring_v, self.ring_evict, layer, seqs, positions, keys, values,
+            self.ring_v, self.ring_evict, layer, seqs, written, keys, values,
             torch.as_tensor(evict))
         if not compiled:
-            rows = to_device(seqs, self.device)[:, None]
-            heads = torch.arange(self.num_kv_heads, device=self.device)[None]
-            p = to_device(positions, self.device)[:, None]
-            evict = torch.as_tensor(evict, device=self.device).bool() & (p > 0)
-            self.ring_evict[rows, layer, heads, (p - 1) % self.ring_size] = evict
-            if leaving.numel():
-                self._move_leaving(layer, seqs[leaving], positions[leaving])
-            row = p % self.ring_size
-            self.ring_k[rows, layer, heads, row] = keys.to(self.dtype)
-            self.ring_v[rows, layer, heads, row] = values.to(self.dtype)
-            self.ring_evict[rows, layer, heads, row] = False
+            leaving = (written >= self.ring_size).nonzero()[:, 0]
+            p = to_device(written, self.device)
+            self._write_rows(layer, rows, p, keys, values, evict,
+                             to_device(seqs[leaving], self.device),
+                             to_device(written[leaving], self.device))
         self.written[seqs, layer] += 1
+
+    def _write_rows(self, layer: int, rows: torch.Tensor, p: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, evict: torch.Tensor, leaving_rows: torch.Tensor,
+                    leaving_p: torch.Tensor) -> None:
+        """The device work of :meth:`decode_write` for cache rows ``rows`` at positions ``p``
+        (``[batch]`` device long), the rows ``leaving_rows`` (at ``leaving_p``) having a full
+        ring."""
+        heads = torch.arange(self.num_kv_heads, device=self.device)[None]
+        rows, p = rows[:, None], p[:, None]
+        evict = torch.as_tensor(evict, device=self.device).bool() & (p > 0)
+        self.ring_evict[rows, layer, heads, (p - 1) % self.ring_size] = evict
+        if leaving_rows.numel():
+            self._move_leaving(layer, leaving_rows, leaving_p)
+        row = p % self.ring_size
+        self.ring_k[rows, layer, heads, row] = keys.to(self.dtype)
+        self.ring_v[rows, layer, heads, row] = values.to(self.dtype)
+        self.ring_evict[rows, layer, heads, row] = False
 
     def _step_heads(self, seqs: torch.Tensor) -> torch.Tensor:
         """Heads whose next paged slot needs a page: a token leaves their full ring this step
@@ -172,13 +205,12 @@ class DMSPagedCache(PagedKVCache):
         leaving = (self.written[seqs] >= self.ring_size)[..., None]
         return leaving & (self.allocator.lengths[seqs] % self.page_size == 0)
 
-    def _move_leaving(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor) -> None:
-        """Token ``positions - w - 1`` of sequences ``seqs`` (host ``[n]``, all with a full
+    def _move_leaving(self, layer: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Token ``positions - w - 1`` of cache rows ``rows`` (device ``[n]``, all with a full
         ring) leaves its ring row ``positions % (w + 1)``: written at slot ``length`` of each
         head (its page reserved beforehand), length + 1 where kept."""
-        rows = to_device(seqs, self.device)
         heads = torch.arange(self.num_kv_heads, device=self.device)[None]
-        ring_rows = (to_device(positions, self.device) % self.ring_size)[:, None]
+        ring_rows = (positions % self.ring_size)[:, None]
         state = (rows[:, None], layer, heads, ring_rows)
         keep = ~self.ring_evict[state]
         length = self.lengths[rows, layer].long()  # [n, kv] device
@@ -196,7 +228,10 @@ class DMSPagedCache(PagedKVCache):
         head_dim]``."""
         seqs, rows = self.allocator.rows(seq_slots)
         scale = self.head_dim**-0.5 if scale is None else scale
-        ring = to_device(self.ring_occupancy(seq_slots, layer), self.device)
+        if self.static_step:  # every ring full (begin_decode checked): nothing from the host
+            ring = torch.full_like(rows, self.ring_size)
+        else:
+            ring = to_device(self.ring_occupancy(seq_slots, layer), self.device)
         if self.device.type == "cpu":  # the host lengths are the device's: exact
             pools = (self.ring_k.flatten(0, 1), self.ring_v.flatten(0, 1))  # views
             return dms_decode_attention_cpu(

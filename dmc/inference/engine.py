@@ -78,8 +78,8 @@ class Engine:
             falls as the decode phase grows.
         cuda_graphs: run the steps that only decode through static buffers, replayed from a CUDA
             graph per batch size on a GPU, eagerly on the CPU
-            (:class:`~dmc.inference.decode_graphs.DecodeGraphs`); vanilla, GQA and DMC models
-            without a policy.
+            (:class:`~dmc.inference.decode_graphs.DecodeGraphs`); any model without a KV
+            policy (under DMS, once every sequence of the step fills its window ring).
 
     ``stats``: an :class:`EngineStats`.
     """
@@ -150,11 +150,10 @@ class Engine:
         self.kv = make_kv_write(self.dmc, self.cache, self.num_heads, self.scale,
                                 self.cache.inv_freq, self.policy, use_triton)
         self.runner = ModelRunner(self.model, self.kv)
-        if cuda_graphs and (policy is not None or dms):
-            raise ValueError(f"Engine: cuda_graphs=True needs a vanilla, GQA or DMC model "
-                             f"without a KV policy (got policy={policy!r}, dmc.method="
-                             f"{self.dmc.method if self.dmc else None!r}); accepted: "
-                             f"cuda_graphs=False, or policy=None with a dmc.method of 'dmc'")
+        if cuda_graphs and policy is not None:
+            raise ValueError(f"Engine: cuda_graphs=True needs a model without a KV policy "
+                             f"(got policy={policy!r}); accepted: cuda_graphs=False, or "
+                             f"policy=None")
         self.graphs = DecodeGraphs(self.runner) if cuda_graphs else None
         self.scheduler = Scheduler(self.cache, max_batch, chunk_size,
                                    step_tokens or max_batch + chunk_size)
@@ -241,7 +240,8 @@ class Engine:
         if not segments:
             return
         started = time.perf_counter()
-        if self.graphs is not None and not plan.prefill:  # forward and sampling, static
+        if (self.graphs is not None and not plan.prefill
+                and self.kv.static_ready([s.slot for s in plan.decode])):  # forward, sampling
             logits, drawn = [], self.graphs.decode(plan.decode)
         else:
             logits, drawn = self.runner.forward(segments), None

@@ -136,11 +136,16 @@ class KVWrite:
         host = self.cache.allocator.seq_index(seqs)
         rows, reserved = SeqRows(host, on_device(host, "rows")), None
         if self.defers_writes:
-            self.cache.begin_decode(rows)
+            self.cache.begin_decode(rows, static=buffers is not None)
         elif not self.policy.compacts_in_forward:
             pages, offsets = self.cache.begin_append(rows)
             reserved = (on_device(pages, "pages"), on_device(offsets, "offsets"))
         self.step = DecodeStep(rows, positions, reserved, max_length)
+
+    def static_ready(self, seqs: list[int]) -> bool:
+        """Whether a decode step of ``seqs`` can run through static buffers (a captured step):
+        always, unless the cache's step depends on host state (DMS's partly filled rings)."""
+        return True
 
     def prepare_rotations(self) -> None:
         """The RoPE tables of the step's positions, computed once for all its layers (device

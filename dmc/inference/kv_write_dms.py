@@ -74,10 +74,15 @@ class DMSKV(KVWrite):
         in adapter mode)."""
         return rotated if self.adapter else zero_dms_channel(rotated, self.cache.num_kv_heads)
 
+    def static_ready(self, seqs: list[int]) -> bool:
+        """A static (captured) decode step needs every sequence's window ring full: then every
+        row has a token leaving and the cache's write reads nothing from the host."""
+        return bool((self.cache.written[seqs] >= self.cache.ring_size).all())
+
     def write_token(self, layer, step, query, key, value):
         query, alpha = self._decide(query[:, :, None])
         keys = rotate(key.float(), step.cos, step.sin)
-        self.cache.decode_write(layer, step.seqs, keys, value, alpha[..., 0])
+        self.cache.decode_write(layer, step.seqs, keys, value, alpha[..., 0], step.positions)
         return self._zero_again(rotate(query, step.cos[:, :, None], step.sin[:, :, None]))[:, :, 0]
 
     def prefill(self, layer: int, seq: int, query, key, value, start: int) -> torch.Tensor:

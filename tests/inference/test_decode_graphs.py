@@ -9,6 +9,7 @@ from dmc.inference import Engine, SamplingParams
 from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.megatron.runtime import DMCConfig
 from dmc.policies import get_policy
+from test_dms_engine import build_dms
 from test_engine import build, check_against_model, prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,14 +53,38 @@ def test_static_decode_steps_equal_the_ordinary_forward(parallel_1x1, groups, wi
         check_against_model(model, static, prompts((13, 21, 7, 9)), dmc=runtime is not None)
 
 
-def test_cuda_graphs_refuse_a_policy_dms_and_capture_on_cpu(parallel_1x1):
+@pytest.mark.parametrize("groups,window", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_static_dms_steps_equal_the_ordinary_forward(parallel_1x1, groups, window, temperature):
+    """DMS (about half the tokens evicted): a step runs static once every sequence of its batch
+    fills its window ring, eagerly before (window 8: the 7-token prompt's first decode steps),
+    and gives what the ordinary steps give, bit for bit."""
+    model = build_dms(groups, window)
+    params = SamplingParams(temperature=temperature)
+    _, eager = generate(model, groups, False, params)
+    static_engine = Engine(model, page_size=4, max_batch=4, chunk_size=5, num_pages=36 * groups,
+                           cuda_graphs=True)
+    ready, static_ready = [], static_engine.kv.static_ready
+    static_engine.kv.static_ready = lambda seqs: ready.append(static_ready(seqs)) or ready[-1]
+    request_params = [SamplingParams(max_new_tokens=n, temperature=temperature)
+                      for n in (20, 9, 30, 14)]
+    request_params[1].temperature = 0.0
+    static = static_engine.generate(prompts((13, 21, 7, 9)), request_params)
+    for a, b in zip(eager, static):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs
+        assert torch.equal(a.compression.slots, b.compression.slots)
+    assert all(ready) == (window < 7) and sum(ready) > 20
+    assert max(r.compression.overall for r in static) > 1.2, "DMS should evict"
+    assert static_engine.cache.pages_in_use == 0
+
+
+def test_cuda_graphs_refuse_a_policy_and_capture_on_cpu(parallel_1x1):
     model, _ = build(2, "vanilla")
-    with pytest.raises(ValueError, match="cuda_graphs=True needs .* without a KV policy"):
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a model without a KV policy"):
         Engine(model, page_size=4, max_batch=2, cuda_graphs=True,
                policy=get_policy("h2o", compression_ratio=2.0))
-    with pytest.raises(ValueError, match="dmc.method='dms'"):
-        Engine(model, DMCConfig(method="dms", dms_window=4), page_size=4, max_batch=2,
-               cuda_graphs=True)
+    Engine(model, DMCConfig(method="dms", dms_window=4), page_size=4, max_batch=2,
+           cuda_graphs=True)  # DMS: accepted
     engine = Engine(model, page_size=4, max_batch=2)
     with pytest.raises(ValueError, match="capture=True needs a model on a CUDA device"):
         DecodeGraphs(engine.runner, capture=True)

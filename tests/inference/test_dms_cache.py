@@ -205,28 +205,38 @@ def test_paged_growth_is_what_kept_tokens_take():
 @pytest.mark.parametrize("window,dtype", [(0, torch.float32), (2, torch.bfloat16),
                                           (5, torch.float32)])
 def test_compiled_decode_write_equals_the_pytorch_path(window, dtype):
-    """Random batches of sequences (varying subsets, slot order shuffled) decode through two
-    caches, one writing with the compiled kernel: every tensor of the two caches stays equal
-    (pages, block tables, lengths, rings, flags, token counts), across ring wrap-arounds, page
-    boundaries and evictions."""
+    """Random batches of sequences (varying subsets, slot order shuffled) decode through three
+    caches, one writing with the compiled kernel, one with the PyTorch path, one with static
+    steps (device positions, no host branch) once every ring of the batch is full: every tensor
+    of the caches stays equal (pages, block tables, lengths, rings, flags, token counts), across
+    ring wrap-arounds, page boundaries and evictions."""
     gen = torch.Generator().manual_seed(window)
     kv, seqs, steps = 2, 3, 3 * (window + 1) + 2 * PAGE + 3
     caches = [DMSPagedCache(LAYERS, kv, DIM, 200, window, page_size=PAGE, max_seqs=seqs,
-                            dtype=dtype) for _ in range(2)]
+                            dtype=dtype) for _ in range(3)]
     caches[1].native_kernels = False
     slots = [[c.add_sequence() for _ in range(seqs)] for c in caches][0]
+    static_steps = 0
     for step in range(steps):
         batch = [slots[i] for i in torch.randperm(seqs, generator=gen)[:1 + step % seqs]]
         keys, values = torch.randn(2, len(batch), kv, DIM, generator=gen)
-        for cache in caches:
-            cache.begin_decode(batch)
+        positions = caches[2].written[batch, 0].clone()
+        static = bool((positions > window).all())
+        static_steps += static
+        for i, cache in enumerate(caches):
+            cache.begin_decode(batch, static=static and i == 2)
         for layer in range(LAYERS):
             evict = torch.rand(len(batch), kv, generator=gen) < 0.4
             for cache in caches:
-                cache.decode_write(layer, batch, keys, values, evict)
+                cache.decode_write(layer, batch, keys, values, evict, positions)
         for cache in caches:
             cache.settle()
         for name in ("k_pages", "v_pages", "block_tables", "lengths", "ring_k", "ring_v",
                      "ring_evict", "written"):
-            assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), (step, name)
-    assert caches[0].pages_in_use == caches[1].pages_in_use > 0
+            for other in caches[1:]:
+                assert torch.equal(getattr(caches[0], name), getattr(other, name)), (step, name)
+    assert caches[0].pages_in_use == caches[1].pages_in_use == caches[2].pages_in_use > 0
+    assert static_steps > 3
+    caches[2].free_sequence(slots[0])
+    with pytest.raises(ValueError, match="window ring full"):
+        caches[2].begin_decode([slots[1], caches[2].add_sequence()], static=True)

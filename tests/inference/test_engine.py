@@ -96,6 +96,26 @@ def test_greedy_generation_equals_teacher_forced_model(parallel_1x1, groups, win
     assert engine.stats.peak_running == 3 and engine.stats.preemptions == 0
 
 
+@pytest.mark.parametrize("window", ["vanilla", 3])
+def test_head_dim_other_than_hidden_over_heads(parallel_1x1, window):
+    """``model.kv_channels`` (heads of 24 channels under a 64-wide residual, as the ctx1k preset's
+    64 under 128): the pages, the DMC ring and RoPE follow the head dim, not hidden / heads."""
+    torch.manual_seed(0)
+    config = tiny_config(2, kv_channels=24)
+    runtime = None if window == "vanilla" else DMCRuntime(DMCConfig(window=window, c=-1.0))
+    model = build_gpt_model(config, VOCAB, MAX_SEQ, dmc=runtime)
+    if runtime is not None:
+        spread_decisions(model, 0.4)
+        runtime.set_mode("eval")
+    engine = Engine(model, page_size=4, max_batch=4, chunk_size=5)
+    assert engine.cache.head_dim == 24
+    prompt_list = prompts()
+    results = engine.generate(prompt_list, SamplingParams(max_new_tokens=16))
+    if runtime is not None:
+        assert min(r.compression.overall for r in results) > 1.5
+    check_against_model(model, results, prompt_list, dmc=runtime is not None)
+
+
 def test_chunk_size_does_not_change_the_result(parallel_1x1):
     model, _ = build(2, 3)
     prompt_list = prompts((40,))

@@ -72,3 +72,23 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1, g
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
                                    atol=1e-4, rtol=0)
     assert engine.cache.pages_in_use == 0
+
+
+def test_dms_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1):
+    """DMS (window 4: every ring full after the prompts): steps replayed from a CUDA graph per
+    batch size give the eager engine's tokens, and the sync test's single wait holds for them."""
+    from test_dms_engine import build_dms
+
+    model = build_dms(2, 4)
+    prompt_list = prompts()
+    params = [SamplingParams(max_new_tokens=n) for n in (24, 12, 32)]  # batches 3, 2, 1
+    engine = Engine(model, page_size=4, max_batch=4, chunk_size=5, cuda_graphs=True)
+    results = engine.generate(prompt_list, params)
+    assert engine.graphs.captured == [(1, False), (2, False), (3, False)]
+    eager = Engine(model, page_size=4, max_batch=4, chunk_size=5).generate(prompt_list, params)
+    for a, b in zip(results, eager):
+        assert a.tokens == b.tokens
+        assert torch.equal(a.compression.slots, b.compression.slots)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-4, rtol=0)
+    assert engine.cache.pages_in_use == 0
