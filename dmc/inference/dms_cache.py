@@ -144,10 +144,14 @@ class DMSPagedCache(PagedKVCache):
         self.static_step = static
         if static:
             seqs = self.allocator.seq_index(seq_slots)
-            if (self.written[seqs] < self.ring_size).any():
+            if not self.rings_full(seqs):
                 raise ValueError(f"a static DMS decode step needs every sequence's window ring "
                                  f"full ({self.ring_size} tokens written)")
             self.written[seqs] += 1
+
+    def rings_full(self, seq_slots) -> bool:
+        """Whether every sequence of ``seq_slots`` has written ``w + 1`` tokens (host)."""
+        return bool((self.written[seq_slots] >= self.ring_size).all())
 
     def decode_write(self, layer: int, seq_slots, keys: torch.Tensor, values: torch.Tensor,
                      evict: torch.Tensor, positions: torch.Tensor | None = None) -> None:

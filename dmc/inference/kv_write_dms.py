@@ -77,7 +77,7 @@ class DMSKV(KVWrite):
     def static_ready(self, seqs: list[int]) -> bool:
         """A static (captured) decode step needs every sequence's window ring full: then every
         row has a token leaving and the cache's write reads nothing from the host."""
-        return bool((self.cache.written[seqs] >= self.cache.ring_size).all())
+        return self.cache.rings_full(seqs)
 
     def write_token(self, layer, step, query, key, value):
         query, alpha = self._decide(query[:, :, None])
