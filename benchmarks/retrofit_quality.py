@@ -20,7 +20,8 @@ Driven by a YAML file (``configs/experiments/retrofit_quality.yaml``), on one ma
 Writes to ``OUTPUT/NAME/`` (``NAME-quick`` with ``--quick``): ``results.json``, ``table.md``,
 ``compare/compare.png`` (quality against memory CR, a line per method) and
 ``dmc_checkpoints.png``; prints the tables. Training runs live in ``OUTPUT/runs/<run>-<hash>``
-(the hash covers everything the run depends on) and are reused, or resumed, by any experiment
+(the hash covers everything the run depends on: settings, the data settings, the content of the
+starting checkpoint; never a path) and are reused, or resumed, by any experiment
 with the same settings. ``--quick`` runs the same pipeline at smoke-test size. Several
 ``--config`` files merge left to right (e.g. an ablation file over the main one).
 
@@ -189,9 +190,9 @@ def model_args(exp: dict, data: Path) -> list[str]:
 def ensure_base(exp: dict, log) -> Path:
     """The pretrained base checkpoint. Each stage of ``base.stages`` pretrains on its data (the
     experiment's, with the stage's changes) from the previous stage's weights, in a folder keyed
-    by the hash of the model and of every stage up to it: changing a later stage reuses the
-    earlier ones, and a stage is trained once per settings."""
-    model = ((ROOT / exp["model"]).read_text(), exp["model_overrides"])
+    by the hash of the model's settings and of every stage up to it: changing a later stage
+    reuses the earlier ones, and a stage is trained once per settings."""
+    model = (yaml.safe_load((ROOT / exp["model"]).read_text()), exp["model_overrides"])
     chain, stages = [], []  # (data settings, overrides) of the stages so far; (data, folder)
     for stage in exp["base"]["stages"]:
         chain.append(({**exp["data"], **stage["data"]}, stage["overrides"]))
@@ -219,17 +220,16 @@ def ensure_base(exp: dict, log) -> Path:
     return final
 
 
-def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, Path]:
-    """Under ``out/runs``: the control, DMC (and variant) and GQA runs, all with the same steps,
-    data order and LR; returns name -> final checkpoint. A run whose final checkpoint exists is
-    reused; an interrupted one resumes. The plain DMC runs share the first one's zero-out phase
-    (it does not depend on the target CR) through ``checkpoint.init_from``."""
-    common = [*model_args(exp, data), *exp["retrofit"]["overrides"],
-              "checkpoint.save_interval=0"]
-    model_yaml = ROOT / exp["model"]  # its text, not its path, keys the runs (any checkout)
-    portable = [model_yaml.read_text() if arg == str(model_yaml) else arg for arg in common]
+def checkpoint_key(folder: Path) -> str:
+    from dmc.megatron.checkpoint import content_digest  # content, not place, keys the runs
+    return content_digest(folder)[:10]
+
+
+def run_plans(exp: dict, base: Path, out: Path) -> list[tuple[str, list[str], Path]]:
+    """``(name, overrides, start checkpoint)`` of the control, DMC (and variant) and GQA runs;
+    makes the GQA runs' starting checkpoints (KV heads mean-pooled) when missing."""
     heads = _model_kv_heads(exp)
-    plans = [("control", ["dmc.enabled=false"], base)]  # (name, overrides, start checkpoint)
+    plans = [("control", ["dmc.enabled=false"], base)]
     plans += [(f"dmc{cr:g}", ["dmc.enabled=true", f"dmc.target_cr={cr}"], base)
               for cr in exp["dmc_crs"]]
     plans += [(v["name"], ["dmc.enabled=true", f"dmc.target_cr={v['cr']}", *v["overrides"]],
@@ -238,17 +238,30 @@ def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, P
         groups = heads // int(factor)
         if groups < 1 or heads % int(factor):
             raise ValueError(f"gqa_factors: {factor} does not divide the {heads} KV heads")
-        init = out / "gqa_init" / f"kv{groups}-{_hash(str(base))}"
+        init = out / "gqa_init" / f"kv{groups}-{checkpoint_key(base)}"
         if not (init / "state.json").is_file():
             run_dmc(["baseline", "gqa", "--checkpoint", str(base), "--num-query-groups",
                      str(groups), "--output", str(init)], out / "gqa_init" / "convert.log")
         plans.append((f"gqa{factor:g}", ["dmc.enabled=false", f"model.num_query_groups={groups}"],
                       init))
+    return plans
+
+
+def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, Path]:
+    """Under ``out/runs``: the control, DMC (and variant) and GQA runs, all with the same steps,
+    data order and LR; returns name -> final checkpoint. A run whose final checkpoint exists is
+    reused; an interrupted one resumes. The plain DMC runs share the first one's zero-out phase
+    (it does not depend on the target CR) through ``checkpoint.init_from``."""
+    common = [*model_args(exp, data), *exp["retrofit"]["overrides"],
+              "checkpoint.save_interval=0"]
+    model_yaml = ROOT / exp["model"]  # its settings, not its path or comments, key the runs
+    portable = [yaml.safe_load(model_yaml.read_text()) if arg == str(model_yaml) else
+                f"data.path={data.name}" if arg == f"data.path={data}" else arg for arg in common]
     plain_dmc = {f"dmc{cr:g}" for cr in exp["dmc_crs"]}
     finals, shared_zero_out = {}, None
-    for name, extra, start in plans:
+    for name, extra, start in run_plans(exp, base, out):
         folder = name.replace("/", "_")  # a variant name like "DMC lr/4" is one folder
-        run_dir = out / "runs" / f"{folder}-{_hash(portable, extra, str(start))}"
+        run_dir = out / "runs" / f"{folder}-{_hash(portable, extra, checkpoint_key(start))}"
         finals[name] = run_dir / "checkpoints" / "solidify"
         if (finals[name] / "state.json").is_file():
             log(f"{name}: reusing {finals[name]}")
@@ -302,18 +315,6 @@ def evaluate(exp: dict, data: Path, base: Path, finals: dict, out: Path, log) ->
                        log=log)
 
 
-def add_steps_to_cr(rows: list[dict], finals: dict) -> None:
-    """Each trained DMC / DMS row gets ``steps_to_cr``: the step its run first held 95% of its
-    target CR (:func:`dmc.eval.run_metrics.steps_to_cr`; None when it never did)."""
-    from dmc.eval.run_metrics import steps_to_cr
-
-    runs = {str(path): path.parents[1] for path in finals.values()}
-    for r in rows:
-        metrics = runs.get(r["path"], Path("-")) / "metrics.jsonl"
-        if r["method"] == "dmc" and metrics.is_file():
-            r["steps_to_cr"] = steps_to_cr(metrics, r["nominal_cr"])
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", metavar="FILE.yaml",
@@ -344,8 +345,9 @@ def run(args: argparse.Namespace, log=print) -> dict:
     data = stage("data", ensure_data, exp["data"], log)
     if args.base:
         base = Path(args.base)
-        if not (base / "state.json").is_file():
-            raise ValueError(f"--base {base}: not a checkpoint folder (no state.json)")
+        if not all((base / f).is_file() for f in ("state.json", "manifest.json")):
+            raise ValueError(f"--base {base}: not a dmc checkpoint folder (no state.json and "
+                             f"manifest.json)")
         log(f"base: {base} (given)")
     else:
         base = stage("base", ensure_base, exp, log)
@@ -353,10 +355,11 @@ def run(args: argparse.Namespace, log=print) -> dict:
     results = stage("evaluate", evaluate, exp, data, base, finals, out, log)
     from dmc.eval.compare import write_report
     from dmc.eval.compare_report import checkpoint_table, plot_checkpoints
+    from dmc.eval.run_metrics import add_steps_to_cr
 
     path_rows = [r for r in results if r["label"] == "DMC path"]
     main_rows = [r for r in results if r["label"] != "DMC path"]
-    add_steps_to_cr(main_rows, finals)
+    add_steps_to_cr(main_rows, finals.values())
     report = write_report(main_rows, out / "compare", {"experiment": exp, "data": str(data),
                                                        "base": str(base)})
     final = next((r for r in main_rows if r["method"] == "dmc"
@@ -386,13 +389,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"retrofit_quality: error: {err}", file=sys.stderr)
         return 2
-    print()
-    print(summary["table"])
-    print()
-    print(summary["needle_table"])
-    if summary["checkpoint_table"]:
-        print()
-        print(summary["checkpoint_table"])
+    tables = (summary["table"], summary["needle_table"], summary["checkpoint_table"])
+    print("\n" + "\n\n".join(t for t in tables if t))
     print(f"\ntimings (s): {summary['timings_s']}")
     return 0
 

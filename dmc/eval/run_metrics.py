@@ -22,3 +22,14 @@ def steps_to_cr(metrics: Path | str, target_cr: float, fraction: float = 0.95,
         if sum(crs[i:i + window]) / window >= fraction * target_cr:
             return int(rows[i]["step"])
     return None
+
+
+def add_steps_to_cr(rows: list[dict], checkpoints) -> None:
+    """Each trained DMC / DMS row of :func:`dmc.eval.compare.run_methods` whose ``path`` is one
+    of ``checkpoints`` (``<run>/checkpoints/<phase>`` folders) gets ``steps_to_cr`` of its
+    run's ``metrics.jsonl`` at its nominal CR (None when it never got there)."""
+    runs = {str(path): Path(path).parents[1] for path in checkpoints}
+    for r in rows:
+        metrics = runs.get(r["path"], Path("-")) / "metrics.jsonl"
+        if r["method"] == "dmc" and metrics.is_file():
+            r["steps_to_cr"] = steps_to_cr(metrics, r["nominal_cr"])

@@ -116,8 +116,29 @@ class DMCSelfAttention(SelfAttention):
         output, bias = self.linear_proj(to_sbhd(context).reshape(seq, batch, -1))
         kept = self._record_kept(alpha)
         if self.dmc.mode == "train" and torch.is_grad_enabled():
+            if self.dmc.config.cr_loss_grad == "decisions":
+                kept = self._kept(self._decisions(self._decision_rows_logit(hidden_states))[0])
             output = attach_cr_loss(self, output, kept, alpha.shape[2])
         return output, bias
+
+    def _decision_rows_logit(self, hidden_states):
+        """``alpha_logit [batch, kv_heads, seq]`` recomputed from the decision rows of
+        ``linear_qkv`` and the detached layer input (``dmc.cr_loss_grad: decisions``): the same
+        values as the attention's (its noise too, from the same generator key), but a loss on it
+        reaches only those rows."""
+        if self.config.qk_layernorm or self.config.sequence_parallel or not isinstance(
+                getattr(self.linear_qkv, "weight", None), torch.Tensor) or hasattr(
+                self.linear_qkv, "layer_norm_weight"):
+            raise ValueError("dmc.cr_loss_grad: 'decisions' needs linear_qkv to be a plain linear "
+                             "map of the layer input (the local layer spec, no q/k norm, no "
+                             "sequence parallelism); use 'model'")
+        per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        rows = decision_rows(self)[per_group::per_group + 1]  # k[..., -1] of each KV head
+        bias = getattr(self.linear_qkv, "bias", None)
+        has_bias = isinstance(bias, torch.Tensor) and bias.numel() > 0
+        logit = torch.nn.functional.linear(hidden_states.detach(), self.linear_qkv.weight[rows],
+                                           bias[rows] if has_bias else None)
+        return logit.permute(1, 2, 0) - self.dmc.config.c
 
     def _compressed_attention(self, hidden_states, rotary_pos_emb):
         """DMC attention of ``train`` and ``eval`` mode: ``hidden_states [seq, batch, hidden] ->
@@ -248,12 +269,17 @@ class DMCSelfAttention(SelfAttention):
         With ``hard_loss`` alpha is rounded straight-through first, as in NVIDIA's loss
         (``get_decisions``): the loss and the stats count rounded decisions while the gradient
         is that of the soft alphas."""
+        kept = self._kept(alpha)
+        self.cr_kept += kept.detach().sum(dim=0).double()
+        self.cr_count += alpha.shape[0] * alpha.shape[2]
+        return kept
+
+    def _kept(self, alpha):
+        """``alpha [batch, kv_heads, seq] ->`` kept slots ``sum(1 - alpha)`` per sequence and
+        head ``[batch, kv_heads]``, rounded straight-through under ``hard_loss``."""
         if self.dmc.config.hard_loss:
             alpha = straight_through_round(alpha)
-        kept = 1 - alpha.float()
-        self.cr_kept += kept.detach().sum(dim=(0, 2)).double()
-        self.cr_count += alpha.shape[0] * alpha.shape[2]
-        return kept.sum(dim=2)
+        return (1 - alpha.float()).sum(dim=2)
 
     def reset_cr_stats(self) -> None:
         self.cr_kept.zero_()

@@ -86,6 +86,23 @@ def write_manifest(folder: Path) -> None:
     _write_atomic(folder / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1))
 
 
+def content_digest(folder: Path) -> str:
+    """A SHA-256 of a checkpoint's content: of every file's SHA-256 but ``state.json``'s (which
+    names the run folder), read from the manifest when there is one, else computed. Equal for a
+    checkpoint moved, copied or renamed. Raises :class:`CheckpointError` for an empty folder."""
+    folder = Path(folder)
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        hashes = {name: entry["sha256"]
+                  for name, entry in json.loads(manifest.read_text())["files"].items()}
+    else:
+        hashes = {str(p.relative_to(folder)): _sha256(p) for p in _files(folder)}
+    if not hashes:
+        raise CheckpointError(f"{folder}: no checkpoint files")
+    lines = sorted(f"{name} {sha}" for name, sha in hashes.items() if name != STATE)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def verify_checkpoint(folder: Path, contents: bool = True) -> bool:
     """Checks every file ``manifest.json`` lists (present, same size, and with ``contents`` the
     same SHA-256; without, what a crash leaves behind, a missing or truncated file, is still

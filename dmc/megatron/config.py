@@ -17,6 +17,7 @@ METHODS = ("dmc", "dms")
 DMS_DECISIONS = ("query", "adapter")  # where DMS reads its eviction logit
 DMS_ONLY = ("method", "dms_window", "dms_logit_scale", "dms_decision")  # a DMC model omits them
 PRIORS = ("global", "local")  # dmc.ops.PRIORS, spelled out to keep torch unimported
+CR_LOSS_GRADS = ("model", "decisions")
 ATTENTION_BACKENDS = ("auto", "dense", "flex")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 # ModelConfig fields that to_dict leaves out at these (default) values
@@ -148,6 +149,12 @@ class DMCConfig:
     head_cr_cap: None (the paper) or the largest CR one KV head may reach before a second hinge
         pushes it back (:func:`dmc.ops.head_cap_loss_from_sums`, not in the paper). A training
         setting, not part of the model (``to_dict`` leaves it out).
+    cr_loss_grad: where the CR loss's gradient goes. "model" (the paper and NVIDIA's code): through
+        k[..., -1] into every weight below it. "decisions" (not in the paper): only into the
+        decision rows of ``linear_qkv`` (the layer input is detached on the loss's path; forward
+        values unchanged), so the hinge cannot bend the rest of the model while the decisions
+        lag the target (README "Ablations of DMC 4x"); DMC with the local layer spec and no
+        q/k norm only. A training setting (``to_dict`` leaves it out).
     omega_offset: added to omega = sigmoid(q[..., -1] + c); 2^-7 reproduces NVIDIA's models
         (see :func:`dmc.ops.importance`), 0 is the paper's.
     attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense" or "flex": how the
@@ -161,6 +168,7 @@ class DMCConfig:
     hard_loss: bool = False
     prior: str = "global"
     head_cr_cap: float | None = None
+    cr_loss_grad: str = "model"
     omega_offset: float = 0.0
     attention_backend: str = "auto"
     method: str = "dmc"
@@ -189,7 +197,11 @@ class DMCConfig:
             raise ConfigError(f"dmc.head_cr_cap: must be null or > 1, got {self.head_cr_cap!r}")
         if self.omega_offset < 0:
             raise ConfigError(f"dmc.omega_offset: must be >= 0, got {self.omega_offset!r}")
-        for name, choices in (("prior", PRIORS), ("attention_backend", ATTENTION_BACKENDS)):
+        if self.cr_loss_grad == "decisions" and self.method != "dmc":
+            raise ConfigError(f"dmc.cr_loss_grad: 'decisions' needs dmc.method: dmc, got "
+                              f"{self.method!r}")
+        for name, choices in (("prior", PRIORS), ("attention_backend", ATTENTION_BACKENDS),
+                              ("cr_loss_grad", CR_LOSS_GRADS)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"dmc.{name}: {getattr(self, name)!r} is not one of "
                                   f"{', '.join(choices)}")
@@ -199,7 +211,7 @@ class DMCConfig:
         A DMC model's dict leaves out the DMS fields (and ``method``), so it reads as it did
         before DMS existed, and a DMS model's leaves out ``dms_decision`` at "query", so it
         reads as before that field existed; :meth:`from_dict` restores the defaults."""
-        skip = {"attention_backend", "head_cr_cap"} | (
+        skip = {"attention_backend", "head_cr_cap", "cr_loss_grad"} | (
             set() if self.method == "dms" else set(DMS_ONLY))
         if self.dms_decision == "query":
             skip.add("dms_decision")

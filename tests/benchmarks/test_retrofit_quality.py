@@ -104,3 +104,29 @@ def test_quick_runs_end_to_end(tmp_path, monkeypatch, capsys):
     again = json.loads((out / "results.json").read_text())
     assert again["timings_s"]["base"] < 5 and again["timings_s"]["train"] < 30
     assert [r["perplexity"] for r in again["results"]] == [r["perplexity"] for r in rows]
+
+
+def test_runs_are_keyed_by_content_not_by_place(tmp_path, monkeypatch):
+    """A base or data cache moved elsewhere keeps its runs; another base gets new ones."""
+    from dmc.megatron.checkpoint import write_manifest
+
+    bench = load_benchmark()
+    main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
+    exp = {**bench.load_experiment([main], quick=True), "gqa_factors": []}
+    monkeypatch.setattr(bench, "run_dmc", lambda args, log_path: {})  # nothing trains
+
+    def run_folders(place, weights=b"weights"):
+        base = tmp_path / place / "cache" / "base-x" / "checkpoints" / "pretrain"
+        base.mkdir(parents=True, exist_ok=True)
+        (base / "__0_0.distcp").write_bytes(weights)
+        (base / "state.json").write_text(json.dumps({"run_dir": str(base.parents[1])}))
+        write_manifest(base)
+        out = tmp_path / place / "out"
+        finals = bench.train_runs(exp, tmp_path / place / "cache" / "data-abc", base, out,
+                                  log=lambda *a: None)
+        return {name: path.relative_to(out) for name, path in finals.items()}
+
+    first = run_folders("a")
+    assert set(first) == {"control", *(f"dmc{cr:g}" for cr in exp["dmc_crs"])}
+    assert run_folders("elsewhere") == first
+    assert set(run_folders("b", b"other weights").values()).isdisjoint(first.values())

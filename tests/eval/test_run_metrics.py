@@ -35,3 +35,18 @@ def test_a_run_that_never_gets_there_is_none(tmp_path):
     assert steps_to_cr(_write(tmp_path / "m.jsonl", [1.0, 2.0, 3.0] * 10), 4.0) is None
     # one lucky batch is not enough: the mean over the window must reach the target
     assert steps_to_cr(_write(tmp_path / "n.jsonl", [1.0] * 20 + [8.0] + [1.0] * 20), 4.0) is None
+
+
+def test_add_steps_to_cr_marks_the_trained_rows_only(tmp_path):
+    from dmc.eval.run_metrics import add_steps_to_cr
+
+    run = tmp_path / "dmc4-abc"
+    run.mkdir()
+    _write(run / "metrics.jsonl", [1.0] * 5 + [4.0] * 20)
+    final = run / "checkpoints" / "solidify"
+    rows = [{"method": "dmc", "path": str(final), "nominal_cr": 4.0},
+            {"method": "dmc", "path": str(tmp_path / "other"), "nominal_cr": 4.0},
+            {"method": "policy", "path": None, "nominal_cr": 4.0}]
+    add_steps_to_cr(rows, [final])
+    assert rows[0]["steps_to_cr"] == 5
+    assert "steps_to_cr" not in rows[1] and "steps_to_cr" not in rows[2]

@@ -290,3 +290,51 @@ def test_bad_settings_fail_clearly(parallel_1x1):
             llama_transformer_config(1, 32, 2, 64, attention_dropout=0.1), VOCAB, 16,
             dmc=DMCRuntime(),
         )
+
+
+@pytest.mark.parametrize("groups,hard_loss", [(4, False), (2, True)])
+def test_cr_loss_grad_decisions_reaches_the_decision_rows_only(parallel_1x1, groups, hard_loss):
+    """``dmc.cr_loss_grad: decisions``: the same CR loss value as the paper's ``model`` scope,
+    the same gradient on the last layer's k[..., -1] rows, no gradient beyond those rows."""
+    grads, losses = {}, {}
+    for scope in ("model", "decisions"):
+        config = DMCConfig(window=4, c=0.0, hard_loss=hard_loss, cr_loss_grad=scope)
+        torch.manual_seed(0)  # the same weights for both scopes
+        _, dmc, runtime = _pair(groups, config)
+        spread_decisions(dmc, scale=2.0)
+        runtime.set_mode("train")
+        runtime.target_cr = 8.0  # far from met: the hinge is active for every sequence
+        tokens, positions = _batch(batch=3)
+        logits = dmc(tokens, positions, None)
+        losses[scope] = sum(runtime.pop_cr_losses())
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        (logits.sum() * 0).backward()  # only the attached CR loss produces gradients
+        grads[scope] = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                        for name, p in dmc.named_parameters()}
+        layers = dmc_layers(dmc)
+    assert losses["model"].item() > 1e-3
+    torch.testing.assert_close(losses["decisions"], losses["model"], rtol=1e-6, atol=0)
+    per_group = layers[0].num_attention_heads_per_partition // groups
+    k_rows = decision_rows(layers[0])[per_group::per_group + 1]
+    names = [n for n, _ in dmc.named_parameters()]
+    qkv = [n for n in names if n.endswith("linear_qkv.weight")]
+    # the last layer's rows reach the loss directly only (earlier ones also through the hidden
+    # states that decide later layers' alphas, a path the decisions scope cuts)
+    torch.testing.assert_close(grads["decisions"][qkv[-1]][k_rows],
+                               grads["model"][qkv[-1]][k_rows], rtol=1e-4, atol=1e-6)
+    for name in qkv:
+        assert grads["decisions"][name][k_rows].abs().sum() > 0
+        others = torch.ones(grads["decisions"][name].shape[0], dtype=torch.bool)
+        others[k_rows] = False
+        assert not grads["decisions"][name][others].any(), name
+    for name in set(names) - set(qkv):
+        assert not grads["decisions"][name].any(), name
+    assert any(grads["model"][name].any() for name in set(names) - set(qkv))
+
+
+def test_cr_loss_grad_is_validated():
+    with pytest.raises(ValueError, match="dmc.cr_loss_grad: 'all' is not one of model"):
+        DMCConfig(cr_loss_grad="all")
+    with pytest.raises(ValueError, match="dmc.cr_loss_grad: 'decisions' needs dmc.method: dmc"):
+        DMCConfig(method="dms", cr_loss_grad="decisions")
+    assert "cr_loss_grad" not in DMCConfig(cr_loss_grad="decisions").to_dict()

@@ -120,3 +120,25 @@ def test_copy_is_atomic_and_redone_after_a_kill(tmp_path, monkeypatch):
     ckpt.copy_checkpoint(src, dst)
     assert ckpt.verify_checkpoint(dst) and not (tmp_path / "retrofit.tmp").exists()
     assert ckpt.read_state(dst)["step"] == 6
+
+
+def test_content_digest_follows_the_files_not_the_folder(tmp_path):
+    first = tmp_path / "run_a" / "checkpoints" / "pretrain"
+    first.mkdir(parents=True)
+    (first / "__0_0.distcp").write_bytes(b"weights")
+    (first / "state.json").write_text(json.dumps({"run_dir": str(tmp_path / "run_a")}))
+    ckpt.write_manifest(first)
+    moved = tmp_path / "elsewhere" / "base"
+    shutil.copytree(first, moved)
+    (moved / "state.json").write_text(json.dumps({"run_dir": str(tmp_path / "elsewhere")}))
+    ckpt.write_manifest(moved)
+    assert ckpt.content_digest(moved) == ckpt.content_digest(first)
+    (moved / "__0_0.distcp").write_bytes(b"weights, trained on")
+    ckpt.write_manifest(moved)
+    assert ckpt.content_digest(moved) != ckpt.content_digest(first)
+    (moved / "manifest.json").unlink()  # a folder without one (a converted checkpoint)
+    assert ckpt.content_digest(moved) != ckpt.content_digest(first)
+    (moved / "__0_0.distcp").write_bytes(b"weights")
+    assert ckpt.content_digest(moved) == ckpt.content_digest(first)
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint files"):
+        ckpt.content_digest(tmp_path / "empty")
