@@ -260,6 +260,9 @@ def _validate(cfg: RunConfig) -> None:
                           f"or a cap >= the target")
     _validate_training_objective(cfg)
     model = cfg.model
+    if cfg.dmc.cr_loss_grad == "decisions" and model.qk_layernorm:
+        raise ConfigError("dmc.cr_loss_grad: 'decisions' reads k[..., -1] before a q/k norm, "
+                          "which model.qk_layernorm adds; use 'model'")
     if model.params_dtype is not None:
         raise ConfigError(f"model.params_dtype: {model.params_dtype!r}; a run sets it from "
                           f"precision ({', '.join(RUN_CHOICES['precision'])}): leave it null")

@@ -44,6 +44,7 @@ def test_fidelity_switches_default_to_the_paper():
     ("dmc.omega_offset=-0.1", r"dmc.omega_offset: must be >= 0"),
     ("dmc.head_cr_cap=1", r"dmc.head_cr_cap: must be null or > 1"),
     ("dmc.head_cr_cap=1.5", r"dmc.head_cr_cap: 1.5 is below dmc.target_cr \(2.0\)"),
+    ("dmc.cr_loss_grad=all", r"dmc.cr_loss_grad: 'all' is not one of model, decisions"),
     ("optim.lr", r"expected KEY=VALUE"),
     ("dmc.target_cr=inf", r"dmc.target_cr: expected a finite number, got inf"),
     ("optim.lr=.nan", r"optim.lr: expected a finite number"),
@@ -52,6 +53,12 @@ def test_fidelity_switches_default_to_the_paper():
 def test_bad_values_name_the_key_and_accepted_values(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config([], [override])
+
+
+def test_cr_loss_grad_decisions_refuses_a_qk_norm():
+    assert load_config([], ["dmc.cr_loss_grad=decisions"]).dmc.cr_loss_grad == "decisions"
+    with pytest.raises(ConfigError, match="dmc.cr_loss_grad: 'decisions' .* model.qk_layernorm"):
+        load_config([], ["dmc.cr_loss_grad=decisions", "model.qk_layernorm=true"])
 
 
 def test_missing_file():
