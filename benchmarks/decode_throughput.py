@@ -42,17 +42,18 @@ Modes (``--modes``, comma separated):
 replaces the random base model; its shape then comes from the checkpoint.
 
 Each mode also gets its roofline (:mod:`dmc.eval.roofline`): the bytes a steady step reads
-(weights, the K/V pages held, the DMC merge state it updates or the DMS window ring it reads), the bandwidth it achieves, and the
-fraction of its bound ``max(bytes / read bandwidth, flops / GEMM rate)`` it reaches at the median
-step time, the bandwidth and GEMM rate measured by microbenchmarks after the run, in the same
-process and thread count.
+(weights, the K/V pages held, the DMC merge state it updates or the DMS window ring it reads),
+the bandwidth it achieves, and the fraction of its bound ``max(bytes / read bandwidth, flops /
+GEMM rate)`` it reaches at the median step time, the bandwidth and GEMM rate measured by
+microbenchmarks after the run, in the same process and thread count.
 
 Presets: ``gpu`` (default with CUDA): a ~1B-shaped Llama (16 layers, hidden 2048, 16 heads, FFN
 5504, vocab 32000), bf16, P = G = 2048, 12 GiB per mode, modes vanilla and DMC 2x / 4x / 8x;
 ``cpu`` (default otherwise): 2 layers, hidden 256, 4 heads, P = 256, G = 64, 8 MiB per mode, fp32,
 vanilla and DMC 2x / 4x; ``cpu-kv``: a KV-heavy CPU shape where the cache, not the weights,
 dominates a step (2 layers, hidden 512, 8 heads and 8 KV heads, P = 1024, G = 64, 136 MiB per
-mode), vanilla, DMC 2x / 4x, GQA 2x / 4x (add ``dms:4`` for DMS). Any flag overrides its preset value.
+mode), vanilla, DMC 2x / 4x, GQA 2x / 4x (add ``dms:4`` for DMS). Any flag overrides its preset
+value.
 
 Prints a table; ``--out FILE.json`` writes every number. On CUDA the Triton kernels run, on CPU
 the PyTorch ones.
@@ -251,7 +252,8 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
     pages = max(max(r.kv_pages for r in results),
                 math.ceil(engine.stats.peak_pages / args.probe))
     return {"window": engine.cache.window,
-            "dms_window": getattr(engine.cache, "dms_window", None), "pages_per_seq": pages, "policy_state_per_seq": state,
+            "dms_window": getattr(engine.cache, "dms_window", None),
+            "pages_per_seq": pages, "policy_state_per_seq": state,
             "kv_bytes_per_seq": sum(r.kv_bytes for r in results) / len(results),
             "probe_cr": comp.overall, "probe_cr_per_layer": comp.per_layer}
 
@@ -323,8 +325,8 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
 
 def add_rooflines(args, runs: list[Run], rows: dict) -> None:
     """Each row's steady step cost (``step_bytes``: weights, K/V pages held, ``dmc_state``: the
-    DMC merge state or the DMS window ring; ``step_flops``, over paged and ring slots) and :func:`~dmc.eval.roofline.roofline` at its median step time, against
-    the machine, measured now."""
+    DMC merge state or the DMS window ring; ``step_flops``, over paged and ring slots) and
+    :func:`~dmc.eval.roofline.roofline` at its median step time, against the machine now."""
     machine = measure_machine(torch.device("cuda" if args.cuda else "cpu"),
                               getattr(torch, args.dtype))
     for run in runs:

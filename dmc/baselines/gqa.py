@@ -26,7 +26,8 @@ from dmc.megatron.config import ModelConfig
 QKV_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 
 
-def pool_qkv(tensor: torch.Tensor, num_heads: int, old_groups: int, new_groups: int) -> torch.Tensor:
+def pool_qkv(tensor: torch.Tensor, num_heads: int, old_groups: int,
+             new_groups: int) -> torch.Tensor:
     """Mean-pool the K and V heads of a fused QKV weight or bias.
 
     Args:

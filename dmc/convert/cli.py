@@ -48,7 +48,8 @@ def run_mcore_to_hf(args) -> int:
         with open(args.cr_text) as f:
             cr_tokens = load_tokenizer(source).encode(f.read())[: args.cr_max_tokens]
     return _print(args, mcore_to_hf(args.input, args.output, tokenizer=args.tokenizer,
-                                    dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                                    dtype=args.dtype,
+                                    max_shard_bytes=int(args.max_shard_gb * 2**30),
                                     cr_tokens=cr_tokens))
 
 

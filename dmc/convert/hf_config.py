@@ -81,7 +81,8 @@ def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     groups = cfg.get("num_key_value_heads") or heads
     if heads % groups:
         raise UnsupportedModelError(
-            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+            f"{source}: num_attention_heads={heads} is not a multiple of "
+            f"num_key_value_heads={groups}")
     theta, scaling = _rope_settings(cfg, source)
     return ModelConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,

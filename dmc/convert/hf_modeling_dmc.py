@@ -1,4 +1,5 @@
-"""A Llama model with Dynamic Memory Compression (Nawrot et al., 2024) for Hugging Face transformers.
+"""A Llama model with Dynamic Memory Compression (Nawrot et al., 2024) for Hugging Face
+transformers.
 
 Imports torch, transformers and the DMC math of :mod:`dmc.ops.algorithm1` (Algorithm 1, Eq. 9,
 RoPE): ``dmc convert mcore-to-hf`` copies this file and those ``dmc/ops`` files into an exported

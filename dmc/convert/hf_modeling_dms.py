@@ -54,9 +54,10 @@ class DMSLlamaConfig(PretrainedConfig):
     (NVIDIA's ``dms_initial_alpha_offset`` and ``dms_alpha_scale``).
     dms_channel: which channel carries the logit (only "last", of the first query head of each
     KV group). dms_decision: "query" (that channel) or "adapter" (``dms_decision_proj``, a
-    linear map of the attention input to one logit per KV head). dms_target_cr, dms_measured_cr: the training target and the CR measured at
-    export (or None). rope_llama3_scaling, head_dim, qk_norm: as in :class:`DMCLlamaConfig`
-    (with ``qk_norm`` the logit is read from ``q_norm(q)``, as NVIDIA's Qwen3 DMS models do).
+    linear map of the attention input to one logit per KV head). dms_target_cr, dms_measured_cr:
+    the training target and the CR measured at export (or None). rope_llama3_scaling, head_dim,
+    qk_norm: as in :class:`DMCLlamaConfig` (with ``qk_norm`` the logit is read from
+    ``q_norm(q)``, as NVIDIA's Qwen3 DMS models do).
     """
 
     model_type = "dms_llama"

@@ -163,4 +163,5 @@ def read_checkpoint(folder: Path) -> tuple[dict, ModelConfig, DMCConfig | None, 
     loaded = load_model(folder)
     state = {k: v.detach().cpu() for k, v in loaded.model.state_dict().items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    return state, loaded.model_config, loaded.dmc_config, dict(loaded.state, source=str(loaded.source))
+    return (state, loaded.model_config, loaded.dmc_config,
+            dict(loaded.state, source=str(loaded.source)))

@@ -21,9 +21,9 @@ def _free_port() -> int:
 
 
 def torchrun_command(nproc: int) -> list[str]:
-    """``python -m torch.distributed.run`` for ``nproc`` processes on this machine. ``--standalone``:
-    its rendezvous store binds a free port itself and the workers share it, so no port is picked
-    beforehand that another process could take in between."""
+    """``python -m torch.distributed.run`` for ``nproc`` processes on this machine.
+    ``--standalone``: its rendezvous store binds a free port itself and the workers share it, so
+    no port is picked beforehand that another process could take in between."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
             str(nproc)]
 

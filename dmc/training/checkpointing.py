@@ -28,7 +28,8 @@ from dmc.training.resume import check_init_from, check_resume_config
 def cr_summary(cr: np.ndarray, prefix: str = "") -> dict:
     """Measured CR ``[layers, kv_heads]`` (n / kept slots per head) as JSON-ready numbers:
     ``cr`` over the whole model, ``cr_per_layer [layers]`` and ``cr_per_head`` (4 decimals).
-    A layer's (the model's) CR is its tokens over its kept slots: the harmonic mean of its heads'."""
+    A layer's (the model's) CR is its tokens over its kept slots: the harmonic mean of its
+    heads'."""
     return {f"{prefix}cr": float(cr.size / (1 / cr).sum()),
             f"{prefix}cr_per_layer": (cr.shape[1] / (1 / cr).sum(axis=1)).round(4).tolist(),
             f"{prefix}cr_per_head": cr.round(4).tolist()}
@@ -117,7 +118,8 @@ class RunCheckpoints:
                           + ", ".join(f"model.{k} is {ours[k]} but the checkpoint was trained with "
                                       f"{saved[k]}" for k in moved)
                           + "; positions change meaning (intended when extending the context, "
-                          "e.g. Llama 3's larger RoPE base; otherwise set them to the checkpoint's)")
+                          "e.g. Llama 3's larger RoPE base; otherwise set them to the "
+                          "checkpoint's)")
 
     def _complete_phase_folders(self, step: int) -> None:
         """On resume at ``step``: every phase that ended at or before it gets its phase folder,

@@ -107,11 +107,12 @@ class DMCSection(DMCConfig):
 class CheckpointConfig:
     """``dir`` null = ``<run_dir>/checkpoints``; ``load_base`` = a base checkpoint folder
     (e.g. a pretrain run or a converted HF model) that a fresh run starts from (weights only: a
-    retrofit's base, or the previous stage of a pretraining at a longer context); ``init_from`` = a checkpoint of another run with the same model and schedule (e.g. a
-    shared ``zero_out`` phase) that a fresh run continues from: weights, optimizer state, LR
-    schedule and step. A run's own ``latest`` checkpoint takes precedence over both.
-    ``fallback``: when ``latest`` fails verification on resume, continue from the newest
-    checkpoint that verifies (with a warning) instead of stopping."""
+    retrofit's base, or the previous stage of a pretraining at a longer context); ``init_from`` =
+    a checkpoint of another run with the same model and schedule (e.g. a shared ``zero_out``
+    phase) that a fresh run continues from: weights, optimizer state, LR schedule and step. A
+    run's own ``latest`` checkpoint takes precedence over both. ``fallback``: when ``latest``
+    fails verification on resume, continue from the newest checkpoint that verifies (with a
+    warning) instead of stopping."""
 
     dir: str | None = None
     save_interval: int = 500

@@ -4,8 +4,8 @@
 tensors and the CPU path otherwise (the batched :func:`paged_decode_batched` and the in-place
 :func:`dmc_write_inplace`, each running the compiled C kernel of :mod:`.native` where it applies
 and PyTorch otherwise); the references stay the oracles of every path; ``True`` on CPU tensors
-needs ``TRITON_INTERPRET=1`` (the tests). The Triton modules are imported on first use, so the interpreter setting is read
-then, not when ``dmc.inference`` is imported.
+needs ``TRITON_INTERPRET=1`` (the tests). The Triton modules are imported on first use, so the
+interpreter setting is read then, not when ``dmc.inference`` is imported.
 """
 from __future__ import annotations
 
