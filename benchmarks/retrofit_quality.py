@@ -345,9 +345,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
     data = stage("data", ensure_data, exp["data"], log)
     if args.base:
         base = Path(args.base)
-        if not all((base / f).is_file() for f in ("state.json", "manifest.json")):
-            raise ValueError(f"--base {base}: not a dmc checkpoint folder (no state.json and "
-                             f"manifest.json)")
+        if not (base / "state.json").is_file():  # keyed by content, manifest or not
+            raise ValueError(f"--base {base}: not a checkpoint folder (no state.json)")
         log(f"base: {base} (given)")
     else:
         base = stage("base", ensure_base, exp, log)
