@@ -25,7 +25,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from dmc.megatron.cr_loss import attach_cr_loss
+from dmc.megatron.cr_loss import attach_cr_loss, attach_head_balance_loss
 from dmc.megatron.runtime import DMCRuntime
 from dmc.ops import (
     dmc_attention,
@@ -117,8 +117,11 @@ class DMCSelfAttention(SelfAttention):
         kept = self._record_kept(alpha)
         if self.dmc.mode == "train" and torch.is_grad_enabled():
             if self.dmc.config.cr_loss_grad == "decisions":
-                kept = self._kept(self._decisions(self._decision_rows_logit(hidden_states))[0])
+                alpha = self._decisions(self._decision_rows_logit(hidden_states))[0]
+                kept = self._kept(alpha)
             output = attach_cr_loss(self, output, kept, alpha.shape[2])
+            if self.dmc.config.head_balance_weight:
+                output = attach_head_balance_loss(self, output, self._loss_alpha(alpha))
         return output, bias
 
     def _decision_rows_logit(self, hidden_states):
@@ -277,9 +280,14 @@ class DMCSelfAttention(SelfAttention):
     def _kept(self, alpha):
         """``alpha [batch, kv_heads, seq] ->`` kept slots ``sum(1 - alpha)`` per sequence and
         head ``[batch, kv_heads]``, rounded straight-through under ``hard_loss``."""
+        return (1 - self._loss_alpha(alpha)).sum(dim=2)
+
+    def _loss_alpha(self, alpha):
+        """The decisions the CR losses see: ``alpha`` in float32, rounded straight-through
+        under ``hard_loss``."""
         if self.dmc.config.hard_loss:
             alpha = straight_through_round(alpha)
-        return (1 - alpha.float()).sum(dim=2)
+        return alpha.float()
 
     def reset_cr_stats(self) -> None:
         self.cr_kept.zero_()

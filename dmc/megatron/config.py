@@ -149,6 +149,12 @@ class DMCConfig:
     head_cr_cap: None (the paper) or the largest CR one KV head may reach before a second hinge
         pushes it back (:func:`dmc.ops.head_cap_loss_from_sums`, not in the paper). A training
         setting, not part of the model (``to_dict`` leaves it out).
+    head_balance_weight: 0 (DMC) or the weight of DMC-C's balance term (App. E, Eq. 13 with the
+        mean over heads: :func:`dmc.ops.head_balance_loss`), added to Eq. 10 so that the heads
+        of a layer compress alike (the paper's "constrained" variant, which lets a cache store
+        a layer's heads as padded tensors). Measured on the 4-layer benchmark model (README
+        "Ablations of DMC 4x"): at 1 no head merges, 0.05-0.25 track the target. A training
+        setting (``to_dict`` leaves it out).
     cr_loss_grad: where the CR loss's gradient goes. "model" (the paper and NVIDIA's code): through
         k[..., -1] into every weight below it. "decisions" (not in the paper): only into the
         decision rows of ``linear_qkv`` (the layer input is detached on the loss's path; forward
@@ -168,6 +174,7 @@ class DMCConfig:
     hard_loss: bool = False
     prior: str = "global"
     head_cr_cap: float | None = None
+    head_balance_weight: float = 0.0
     cr_loss_grad: str = "model"
     omega_offset: float = 0.0
     attention_backend: str = "auto"
@@ -195,6 +202,9 @@ class DMCConfig:
             raise ConfigError(f"dmc.tau: must be > 0, got {self.tau!r}")
         if self.head_cr_cap is not None and not self.head_cr_cap > 1:
             raise ConfigError(f"dmc.head_cr_cap: must be null or > 1, got {self.head_cr_cap!r}")
+        if not self.head_balance_weight >= 0:
+            raise ConfigError(f"dmc.head_balance_weight: must be >= 0 (0 = off), got "
+                              f"{self.head_balance_weight!r}")
         if self.omega_offset < 0:
             raise ConfigError(f"dmc.omega_offset: must be >= 0, got {self.omega_offset!r}")
         if self.cr_loss_grad == "decisions" and self.method != "dmc":
@@ -211,7 +221,7 @@ class DMCConfig:
         A DMC model's dict leaves out the DMS fields (and ``method``), so it reads as it did
         before DMS existed, and a DMS model's leaves out ``dms_decision`` at "query", so it
         reads as before that field existed; :meth:`from_dict` restores the defaults."""
-        skip = {"attention_backend", "head_cr_cap", "cr_loss_grad"} | (
+        skip = {"attention_backend", "head_cr_cap", "head_balance_weight", "cr_loss_grad"} | (
             set() if self.method == "dms" else set(DMS_ONLY))
         if self.dms_decision == "query":
             skip.add("dms_decision")

@@ -12,12 +12,13 @@ backpropagates under pipelining; its detached value is kept on the runtime
 from __future__ import annotations
 
 import torch
+import torch.distributed.nn as dist_nn
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from dmc.megatron import pipeline_sum
-from dmc.ops import compression_loss_from_sums, head_cap_loss_from_sums
+from dmc.ops import compression_loss_from_sums, head_balance_loss, head_cap_loss_from_sums
 
 
 def attach_cr_loss(layer, output: torch.Tensor, kept_per_head: torch.Tensor,
@@ -68,6 +69,23 @@ def _attach_head_cap(layer, output, kept_per_head, seq):
     if layer.world_size > 1:
         loss = reduce_from_tensor_model_parallel_region(loss, group=layer.tp_group)
     return _attach(layer.dmc, output, loss)
+
+
+def attach_head_balance_loss(layer, output: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``output`` with DMC-C's balance term attached (App. E, Eq. 13, the mean over heads:
+    :func:`dmc.ops.head_balance_loss`) times ``dmc.head_balance_weight``; ``alpha [batch,
+    local_kv_heads, seq]`` is the decisions the CR loss sees. Under tensor parallelism the
+    heads' mean is summed over the ranks forward and backward (each rank's term depends on
+    every rank's heads through it), and the term over the ranks' own heads, forward only."""
+    config = layer.config
+    head_sum = alpha.sum(dim=1)  # [batch, seq]
+    if layer.world_size > 1:
+        head_sum = dist_nn.all_reduce(head_sum, group=layer.tp_group)
+    loss = head_balance_loss(alpha, head_sum / config.num_query_groups,
+                             config.num_layers * config.num_query_groups)
+    if layer.world_size > 1:
+        loss = reduce_from_tensor_model_parallel_region(loss, group=layer.tp_group)
+    return _attach(layer.dmc, output, loss * layer.dmc.config.head_balance_weight)
 
 
 def _attach(runtime, output, loss):

@@ -22,6 +22,7 @@ from dmc.ops.loss import (
     CRSchedule,
     compression_loss,
     compression_loss_from_sums,
+    head_balance_loss,
     head_cap_loss_from_sums,
 )
 from dmc.ops.mask import (
@@ -41,6 +42,7 @@ __all__ = [
     "compression_loss",
     "dmc_attention",
     "compression_loss_from_sums",
+    "head_balance_loss",
     "head_cap_loss_from_sums",
     "dmc_attention_bias",
     "dms_alpha_logit",

@@ -64,10 +64,35 @@ def head_cap_loss_from_sums(
     return hinge.sum(dim=1).mean() / (num_groups * count)
 
 
+def head_balance_loss(alpha: torch.Tensor, head_mean: torch.Tensor,
+                      num_groups: int) -> torch.Tensor:
+    """DMC-C's balance term (App. E, Eq. 13): ``mean_b sum_{h,t} |alpha[b, h, t] -
+    head_mean[b, t]| / (num_groups * seq)``, which pulls every head's decision at each token
+    towards the mean decision of its layer's heads, so that the heads of a layer compress alike.
+
+    Deviation: Eq. 13 as printed subtracts the *sum* over the layer's heads,
+    ``|alpha_lht - sum_h alpha_lht|``, which is smallest when every alpha is 0 (no merging at
+    all) and so contradicts the text ("force all heads in a given layer to maintain a similar
+    compression ratio"); we subtract the mean. Normalised like :func:`compression_loss_from_sums`
+    (per sequence and decision), so the terms add up under one weight.
+
+    Args:
+        alpha: ``[batch, heads, seq]`` decisions of some of one layer's KV heads (a
+            tensor-parallel rank's share, or all of them).
+        head_mean: ``[batch, seq]`` the mean decision over all of that layer's KV heads.
+        num_groups: KV heads of the whole model (``n_l n_h``), so partial losses add up to the
+            model's.
+    """
+    deviation = (alpha - head_mean[:, None, :]).abs()
+    return deviation.sum(dim=(1, 2)).mean() / (num_groups * alpha.shape[2])
+
+
 def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global",
-                     head_cr_cap: float | None = None) -> torch.Tensor:
+                     head_cr_cap: float | None = None,
+                     head_balance_weight: float = 0.0) -> torch.Tensor:
     """Eq. 10 per sequence, averaged over the batch (plus :func:`head_cap_loss_from_sums`
-    when ``head_cr_cap`` is set).
+    when ``head_cr_cap`` is set, and ``head_balance_weight`` times DMC-C's
+    :func:`head_balance_loss` of every layer).
 
     ``prior="global"`` (the paper's default): the hinge on each sequence's kept slots summed over
     all layers, heads and tokens, which lets DMC compress some layers and heads more than others
@@ -79,6 +104,7 @@ def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global
         target_cr: the current target compression ratio (>= 1).
         prior: "global" or "local".
         head_cr_cap: None (the paper) or the per-head CR cap.
+        head_balance_weight: 0 (DMC) or the weight of DMC-C's Eq. 13 (App. E).
 
     Returns:
         A scalar tensor (float32, float64 stays float64).
@@ -98,6 +124,11 @@ def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global
     if head_cr_cap is not None:
         loss = loss + head_cap_loss_from_sums(kept_per_head.flatten(1), seq, head_cr_cap,
                                               layers * heads)
+    if head_balance_weight:
+        alpha = alpha.to(work)
+        for layer in range(layers):
+            loss = loss + head_balance_weight * head_balance_loss(
+                alpha[:, layer], alpha[:, layer].mean(dim=1), layers * heads)
     return loss
 
 

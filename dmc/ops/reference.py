@@ -105,12 +105,15 @@ def compressed_cache_reference(k, v, alpha, omega):
     return history_k, history_v, slot_of_token
 
 
-def compression_loss_reference(alpha, target_cr, prior="global", head_cr_cap=None):
+def compression_loss_reference(alpha, target_cr, prior="global", head_cr_cap=None,
+                               head_balance_weight=0.0):
     """Eq. 10 with Python sums, sequence by sequence, ``alpha [batch, layers, heads, seq]``.
 
     global: ``loss_b = max(0, sum_{l,h,t} (1 - alpha) - n_l n_h n / CR) / (n_l n_h n)``;
     local (App. G): ``loss_b = sum_l max(0, sum_{h,t} (1 - alpha) - n_h n / CR) / (n_l n_h n)``;
-    the per-head cap adds ``sum_{l,h} max(0, n / cap - sum_t (1 - alpha)) / (n_l n_h n)``.
+    the per-head cap adds ``sum_{l,h} max(0, n / cap - sum_t (1 - alpha)) / (n_l n_h n)``;
+    DMC-C (App. E, Eq. 13 with the mean over heads) adds ``weight * sum_{l,h,t} |alpha_lht -
+    mean_h' alpha_lh't| / (n_l n_h n)``.
     Returns the mean of ``loss_b`` over the batch as a Python float.
     """
     alpha = alpha.double()
@@ -118,13 +121,15 @@ def compression_loss_reference(alpha, target_cr, prior="global", head_cr_cap=Non
     total = layers * heads * seq
     losses = []
     for b in range(batch):
-        kept_per_layer, cap_hinge = [], 0.0
+        kept_per_layer, cap_hinge, balance = [], 0.0, 0.0
         for layer in range(layers):
             kept = 0.0
             for h in range(heads):
                 head_kept = 0.0
                 for t in range(seq):
                     head_kept += 1.0 - alpha[b, layer, h, t].item()
+                    mean = sum(alpha[b, layer, g, t].item() for g in range(heads)) / heads
+                    balance += abs(alpha[b, layer, h, t].item() - mean) / total
                 kept += head_kept
                 if head_cr_cap is not None:
                     cap_hinge += max(0.0, seq / head_cr_cap - head_kept) / total
@@ -134,5 +139,5 @@ def compression_loss_reference(alpha, target_cr, prior="global", head_cr_cap=Non
         else:
             per_layer = heads * seq
             loss = sum(max(0.0, k - per_layer / target_cr) for k in kept_per_layer) / total
-        losses.append(loss + cap_hinge)
+        losses.append(loss + cap_hinge + head_balance_weight * balance)
     return sum(losses) / batch

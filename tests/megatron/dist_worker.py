@@ -32,6 +32,7 @@ DMS_CONFIG = DMCConfig(method="dms", dms_window=4, c=0.0, dms_logit_scale=2.5, t
 DMS_TARGET_CR = 4.0
 # DMS adapter decisions (decision_proj, column-parallel over KV heads): logits ~ +-1 / tau too
 DMS_ADAPTER_CONFIG = dataclasses.replace(DMS_CONFIG, dms_decision="adapter", dms_logit_scale=1.0)
+HEAD_BALANCE_WEIGHT = 0.5  # DMC-C's Eq. 13: each head's term depends on the other rank's heads
 HEAD_CR_CAP = 2.2  # below the CR of some heads (kept fractions vary around 0.45)
 
 
@@ -88,11 +89,13 @@ def global_name(name):
     return ".".join(parts)
 
 
-def run_step(model, runtime, prior, head_cr_cap=None):
-    """One training step (MICRO micro-batches) under ``prior`` (and the per-head CR cap);
+def run_step(model, runtime, prior, head_cr_cap=None, head_balance_weight=0.0):
+    """One training step (MICRO micro-batches) under ``prior`` (and the per-head CR cap, DMC-C's
+    balance term);
     returns the LM loss, the CR loss, the kept slots per (layer, KV head) and per (micro-batch,
     sequence), and full gradients."""
-    runtime.config = dataclasses.replace(runtime.config, prior=prior, head_cr_cap=head_cr_cap)
+    runtime.config = dataclasses.replace(runtime.config, prior=prior, head_cr_cap=head_cr_cap,
+                                         head_balance_weight=head_balance_weight)
     for param in model.parameters():
         param.grad = None
     layers = dmc_layers(model)
@@ -171,6 +174,8 @@ def main():
         results = {prior: run_step(model, runtime, prior) for prior in priors}
         if method == "dmc":
             results["global+cap"] = run_step(model, runtime, "global", HEAD_CR_CAP)
+            results["global+balance"] = run_step(model, runtime, "global",
+                                                 head_balance_weight=HEAD_BALANCE_WEIGHT)
         out.update(results if method == "dmc" else {method: results})
     if dist.get_rank() == 0:
         torch.save(out, args.out)

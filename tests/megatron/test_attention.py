@@ -213,9 +213,16 @@ def test_train_mode_cr_loss_is_eq10_per_sequence(parallel_1x1, prior, hard_loss,
     torch.testing.assert_close(logits.detach(), other_logits, rtol=0, atol=0)
 
 
-def test_train_mode_head_cap_is_the_float64_loss(parallel_1x1):
-    cap = 1.6
-    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, head_cr_cap=cap))
+@pytest.mark.parametrize("terms", [
+    {"head_cr_cap": 1.6},
+    {"head_balance_weight": 0.6},
+    {"head_balance_weight": 0.6, "hard_loss": True},
+], ids=["cap", "balance", "balance-hard-loss"])
+def test_train_mode_extra_cr_terms_are_the_float64_loss(parallel_1x1, terms):
+    """The per-head cap and DMC-C's balance term (Eq. 13) on top of Eq. 10: value and gradient
+    equal the float64 loss of the alphas the forward drew."""
+    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, **terms))
+    cap, weight = terms.get("head_cr_cap"), terms.get("head_balance_weight", 0.0)
     spread_decisions(dmc, scale=2.0)
     runtime.set_mode("train")
     runtime.target_cr = 1.5
@@ -223,17 +230,19 @@ def test_train_mode_head_cap_is_the_float64_loss(parallel_1x1):
     alphas = _capture_alphas(dmc)
     logits = dmc(tokens, positions, None)
     alpha = torch.stack(alphas, dim=1).detach().double()  # [batch, layers, heads, seq]
-    heads_cr = alpha.shape[3] / (1 - alpha).sum(dim=3)
-    assert (heads_cr > cap).any() and (heads_cr < cap).any()
+    seen = (alpha > 0.5).double() if terms.get("hard_loss") else alpha
+    if cap is not None:
+        heads_cr = alpha.shape[3] / (1 - alpha).sum(dim=3)
+        assert (heads_cr > cap).any() and (heads_cr < cap).any()
     cr_loss = sum(runtime.pop_cr_losses())
-    want = compression_loss_reference(alpha, runtime.target_cr, "global", cap)
+    want = compression_loss_reference(seen, runtime.target_cr, "global", cap, weight)
     assert cr_loss.item() == pytest.approx(want, abs=1e-6)
-    assert want > compression_loss_reference(alpha, runtime.target_cr, "global") + 1e-4
+    assert want > compression_loss_reference(seen, runtime.target_cr, "global") + 1e-4
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     (logits.sum() * 0).backward()
-    last = alpha[:, -1].clone().requires_grad_(True)
-    compression_loss(torch.cat([alpha[:, :-1], last[:, None]], dim=1), runtime.target_cr,
-                     "global", cap).backward()
+    last = seen[:, -1].clone().requires_grad_(True)
+    compression_loss(torch.cat([seen[:, :-1], last[:, None]], dim=1), runtime.target_cr,
+                     "global", cap, weight).backward()
     torch.testing.assert_close(alphas[-1].grad.double(), last.grad, rtol=1e-5, atol=1e-9)
 
 

@@ -83,6 +83,12 @@ def test_single_process_head_cap_adds_to_the_hinge(single):
     torch.testing.assert_close(capped["kept"], plain["kept"])  # the loss, not the forward
 
 
+def test_single_process_head_balance_adds_to_the_hinge(single):
+    balanced, plain = single["global+balance"], single["global"]
+    assert balanced["cr_loss"].item() > plain["cr_loss"].item() + 1e-4
+    torch.testing.assert_close(balanced["kept"], plain["kept"])
+
+
 def _assert_same_step(got, want):
     assert got["lm"].item() == pytest.approx(want["lm"].item(), abs=1e-5)
     assert got["cr_loss"].item() == pytest.approx(want["cr_loss"].item(), abs=1e-6)
@@ -97,7 +103,8 @@ def _assert_same_step(got, want):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("method,prior", [("dmc", "global"), ("dmc", "local"),
-                                          ("dmc", "global+cap"), ("dms", "global"),
+                                          ("dmc", "global+cap"), ("dmc", "global+balance"),
+                                          ("dms", "global"),
                                           ("dms", "local"), ("dms_adapter", "global")])
 @pytest.mark.parametrize("flags", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
 def test_two_process_layout_matches_single_process(single, layouts, flags, prior, method):

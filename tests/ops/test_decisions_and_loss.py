@@ -96,6 +96,36 @@ def test_head_cap_penalises_only_heads_above_the_cap():
         compression_loss(alpha, 2.0, head_cr_cap=1.0)
 
 
+@pytest.mark.parametrize("prior", ["global", "local"])
+def test_head_balance_equals_reference(prior):
+    alpha = torch.rand(2, 3, 4, 7, generator=torch.Generator().manual_seed(3),
+                       dtype=torch.float64)
+    plain = compression_loss(alpha, 2.0, prior).item()
+    got = compression_loss(alpha, 2.0, prior, head_balance_weight=0.7).item()
+    assert got == pytest.approx(compression_loss_reference(alpha, 2.0, prior, None, 0.7),
+                                abs=1e-12)
+    assert got > plain + 1e-3
+
+
+def test_head_balance_pulls_each_head_towards_its_layers_mean():
+    # layer 0: heads at 0.2, 0.2, 0.8 at every token (mean 0.4); layer 1: every head at 0.5
+    alpha = _two_sequences(0.0, 0.0)
+    with torch.no_grad():
+        alpha[:, 0] = torch.tensor([0.2, 0.2, 0.8], dtype=torch.float64)[:, None]
+        alpha[:, 1] = 0.5
+    hinge = compression_loss(alpha, 1.0)
+    loss = compression_loss(alpha, 1.0, head_balance_weight=2.0)
+    # |deviations| per token of layer 0: 0.2 + 0.2 + 0.4 over 2 layers x 3 heads
+    assert (loss - hinge).item() == pytest.approx(2.0 * 0.8 / 6, abs=1e-12)
+    loss.backward()
+    grad = alpha.grad[0, 0, :, 0]
+    # descent moves the outlier down and the others up, per token (2 layers x 3 heads x 10)
+    scale = 2.0 / (2 * 6 * 10)
+    torch.testing.assert_close(grad, torch.tensor([-2 / 3, -2 / 3, 4 / 3],
+                                                  dtype=torch.float64) * scale)
+    assert alpha.grad[:, 1].abs().max() == 0  # an even layer costs nothing (sign(0) = 0)
+
+
 def _two_sequences(first, second, layers=2, heads=3, seq=10):
     """``[2, layers, heads, seq]`` float64 alphas, constant per sequence."""
     alpha = torch.empty(2, layers, heads, seq, dtype=torch.float64)

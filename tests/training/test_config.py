@@ -29,6 +29,8 @@ def test_fidelity_switches_default_to_the_paper():
     assert CHOICES["dmc.prior"] == PRIORS
     assert cfg.dmc.head_cr_cap is None
     assert load_config([], ["dmc.head_cr_cap=32"]).dmc.head_cr_cap == 32
+    assert cfg.dmc.head_balance_weight == 0.0
+    assert load_config([], ["dmc.head_balance_weight=0.5"]).dmc.head_balance_weight == 0.5
 
 
 @pytest.mark.parametrize("override,message", [
@@ -39,11 +41,13 @@ def test_fidelity_switches_default_to_the_paper():
     ("dmc.target_cr=0.5", r"dmc.target_cr: must be >= 1"),
     ("model.num_query_groups=3", r"model.num_query_groups \(3\) must divide"),
     ("schedule.zero_out_steps=-1", r"schedule.zero_out_steps: must be >= 0"),
-    ("dmc.attention_backend=sdpa", r"dmc.attention_backend: 'sdpa' is not one of auto, dense, flex"),
+    ("dmc.attention_backend=sdpa",
+     r"dmc.attention_backend: 'sdpa' is not one of auto, dense, flex"),
     ("dmc.prior=layer", r"dmc.prior: 'layer' is not one of global, local"),
     ("dmc.omega_offset=-0.1", r"dmc.omega_offset: must be >= 0"),
     ("dmc.head_cr_cap=1", r"dmc.head_cr_cap: must be null or > 1"),
     ("dmc.head_cr_cap=1.5", r"dmc.head_cr_cap: 1.5 is below dmc.target_cr \(2.0\)"),
+    ("dmc.head_balance_weight=-1", r"dmc.head_balance_weight: must be >= 0 \(0 = off\)"),
     ("dmc.cr_loss_grad=all", r"dmc.cr_loss_grad: 'all' is not one of model, decisions"),
     ("optim.lr", r"expected KEY=VALUE"),
     ("dmc.target_cr=inf", r"dmc.target_cr: expected a finite number, got inf"),
