@@ -1,4 +1,5 @@
-"""Hugging Face Llama folder -> dmc megatron-core checkpoint (same as `dmc convert hf-to-mcore`); `--help` lists the options."""
+"""Hugging Face Llama folder -> dmc megatron-core checkpoint (same as `dmc convert hf-to-mcore`);
+`--help` lists the options."""
 import sys
 
 from dmc.convert.cli import main

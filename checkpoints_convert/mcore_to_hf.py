@@ -1,4 +1,5 @@
-"""dmc checkpoint -> Hugging Face folder (same as `dmc convert mcore-to-hf`); `--help` lists the options."""
+"""dmc checkpoint -> Hugging Face folder (same as `dmc convert mcore-to-hf`); `--help` lists the
+options."""
 import sys
 
 from dmc.convert.cli import main

@@ -1,4 +1,5 @@
-"""NVIDIA Megatron-LM DMC checkpoint -> dmc checkpoint (same as `dmc convert nvidia-dmc`); `--help` lists the options."""
+"""NVIDIA Megatron-LM DMC checkpoint -> dmc checkpoint (same as `dmc convert nvidia-dmc`);
+`--help` lists the options."""
 import sys
 
 from dmc.convert.cli import main

@@ -1,4 +1,5 @@
-"""NVIDIA Model-Optimizer DMS checkpoint (Hugging Face folder) -> dmc checkpoint (same as `dmc convert nvidia-dms`); `--help` lists the options."""
+"""NVIDIA Model-Optimizer DMS checkpoint (Hugging Face folder) -> dmc checkpoint (same as
+`dmc convert nvidia-dms`); `--help` lists the options."""
 import sys
 
 from dmc.convert.cli import main

@@ -50,8 +50,10 @@ dmc retrofit "${common[@]}" --config configs/retrofit/gqa2.yaml --json run_dir="
   model.num_query_groups=4 checkpoint.load_base="$QS/gqa2_init" "${budget[@]}" \
   | tail -n 1 > "$QS/gqa2.json"
 
-echo "== 4/5 compare at 2x with the real caches: control, base, DMC, GQA, H2O, TOVA, SnapKV, StreamingLLM"
-dmc eval compare --control "$QS/control/checkpoints/solidify" --base "$QS/base/checkpoints/pretrain" \
+echo "== 4/5 compare at 2x with the real caches: control, base, DMC, GQA, H2O, TOVA, SnapKV," \
+  "StreamingLLM"
+dmc eval compare --control "$QS/control/checkpoints/solidify" \
+  --base "$QS/base/checkpoints/pretrain" \
   --dmc "$QS/dmc2/checkpoints/solidify" --gqa "$QS/gqa2/checkpoints/solidify" \
   --policies h2o,tova,snapkv,streamingllm --crs 2 --data "$QS/data" --seq-len 256 \
   --num-sequences 8 --prefill-fraction 0.5 --needle-lengths 64,128,256 --needles-per-cell 2 \

@@ -20,8 +20,9 @@ def tiny_hf(groups=4, tie=False, rope_scaling=None, seed=0):
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=groups, max_position_embeddings=64,
-        rms_norm_eps=1e-5, tie_word_embeddings=tie, rope_theta=500000.0 if rope_scaling else 10000.0,
-        rope_scaling=rope_scaling, initializer_range=0.2)
+        rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        rope_theta=500000.0 if rope_scaling else 10000.0, rope_scaling=rope_scaling,
+        initializer_range=0.2)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).float().eval()
     with torch.no_grad():

@@ -300,9 +300,9 @@ def test_allocator_invariants_under_random_operations():
 @pytest.mark.parametrize("window,use_triton", [(3, False), (None, False), (3, True)])
 def test_deferred_write_equals_host_decided_write(window, use_triton):
     """Deferred DMC writes (decisions kept on the device, pages reserved for every head of every
-    layer at a page boundary by begin_decode, lengths read back once by settle, with or without a carried tensor) leave the
-    same slots, lengths, merge state and page count as host-decided ones; attention before
-    settle sees the new slots."""
+    layer at a page boundary by begin_decode, lengths read back once by settle, with or without a
+    carried tensor) leave the same slots, lengths, merge state and page count as host-decided
+    ones; attention before settle sees the new slots."""
     gen = torch.Generator().manual_seed(11)
     layers, heads, dim = 2, 3, 8
     caches = [PagedKVCache(layers, heads, dim, 60, page_size=4, max_seqs=3, window=window,

@@ -48,9 +48,9 @@ def decode_with_compressed_cache(state, tokens, *, num_layers, num_heads, num_gr
     """Logits ``[batch, seq, vocab]`` of feeding ``tokens [batch, seq]`` one at a time.
 
     With ``dmc`` the last q/k channel gives alpha = [k[-1] - c > 0] and omega =
-    sigmoid(mean_group(q[-1]) + c) floored at OMEGA_MIN; both channels are zeroed before and after RoPE; merged slots
-    are rotated at the position of their newest token. Returns also the cache sizes
-    ``[batch, layers, groups]`` after the last token.
+    sigmoid(mean_group(q[-1]) + c) floored at OMEGA_MIN; both channels are zeroed before and
+    after RoPE; merged slots are rotated at the position of their newest token. Returns also the
+    cache sizes ``[batch, layers, groups]`` after the last token.
     """
     w = {k: v.double() for k, v in state.items() if isinstance(v, torch.Tensor)}
     batch, seq = tokens.shape
@@ -66,7 +66,8 @@ def decode_with_compressed_cache(state, tokens, *, num_layers, num_heads, num_gr
             for layer in range(num_layers):
                 p = f"decoder.layers.{layer}."
                 h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-                qkv = (w[p + "self_attention.linear_qkv.weight"] @ h).reshape(num_groups, group + 2, dim)
+                qkv = (w[p + "self_attention.linear_qkv.weight"] @ h).reshape(
+                    num_groups, group + 2, dim)
                 out_heads = []
                 for g in range(num_groups):
                     q, k, v = qkv[g, :group], qkv[g, group], qkv[g, group + 1]

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from dmc.ops import dmc_attention, dms_attention_bias, log_keep_next, split_dms_channels, zero_dms_channel
+from dmc.ops import (dmc_attention, dms_attention_bias, log_keep_next, split_dms_channels,
+                     zero_dms_channel)
 from dmc.ops.reference import attention_bias_reference, dms_attention_bias_reference
 
 

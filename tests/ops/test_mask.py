@@ -31,7 +31,8 @@ def test_log_keep_from_logits_is_stable():
     got = log_keep_next_from_logits(logits)
     assert torch.isfinite(got).all()
     assert got[0, 0, 1] == pytest.approx(-200.0, rel=1e-6)
-    torch.testing.assert_close(got[..., :1], log_keep_next(torch.sigmoid(logits.double()))[..., :1].float())
+    want = log_keep_next(torch.sigmoid(logits.double()))[..., :1].float()
+    torch.testing.assert_close(got[..., :1], want)
 
 
 def _dense_reference(q, k, v, alpha):

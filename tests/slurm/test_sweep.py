@@ -63,10 +63,12 @@ def test_llama_dry_run_renders_chains(in_repo, tmp_path, capsys):
     assert zero_out == ["llama2-7b-s1234-zero_out"]  # shared by the three CRs
     shared = jobs[zero_out[0]]["outputs"]["checkpoint"]
     for cr in (2, 3, 4):
-        retro, solid = jobs[f"llama2-7b-cr{cr}-s1234-retrofit"], jobs[f"llama2-7b-cr{cr}-s1234-solidify"]
+        retro = jobs[f"llama2-7b-cr{cr}-s1234-retrofit"]
+        solid = jobs[f"llama2-7b-cr{cr}-s1234-solidify"]
         assert retro["after"] == zero_out and solid["after"] == [retro["name"]]
         assert retro["argv"][retro["argv"].index("--phase") + 1] == "retrofit"
-        assert f"dmc.target_cr={cr}" in retro["argv"] and f"checkpoint.init_from={shared}" in retro["argv"]
+        assert f"dmc.target_cr={cr}" in retro["argv"]
+        assert f"checkpoint.init_from={shared}" in retro["argv"]
         header = _header(Path(retro["script"]))
         for opt in ("--nodes=8", "--ntasks-per-node=8", "--gpus-per-node=8", "--time=24:00:00",
                     "--signal=USR1@180", "--requeue", f"--output={tmp_path}/logs/%x-%j.out",
@@ -76,14 +78,17 @@ def test_llama_dry_run_renders_chains(in_repo, tmp_path, capsys):
         assert "set -- retrofit --config configs/models/llama2-7b.yaml" in text
         assert f"export DMC_ROOT={ROOT}" in text and "scontrol requeue" in text
     for factor, groups in ((2, 16), (4, 8)):
-        convert, up = jobs[f"llama2-7b-gqa{factor}-convert"], jobs[f"llama2-7b-gqa{factor}-s1234-uptrain"]
+        convert = jobs[f"llama2-7b-gqa{factor}-convert"]
+        up = jobs[f"llama2-7b-gqa{factor}-s1234-uptrain"]
         assert convert["argv"][:2] == ["baseline", "gqa"] and up["after"] == [convert["name"]]
         assert convert["argv"][convert["argv"].index("--num-query-groups") + 1] == str(groups)
         assert f"--config configs/retrofit/gqa{factor}.yaml" in " ".join(up["argv"])
         assert f"checkpoint.load_base={convert['outputs']['checkpoint']}" in up["argv"]
-        assert {"--nodes=1", "--gpus-per-node=1", "--time=01:00:00"} <= set(_header(Path(convert["script"])))
+        assert {"--nodes=1", "--gpus-per-node=1", "--time=01:00:00"} <= set(
+            _header(Path(convert["script"])))
     points = {p["name"]: p for p in manifest["points"]}
-    assert points["llama2-7b-cr4-s1234"]["result"].endswith("llama2-7b-cr4-s1234/checkpoints/solidify")
+    assert points["llama2-7b-cr4-s1234"]["result"].endswith(
+        "llama2-7b-cr4-s1234/checkpoints/solidify")
     submit = (tmp_path / "submit.sh").read_text()
     assert "--dependency=afterok:${job_0%%;*}" in submit
 
@@ -107,7 +112,8 @@ def test_fake_sbatch_submissions_match_manifest(in_repo, tmp_path, monkeypatch):
                if job["after"] else [])
         assert call.split() == ["--parsable", *dep, job["script"]]
     # seed 2's chains wait on seed 2's own zero_out
-    assert {j["name"]: j["after"] for j in manifest["jobs"]}["tiny-cr3-s2-retrofit"] == ["tiny-s2-zero_out"]
+    after = {j["name"]: j["after"] for j in manifest["jobs"]}
+    assert after["tiny-cr3-s2-retrofit"] == ["tiny-s2-zero_out"]
     with pytest.raises(ValueError, match="holds a submitted sweep"):
         write_sweep(Path("configs/sweeps/tiny.yaml"), out)
     # submit.sh does the same submissions
@@ -129,9 +135,9 @@ def _run_rendered(script, tmp_path, rc):
                                     f'> {tmp_path}/ran\nexit {rc}\n')
     for name in ("srun", "scontrol", "python"):
         (bin_dir / name).chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", DMC_PYTHON=str(bin_dir / "python"),
-               SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[001-002]", SLURM_NTASKS="16",
-               SLURM_JOB_NUM_NODES="2")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
+               DMC_PYTHON=str(bin_dir / "python"), SLURM_JOB_ID="4242",
+               SLURM_JOB_NODELIST="node[001-002]", SLURM_NTASKS="16", SLURM_JOB_NUM_NODES="2")
     text = script.read_text().replace("export DMC_PYTHON=", "# ")
     runnable = tmp_path / "job.sh"
     runnable.write_text(text)
@@ -169,10 +175,12 @@ def test_bad_sweep_files_name_the_field(change, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"overrides": ["parallel.tensor=2"]}, "job tiny-cr2-s1: .*slurm.nodes x slurm.gpus_per_node = 1 GPUs"),
+    ({"overrides": ["parallel.tensor=2"]},
+     "job tiny-cr2-s1: .*slurm.nodes x slurm.gpus_per_node = 1 GPUs"),
     ({"overrides": ["optim.lrr=1"]}, "unknown key optim.lrr"),
     ({"gqa_factors": [3]}, "gqa_recipe: configs/retrofit/gqa3.yaml"),
-    ({"recipe": "configs/retrofit/cr{cr}.yaml", "target_crs": [5]}, "recipe: configs/retrofit/cr5.yaml"),
+    ({"recipe": "configs/retrofit/cr{cr}.yaml", "target_crs": [5]},
+     "recipe: configs/retrofit/cr5.yaml"),
 ])
 def test_bad_points_fail_before_rendering(in_repo, tmp_path, capsys, change, message):
     tree = yaml.safe_load((ROOT / "configs/sweeps/tiny.yaml").read_text())

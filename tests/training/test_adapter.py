@@ -1,8 +1,9 @@
 """``optim.trainable: decisions`` (adapter-only): after zero_out and retrofit steps every
 parameter except the decision rows of ``linear_qkv`` is bit-identical to the start, and the
-decision rows moved (DMC, and DMS distilled from the base). Under bf16 (CUDA; on CPU a replay of megatron's float16 optimizer step:
-step the float32 main copy, copy it over the bf16 weight) the main copies are restored too, and
-they take ``checkpoint.load_base``'s weights and the zeroed decision rows."""
+decision rows moved (DMC, and DMS distilled from the base). Under bf16 (CUDA; on CPU a replay
+of megatron's float16 optimizer step: step the float32 main copy, copy it over the bf16 weight)
+the main copies are restored too, and they take ``checkpoint.load_base``'s weights and the zeroed
+decision rows."""
 import pytest
 import torch
 
