@@ -1,29 +1,27 @@
 """A small-scale Table 1 of the DMC paper: does a retrofitted model keep its quality at equal
-memory?
-
-Driven by a YAML file (``configs/experiments/retrofit_quality.yaml``), on one machine:
+memory? Driven by a YAML file (``configs/experiments/retrofit_quality.yaml``), on one machine:
 
 1. data: ``dmc data prepare`` of Shakespeare mixed with in-context retrieval documents;
-2. base: a Llama-style model pretrained on it, so that it can retrieve from its context (cached by
-   the hash of the data, model and base settings under ``$DMC_CACHE`` or ``~/.cache/dmc``, or
-   given with ``--base``: it is never retrained silently, and a missing one is announced);
+2. base: a Llama-style model pretrained on it in stages, so that it can retrieve from its context
+   (cached by the hash of the data, model and base settings under ``$DMC_CACHE`` or
+   ``~/.cache/dmc``, or given with ``--base``: never retrained silently, a missing one announced);
 3. the **control** (the base up-trained with vanilla attention), **DMC** at every ``dmc_crs``
    (zero-out, CR annealed from 1x, solidify) and **GQA** at every ``gqa_factors`` (KV heads
-   mean-pooled, then up-trained): all with the SAME steps, data order and LR schedule, so the
-   table compares caches, not training budgets;
-4. every method through the real engine (:mod:`dmc.eval.compare`): the control, the base, DMC, GQA
-   and every KV policy on the control at every ``policy_crs``: decoded-token perplexity, KL and
-   top-1 agreement against the control, needle accuracy at several lengths and depths with 95%
-   intervals, slots CR and memory CR (bytes held, vs the control);
+   mean-pooled, then up-trained): all with the SAME steps, data (``retrofit.data``: changes to
+   the data settings, like a base stage's), data order and LR schedule, so the table compares
+   caches, not training budgets;
+4. every method through the real engine (:mod:`dmc.eval.compare`) on the main data's held-out
+   split: the control, the base, DMC, GQA and every KV policy on the control at every
+   ``policy_crs``: decoded-token perplexity, KL and top-1 agreement against the control, needle
+   accuracy at several lengths and depths with 95% intervals, slots CR and memory CR;
 5. the DMC run with the largest CR, evaluated at its intermediate checkpoints (the paper's Fig. 4).
 
 Writes to ``OUTPUT/NAME/`` (``NAME-quick`` with ``--quick``): ``results.json``, ``table.md``,
 ``compare/compare.png`` (quality against memory CR, a line per method) and
 ``dmc_checkpoints.png``; prints the tables. Training runs live in ``OUTPUT/runs/<run>-<hash>``
 (the hash covers everything the run depends on: settings, the data settings, the content of the
-starting checkpoint; never a path) and are reused, or resumed, by any experiment
-with the same settings. ``--quick`` runs the same pipeline at smoke-test size. Several
-``--config`` files merge left to right (e.g. an ablation file over the main one).
+starting checkpoint; never a path) and are reused, or resumed, by any experiment with the same
+settings. Several ``--config`` files merge left to right (e.g. an ablation file over the main).
 
     python benchmarks/retrofit_quality.py --config configs/experiments/retrofit_quality.yaml
     dmc bench retrofit_quality --quick
@@ -91,29 +89,23 @@ def load_experiment(paths: list[Path], quick: bool) -> dict:
             raise ValueError(f"{key}: expected a {kind.__name__}, got {exp[key]!r}")
     _check_keys(exp["data"], DATA_KEYS, "data")
     _check_keys(exp["eval"], EVAL_KEYS, "eval")
-    _check_keys(exp["retrofit"], {"overrides"}, "retrofit")
+    exp["retrofit"] = {"data": {}, **exp["retrofit"]}
+    _check_keys(exp["retrofit"], {"overrides", "data"}, "retrofit")
+    _check_stage_data(exp["retrofit"]["data"], "retrofit.data")
     _check_keys(exp["base"], {"stages"}, "base")
     if not isinstance(exp["base"]["stages"], list) or not exp["base"]["stages"]:
         raise ValueError("base.stages: expected a non-empty list of {data, overrides}")
     for i, stage in enumerate(exp["base"]["stages"]):
         _check_keys(stage, STAGE_KEYS, f"base.stages[{i}]")
-        unknown = sorted(set(stage["data"]) - STAGE_DATA_KEYS)
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]} in base.stages[{i}].data; accepted: "
-                             f"{', '.join(sorted(STAGE_DATA_KEYS))} (the others choose the "
-                             f"tokenizer and the held-out split, which every stage shares)")
+        _check_stage_data(stage["data"], f"base.stages[{i}].data")
     quick_section = exp.pop("quick")
     unknown = sorted(set(quick_section) - QUICK_KEYS)
     if unknown:
         raise ValueError(f"unknown key quick.{unknown[0]}; accepted: "
                          f"{', '.join(sorted(QUICK_KEYS))}")
     exp["model_overrides"] = []
-    if quick:
-        for key, value in quick_section.items():
-            if isinstance(value, dict):
-                exp[key] = {**exp[key], **value}
-            else:
-                exp[key] = value
+    for key, value in (quick_section.items() if quick else ()):
+        exp[key] = {**exp[key], **value} if isinstance(value, dict) else value
     for key in ("dmc_crs", "gqa_factors", "policy_crs", "intermediate_crs"):
         if any(not isinstance(v, (int, float)) or v < 1 for v in exp[key]):
             raise ValueError(f"{key}: expected a list of numbers >= 1, got {exp[key]!r}")
@@ -132,6 +124,14 @@ def _check_keys(section: dict, accepted: set, where: str) -> None:
                          f"{', '.join(sorted(accepted))}")
     if missing:
         raise ValueError(f"{where} lacks {', '.join(missing)}")
+
+
+def _check_stage_data(changes: dict, where: str) -> None:
+    unknown = sorted(set(changes) - STAGE_DATA_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]} in {where}; accepted: "
+                         f"{', '.join(sorted(STAGE_DATA_KEYS))} (the others choose the "
+                         f"tokenizer and the held-out split, which every stage shares)")
 
 
 def _hash(*parts) -> str:
@@ -249,9 +249,10 @@ def run_plans(exp: dict, base: Path, out: Path) -> list[tuple[str, list[str], Pa
 
 def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, Path]:
     """Under ``out/runs``: the control, DMC (and variant) and GQA runs, all with the same steps,
-    data order and LR; returns name -> final checkpoint. A run whose final checkpoint exists is
-    reused; an interrupted one resumes. The plain DMC runs share the first one's zero-out phase
-    (it does not depend on the target CR) through ``checkpoint.init_from``."""
+    ``data`` (the retrofit data folder), data order and LR; returns name -> final checkpoint.
+    A run whose final checkpoint exists is reused; an interrupted one resumes. The plain DMC
+    runs share the first one's zero-out phase (it does not depend on the target CR) through
+    ``checkpoint.init_from``."""
     common = [*model_args(exp, data), *exp["retrofit"]["overrides"],
               "checkpoint.save_interval=0"]
     model_yaml = ROOT / exp["model"]  # its settings, not its path or comments, key the runs
@@ -350,7 +351,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
         log(f"base: {base} (given)")
     else:
         base = stage("base", ensure_base, exp, log)
-    finals = stage("train", train_runs, exp, data, base, root, log)
+    retrofit_data = ensure_data({**exp["data"], **exp["retrofit"]["data"]}, log)
+    finals = stage("train", train_runs, exp, retrofit_data, base, root, log)
     results = stage("evaluate", evaluate, exp, data, base, finals, out, log)
     from dmc.eval.compare import write_report
     from dmc.eval.compare_report import checkpoint_table, plot_checkpoints
@@ -368,14 +370,14 @@ def run(args: argparse.Namespace, log=print) -> dict:
         plot_checkpoints(path_rows, final, out / "dmc_checkpoints.png")
     timings["total"] = round(time.time() - started, 1)
     summary = {"experiment": exp, "quick": args.quick, "data": str(data), "base": str(base),
-               "runs": {k: str(v) for k, v in finals.items()}, "timings_s": timings,
+               "retrofit_data": str(retrofit_data), "timings_s": timings,
+               "runs": {k: str(v) for k, v in finals.items()},
                "table": report["table"], "needle_table": report["needle_table"],
                "checkpoint_table": checkpoint_table(path_rows) if path_rows else "",
                "results": main_rows, "checkpoints": path_rows}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
-    (out / "table.md").write_text("\n\n".join(
-        t for t in (report["table"], report["needle_table"], summary["checkpoint_table"]) if t)
-        + "\n")
+    tables = (report["table"], report["needle_table"], summary["checkpoint_table"])
+    (out / "table.md").write_text("\n\n".join(t for t in tables if t) + "\n")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
     return summary

@@ -33,6 +33,8 @@ def test_experiment_files_load_and_merge():
     e = full["eval"]
     assert len(e["needle_lengths"]) >= 3 and len(e["needle_depths"]) == 5
     assert e["needles_per_cell"] * len(e["needle_lengths"]) * 5 >= 196  # +-7 points at p = 0.5
+    # the up-training continues on the base's last stage's data
+    assert full["retrofit"]["data"] == full["base"]["stages"][-1]["data"]
     quick = bench.load_experiment([main], quick=True)
     assert quick["eval"]["seq_len"] < full["eval"]["seq_len"] and quick["model_overrides"]
     assert quick["eval"]["prefill_fraction"] == full["eval"]["prefill_fraction"]
@@ -67,6 +69,9 @@ def test_ablation_files_merge_over_the_main_one(path):
     ({"base": {"overrides": []}}, "unknown key overrides in base"),
     ({"base": {"stages": [{"data": {"seed": 7}, "overrides": []}]}},
      r"unknown key seed in base.stages\[0\].data; .* choose the tokenizer"),
+    ({"retrofit": {"overrides": [], "data": {"vocab_size": 7}}},
+     r"unknown key vocab_size in retrofit.data; .* choose the tokenizer"),
+    ({"retrofit": {"overrides": [], "lr": 1}}, "unknown key lr in retrofit"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, change, message):
     bench = load_benchmark()
@@ -104,6 +109,37 @@ def test_quick_runs_end_to_end(tmp_path, monkeypatch, capsys):
     again = json.loads((out / "results.json").read_text())
     assert again["timings_s"]["base"] < 5 and again["timings_s"]["train"] < 30
     assert [r["perplexity"] for r in again["results"]] == [r["perplexity"] for r in rows]
+
+
+def test_runs_train_on_the_retrofit_data_and_score_on_the_main_data(tmp_path, monkeypatch):
+    bench = load_benchmark()
+    main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
+    exp = bench.load_experiment([main], quick=False)
+    folders = {}  # data settings -> the folder ensure_data returns for them
+    monkeypatch.setattr(bench, "load_experiment", lambda paths, quick: exp)
+    monkeypatch.setattr(bench, "ensure_data", lambda d, log: folders.setdefault(
+        bench._hash(d), tmp_path / f"data-{bench._hash(d)}"))
+    monkeypatch.setattr(bench, "ensure_base", lambda exp, log: tmp_path / "base")
+    used = {}
+
+    class Stop(Exception):
+        pass
+
+    def train_runs(exp, data, base, out, log):
+        used["train"] = data
+        return {}
+
+    def evaluate(exp, data, base, finals, out, log):
+        used["evaluate"] = data
+        raise Stop
+
+    monkeypatch.setattr(bench, "train_runs", train_runs)
+    monkeypatch.setattr(bench, "evaluate", evaluate)
+    with pytest.raises(Stop):
+        bench.run(bench.parse_args(["--output", str(tmp_path / "out")]), log=lambda *a: None)
+    last_stage = {**exp["data"], **exp["base"]["stages"][-1]["data"]}
+    assert used["train"] == folders[bench._hash(last_stage)]
+    assert used["evaluate"] == folders[bench._hash(exp["data"])] != used["train"]
 
 
 def test_runs_are_keyed_by_content_not_by_place(tmp_path, monkeypatch):
