@@ -96,3 +96,68 @@ def check_hf_roundtrip(hf, hf_dir, tmp_path, ids):
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, want)
     return info, json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+def export_tiny(model, cfg, dmc, tmp_path):
+    """Saves the tiny model (``tmp_path / "mc"``), exports it to transformers (``tmp_path /
+    "hf"``, the CR measured on a fixed 48-token sample) and loads it with trust_remote_code.
+    Returns ``(the HF model, mcore_to_hf's info)``."""
+    import transformers
+
+    from dmc.convert import mcore_to_hf
+
+    save_tiny(model, cfg, dmc, tmp_path / "mc", target_cr=2.0)
+    sample = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(5)).tolist()
+    info = mcore_to_hf(tmp_path / "mc", tmp_path / "hf", cr_tokens=sample)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                           trust_remote_code=True).eval()
+    return hf, info
+
+
+def check_hf_logits(hf, model, ids, prefix, label):
+    """The HF model's logits on ``ids [batch, n]`` equal the megatron ``model``'s to 1e-5, both
+    from one full forward and teacher-forced through its compressed cache (``prefix`` tokens,
+    then one at a time). Returns the cache after the last token."""
+    want = megatron_logits(model, ids)
+    with torch.no_grad():
+        got = hf(ids, use_cache=False).logits
+        cached = hf(ids[:, :prefix], use_cache=True)
+        steps, cache = [cached.logits], cached.past_key_values
+        for t in range(prefix, ids.shape[1]):
+            out = hf(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    diff = (got - want).abs().max().item()
+    diff_cache = (torch.cat(steps, dim=1) - want).abs().max().item()
+    print(f"max |logit diff| HF {label} vs megatron eval: {diff:.2e}; through the HF cache: "
+          f"{diff_cache:.2e}")
+    assert diff < 1e-5 and diff_cache < 1e-5
+    return cache
+
+
+def check_generate_matches_engine(hf, model, prompts, new):
+    """generate() (greedy, ``new`` tokens) of each prompt alone gives dmc.inference.Engine's
+    tokens and per-head slot counts, and of the left-padded batch the same tokens. Returns the
+    engine's results and the batch's generate() output."""
+    from dmc.inference import Engine, SamplingParams
+
+    engine = Engine(model, max_batch=len(prompts), max_seq_len=64)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=new))
+    for prompt, result in zip(prompts, results):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                          do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+        assert out.sequences[0, len(prompt):].tolist() == result.tokens
+        slots = out.past_key_values.slot_counts()[:, 0]  # [layers, kv_heads]
+        assert torch.equal(slots.cpu(), result.compression.slots)
+    width = max(map(len, prompts))
+    batch = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        batch[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = hf.generate(batch, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                      pad_token_id=0, return_dict_in_generate=True)
+    for i, result in enumerate(results):
+        assert out.sequences[i, width:].tolist() == result.tokens
+    return results, out

@@ -11,26 +11,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dmc.convert import mcore_to_hf  # noqa: E402
-from dmc.inference import Engine, SamplingParams  # noqa: E402
 from dmc.convert.hf_io import read_hf_weights  # noqa: E402
 from dmc.convert.mapping import hf_to_mcore_state  # noqa: E402
 from dmc.megatron.config import ModelConfig  # noqa: E402
-from dmc_models import (VOCAB, full_state, megatron_logits, model_config, save_tiny,  # noqa: E402
-                        tiny_dms)
+from dmc_models import (VOCAB, check_generate_matches_engine, check_hf_logits,  # noqa: E402
+                        export_tiny, full_state, model_config, tiny_dms)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 NEW = 16
-
-
-def export(tmp_path, groups, window, c, adapter=False):
-    model, cfg, dms = tiny_dms(groups, window, c, adapter=adapter)
-    save_tiny(model, cfg, dms, tmp_path / "mc", target_cr=2.0)
-    sample = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(5)).tolist()
-    info = mcore_to_hf(tmp_path / "mc", tmp_path / "hf", cr_tokens=sample)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
-                                                           trust_remote_code=True).eval()
-    return model, hf, info
 
 
 def held_reference(hf, ids):
@@ -65,7 +53,8 @@ def held_reference(hf, ids):
 def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window, c, adapter):
     """``adapter``: DMS adapter decisions, exported as ``dms_decision: adapter`` with
     ``self_attn.dms_decision_proj.weight``, and back (hf_to_mcore_state maps it)."""
-    model, hf, info = export(tmp_path, groups, window, c, adapter)
+    model, cfg, dms = tiny_dms(groups, window, c, adapter=adapter)
+    hf, info = export_tiny(model, cfg, dms, tmp_path)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config.get("dms_decision", "query") == ("adapter" if adapter else "query")
     hf_weights = read_hf_weights(tmp_path / "hf")
@@ -82,48 +71,16 @@ def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window
     assert info["measured_cr"] > 1.2  # decisions really evict
 
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
-    want = megatron_logits(model, ids)
     with torch.no_grad():
-        got = hf(ids, use_cache=False).logits
-        cached = hf(ids[:, :25], use_cache=True)
-        assert type(cached.past_key_values).__name__ == "DMSCache"
-        steps = [cached.logits]
-        cache = cached.past_key_values
-        for t in range(25, 40):  # teacher forcing through the evicting cache
-            out = hf(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.past_key_values
-    diff = (got - want).abs().max().item()
-    diff_cache = (torch.cat(steps, dim=1) - want).abs().max().item()
-    print(f"max |logit diff| HF DMS vs megatron eval ({groups} groups, window {window}): "
-          f"{diff:.2e}; through the HF cache: {diff_cache:.2e}")
-    assert diff < 1e-5 and diff_cache < 1e-5
+        assert type(hf(ids[:, :5], use_cache=True).past_key_values).__name__ == "DMSCache"
+    cache = check_hf_logits(hf, model, ids, 25, f"DMS ({groups} groups, window {window})")
     for row in range(2):
         want_held = held_reference(hf, ids[row:row + 1])
         assert torch.equal(cache.slot_counts()[:, row], want_held)
     assert (cache.slot_counts() < 40 - window).any()
 
     prompts = [ids[0, :11].tolist(), ids[1, :19].tolist()]
-    engine = Engine(model, max_batch=2, max_seq_len=64)
-    results = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
-    for prompt, result in zip(prompts, results):
-        ids_1 = torch.tensor([prompt])
-        out = hf.generate(ids_1, attention_mask=torch.ones_like(ids_1), max_new_tokens=NEW,
-                          do_sample=False, return_dict_in_generate=True, pad_token_id=0)
-        assert out.sequences[0, len(prompt):].tolist() == result.tokens
-        slots = out.past_key_values.slot_counts()[:, 0]  # [layers, kv_heads]
-        assert torch.equal(slots.cpu(), result.compression.slots)
-
-    # batched with left padding
-    width = max(map(len, prompts))
-    batch = torch.zeros(2, width, dtype=torch.long)
-    mask = torch.zeros(2, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        batch[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = hf.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                      pad_token_id=0, return_dict_in_generate=True)
-    for i, result in enumerate(results):
-        assert out.sequences[i, width:].tolist() == result.tokens
+    results, out = check_generate_matches_engine(hf, model, prompts, NEW)
+    for i, result in enumerate(results):  # the left-padded batch's cache holds the same
         assert torch.equal(out.past_key_values.slot_counts()[:, i].cpu(),
                            result.compression.slots)

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from dmc.convert import UnsupportedModelError, hf_to_mcore, mcore_to_hf  # noqa: E402
 from dmc.inference import Engine, SamplingParams, build_model_from_config  # noqa: E402
 from dmc_models import (  # noqa: E402
-    check_hf_roundtrip, megatron_logits, save_tiny, spread_decisions)
+    check_hf_logits, check_hf_roundtrip, save_tiny, spread_decisions)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 VOCAB, SEQ = 80, 24
@@ -93,20 +93,7 @@ def test_qwen3_compressed_export_matches_megatron_and_engine(tmp_path, dmc):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
                                                            trust_remote_code=True).eval()
     ids = tokens(seed=2, n=40)
-    want = megatron_logits(model, ids)
-    with torch.no_grad():
-        got = hf(ids, use_cache=False).logits
-        out = hf(ids[:, :25], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        for t in range(25, 40):
-            out = hf(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.past_key_values
-    diff = (got - want).abs().max().item()
-    diff_cache = (torch.cat(steps, dim=1) - want).abs().max().item()
-    print(f"max |logit diff| Qwen3 {config['architectures'][0]} vs megatron: {diff:.2e}; "
-          f"through the HF cache: {diff_cache:.2e}")
-    assert diff < 1e-5 and diff_cache < 1e-5
+    check_hf_logits(hf, model, ids, 25, f"Qwen3 {config['architectures'][0]}")
 
     prompt = ids[0, :13].tolist()
     result = Engine(model, max_batch=1, max_seq_len=64).generate(
