@@ -17,15 +17,14 @@ memory? Driven by a YAML file (``configs/experiments/retrofit_quality.yaml``), o
 5. the DMC run with the largest CR, evaluated at its intermediate checkpoints (the paper's Fig. 4).
 
 Writes to ``OUTPUT/NAME/`` (``NAME-quick`` with ``--quick``): ``results.json``, ``table.md``,
-``compare/compare.png`` (quality against memory CR, a line per method) and
-``dmc_checkpoints.png``; prints the tables. Training runs live in ``OUTPUT/runs/<run>-<hash>``
+``compare/compare.png`` (quality against memory CR, a line per method), ``dmc_checkpoints.png``;
+prints the tables. Training runs live in ``OUTPUT/runs/<run>-<hash>``
 (the hash covers everything the run depends on: settings, the data settings, the content of the
 starting checkpoint; never a path) and are reused, or resumed, by any experiment with the same
 settings. Several ``--config`` files merge left to right (e.g. an ablation file over the main).
 
     python benchmarks/retrofit_quality.py --config configs/experiments/retrofit_quality.yaml
-    dmc bench retrofit_quality --quick
-"""
+    dmc bench retrofit_quality --quick"""
 from __future__ import annotations
 
 import argparse
@@ -127,6 +126,8 @@ def _check_keys(section: dict, accepted: set, where: str) -> None:
 
 
 def _check_stage_data(changes: dict, where: str) -> None:
+    if not isinstance(changes, dict):
+        raise ValueError(f"{where}: expected a mapping of {', '.join(sorted(STAGE_DATA_KEYS))}")
     unknown = sorted(set(changes) - STAGE_DATA_KEYS)
     if unknown:
         raise ValueError(f"unknown key {unknown[0]} in {where}; accepted: "
@@ -249,10 +250,9 @@ def run_plans(exp: dict, base: Path, out: Path) -> list[tuple[str, list[str], Pa
 
 def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, Path]:
     """Under ``out/runs``: the control, DMC (and variant) and GQA runs, all with the same steps,
-    ``data`` (the retrofit data folder), data order and LR; returns name -> final checkpoint.
-    A run whose final checkpoint exists is reused; an interrupted one resumes. The plain DMC
-    runs share the first one's zero-out phase (it does not depend on the target CR) through
-    ``checkpoint.init_from``."""
+    ``data`` (the retrofit data folder), data order and LR; returns name -> final checkpoint. A
+    finished run is reused, an interrupted one resumed. The plain DMC runs share the first one's
+    zero-out phase (it does not depend on the target CR) through ``checkpoint.init_from``."""
     common = [*model_args(exp, data), *exp["retrofit"]["overrides"],
               "checkpoint.save_interval=0"]
     model_yaml = ROOT / exp["model"]  # its settings, not its path or comments, key the runs

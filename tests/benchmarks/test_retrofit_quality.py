@@ -72,6 +72,7 @@ def test_ablation_files_merge_over_the_main_one(path):
     ({"retrofit": {"overrides": [], "data": {"vocab_size": 7}}},
      r"unknown key vocab_size in retrofit.data; .* choose the tokenizer"),
     ({"retrofit": {"overrides": [], "lr": 1}}, "unknown key lr in retrofit"),
+    ({"retrofit": {"overrides": [], "data": ["needle"]}}, "retrofit.data: expected a mapping"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, change, message):
     bench = load_benchmark()
