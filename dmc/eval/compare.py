@@ -84,7 +84,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         "dmc.enabled=false)")
     parser.add_argument("--base", metavar="PATH", help="the pretrained base model (a row)")
     parser.add_argument("--dmc", nargs="+", default=[], metavar="PATH",
-                        help="DMC checkpoints (e.g. runs/dmc2/checkpoints/solidify)")
+                        help="DMC or DMS checkpoints, labelled by their method (e.g. "
+                        "runs/dmc2/checkpoints/solidify)")
     parser.add_argument("--gqa", nargs="+", default=[], metavar="PATH",
                         help="GQA checkpoints (dmc baseline gqa, then up-trained)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
@@ -163,11 +164,21 @@ def parse_policies(text: str) -> list[str]:
     return specs
 
 
+def compressed_label(path) -> str:
+    """"DMC" or "DMS": the method the ``--dmc`` checkpoint at ``path`` was trained with."""
+    from dmc.inference.loading import saved_method
+
+    method = saved_method(path)
+    if method is None:
+        raise ValueError(f"--dmc {path} is not a DMC model (no dmc_config)")
+    return method.upper()
+
+
 def methods_from_args(args: argparse.Namespace) -> list[Method]:
     methods = [Method("control", "control", args.control)]
     if args.base:
         methods.append(Method("base", "base", args.base))
-    methods += [Method("dmc", "DMC", p) for p in args.dmc]
+    methods += [Method("dmc", compressed_label(p), p) for p in args.dmc]
     methods += [Method("gqa", "GQA", p) for p in args.gqa]
     crs = parse_numbers(args.crs, "--crs", 1.0)
     methods += [Method("policy", name.upper(), policy=name, cr=cr)

@@ -65,6 +65,17 @@ def saved_configs(saved: dict, source: Path) -> tuple[ModelConfig, DMCConfig | N
             None if dmc_config is None else DMCConfig.from_dict(dmc_config))
 
 
+def saved_method(path) -> str | None:
+    """The compression method the model at ``path`` was saved with: "dmc" or "dms" (its DMC
+    config's ``method``), None for a vanilla model; read without building the model."""
+    from dmc.megatron.checkpoint import read_state
+
+    path = Path(path)
+    saved = load_inference_state(path) if path.is_file() else read_state(resolve_checkpoint(path))
+    dmc_config = saved.get("dmc_config")
+    return None if dmc_config is None else DMCConfig.from_dict(dmc_config).method
+
+
 def find_tokenizer(checkpoint: Path, state: dict) -> Path | None:
     """The tokenizer of a checkpoint: the checkpoint folder itself (converted checkpoints), else
     the run's prepared data (``data.path`` of its config; a relative path is tried from the

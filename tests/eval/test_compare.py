@@ -116,6 +116,21 @@ def test_workers_give_the_same_rows(setup, capsys):
             assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-7), (one["label"], key)
 
 
+def test_dmc_checkpoints_are_labelled_by_their_method(setup):
+    """A DMS model given with --dmc is a DMS row (a vanilla one: test_bad_flags_...)."""
+    import argparse
+
+    from dmc.eval.compare import methods_from_args
+
+    root = setup
+    dmc, _ = build_tiny(4, window=3, c=-1.0, seed=1)
+    save_inference_state(root / "dms.pt", dmc, dict(CONFIG, num_query_groups=4),
+                         {"method": "dms", "dms_window": 4, "c": 0.0})
+    args = argparse.Namespace(control=str(root / "vanilla.pt"), base=None, gqa=[], crs="2",
+                              policies="none", dmc=[str(root / "dmc.pt"), str(root / "dms.pt")])
+    assert [m.label for m in methods_from_args(args)] == ["control", "DMC", "DMS"]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--policies", "h2o,nope"], "--policies: unknown nope; accepted: h2o, tova"),
     (["--policies", "snapkv@later"],
