@@ -165,13 +165,11 @@ def parse_policies(text: str) -> list[str]:
 
 
 def compressed_label(path) -> str:
-    """"DMC" or "DMS": the method the ``--dmc`` checkpoint at ``path`` was trained with."""
+    """"DMS" for a ``--dmc`` checkpoint trained with ``dmc.method=dms``, else "DMC" (a vanilla
+    one is refused when it is loaded, :mod:`dmc.eval.workers`)."""
     from dmc.inference.loading import saved_method
 
-    method = saved_method(path)
-    if method is None:
-        raise ValueError(f"--dmc {path} is not a DMC model (no dmc_config)")
-    return method.upper()
+    return "DMS" if saved_method(path) == "dms" else "DMC"
 
 
 def methods_from_args(args: argparse.Namespace) -> list[Method]:
