@@ -83,7 +83,10 @@ def test_only_the_decision_rows_change(tiny_data, tmp_path, base, precision, ext
     assert moved == len(masks) == 2
     assert max(r.measured_cr for r in results) > 1.0
     if trainer.stage is not None:
-        assert all(r.extra["kl_loss"] >= 0 for r in results) and results[-1].extra["kl_loss"] > 0
+        # KL >= 0 up to float32 rounding: while the student still equals the teacher (zero-out),
+        # cross-entropy minus the two log-partition terms can land a hair below 0
+        assert all(r.extra["kl_loss"] >= -1e-6 for r in results)
+        assert results[-1].extra["kl_loss"] > 0
 
 
 def test_around_step_restores_bf16_weights_and_main_copies(parallel_1x1):
