@@ -1,4 +1,4 @@
-"""What megatron-core 0.16 needs to run on a machine without CUDA (gloo, fp32).
+"""What megatron-core 0.16 needs to run on a machine without CUDA (gloo; fp32, or bf16 autocast).
 
 Applied only when CUDA is absent (:func:`apply_cpu_compat` is a no-op otherwise):
 - ``torch.cuda.current_device()`` yields the CPU device (RoPE moves ``inv_freq`` there);
@@ -8,7 +8,10 @@ Applied only when CUDA is absent (:func:`apply_cpu_compat` is a no-op otherwise)
 - :class:`CPURNGStatesTracker` replaces megatron's CUDA RNG tracker
   (``model_parallel_cuda_manual_seed`` calls ``torch.cuda.get_rng_state``);
 - ``clip_grad_by_total_norm_fp32`` (it asserts CUDA tensors) is replaced by
-  :func:`clip_grads_by_total_norm`, so the optimizer's gradient clipping works on the CPU.
+  :func:`clip_grads_by_total_norm`, so the optimizer's gradient clipping works on the CPU;
+- for ``precision: bf16`` on a CPU (``torch.autocast("cpu")`` over float32 parameters):
+  megatron's linear autograd function restores CPU autocast in its backward, and the residual
+  stream stays float32 (:func:`_float32_residual_under_autocast`).
 The transformer config must also turn the CUDA-only fusions off: :data:`CPU_CONFIG_OVERRIDES`.
 
 The mode intercepts every torch call (about 1,300 per DMC decode step); code that never meets a
@@ -17,6 +20,7 @@ The mode intercepts every torch call (about 1,300 per DMC decode step); code tha
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -110,6 +114,38 @@ def clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gra
             grad.detach().mul_(clip_coeff)
 
 
+def _autocast_linear_on_cpu() -> None:
+    """Megatron's linear layer is an autograd function whose forward and backward restore CUDA's
+    autocast state only; on the CPU its backward would multiply a bfloat16 gradient by a
+    float32 weight. Redecorated for CPU autocast, the backward runs in the forward's dtype."""
+    from megatron.core.tensor_parallel import layers
+
+    linear = layers.LinearWithGradAccumulationAndAsyncCommunication
+    linear.forward = staticmethod(
+        torch.amp.custom_fwd(inspect.unwrap(linear.forward), device_type="cpu"))
+    linear.backward = staticmethod(
+        torch.amp.custom_bwd(inspect.unwrap(linear.backward), device_type="cpu"))
+
+
+def _float32_residual_under_autocast() -> None:
+    """Megatron casts the residual stream to the dtype of the branch added to it (so that
+    pipeline stages exchange bf16 tensors under CUDA's AMP); under CPU autocast that would
+    carry the whole residual stream in bfloat16. Here the branch takes the residual's dtype
+    instead: float32 parameters keep a float32 residual stream, the matmuls stay bfloat16
+    (autocast's O1 split; a no-op when both are float32)."""
+    from megatron.core.fusions import fused_bias_dropout
+
+    add = fused_bias_dropout._bias_dropout_add_func
+
+    def add_in_residual_dtype(x_with_bias, residual, prob, training):
+        x, bias = x_with_bias
+        if x.dtype != residual.dtype:
+            x_with_bias = (x.to(residual.dtype), None if bias is None else bias.to(residual.dtype))
+        return add(x_with_bias, residual, prob, training)
+
+    fused_bias_dropout._bias_dropout_add_func = add_in_residual_dtype
+
+
 def apply_cpu_compat() -> None:
     """Patches torch/megatron for CPU use; idempotent; does nothing when CUDA is available."""
     if cuda_available() or _STATE["applied"]:
@@ -120,6 +156,8 @@ def apply_cpu_compat() -> None:
 
     clip_grads.clip_grad_by_total_norm_fp32 = clip_grads_by_total_norm
     optimizer.clip_grad_by_total_norm_fp32 = clip_grads_by_total_norm
+    _autocast_linear_on_cpu()
+    _float32_residual_under_autocast()
     mode = CudaToCpuMode()
     mode.__enter__()
     _STATE.update(applied=True, mode=mode)

@@ -72,9 +72,21 @@ class StepResult:
 
 
 def _precision(cfg: RunConfig) -> torch.dtype:
+    """The parameters' dtype. bf16 on a CPU keeps float32 parameters and runs the forward
+    under :func:`_cpu_autocast` (megatron's bf16 optimizer wraps CUDA tensors only)."""
     if cfg.precision == "auto":
         return torch.bfloat16 if cuda_available() else torch.float32
+    if cfg.precision == "bf16" and not cuda_available():
+        return torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.precision]
+
+
+def _cpu_autocast(cfg: RunConfig):
+    """bf16 on a CPU: matmuls and attention in bfloat16 over float32 parameters and optimizer
+    state, the residual stream, norms and loss in float32 (``compat``'s patches; megatron's
+    cross entropy upcasts the logits)."""
+    enabled = cfg.precision == "bf16" and not cuda_available()
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
 class Trainer:
@@ -209,9 +221,11 @@ class Trainer:
         def forward_step(_, model):
             runtime.microbatch = self.dp_rank * len(batches) + next(micro)
             b = next(data)
-            if distill:
-                return model(b["tokens"], b["position_ids"], None), partial(self.distill_loss, b)
-            output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            with _cpu_autocast(self.cfg):
+                if distill:
+                    return (model(b["tokens"], b["position_ids"], None),
+                            partial(self.distill_loss, b))
+                output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             return output, partial(_lm_loss, b["loss_mask"])
 
         MoEAuxLossAutoScaler.set_loss_scale(

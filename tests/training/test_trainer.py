@@ -3,6 +3,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from dmc.megatron import checkpoint as ckpt
 from dmc.training.config import load_config
@@ -153,3 +154,27 @@ def test_data_cache_dir_holds_megatron_sample_indices(tiny_data, tmp_path):
     Trainer(_cfg(tiny_data, tmp_path / "run", **{"data.cache_dir": str(tmp_path / "idx"),
                                                  "schedule.retrofit_steps": 1}), "retrofit")
     assert list((tmp_path / "idx").glob("*.npy"))
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("pretrain", {"schedule.pretrain_steps": 3, "dmc.enabled": False}),
+    ("retrofit", {"schedule.zero_out_steps": 1, "schedule.retrofit_steps": 2,
+                  "schedule.solidify_steps": 0}),
+])
+def test_bf16_on_cpu_is_autocast_over_float32_parameters(tiny_data, tmp_path, kind, extra):
+    """precision=bf16 without CUDA: float32 parameters (megatron's bf16 optimizer takes CUDA
+    tensors only), matmuls in bfloat16 under autocast, backward included; the losses follow the
+    float32 run's from the same start to bfloat16's rounding."""
+    if torch.cuda.is_available():
+        pytest.skip("bf16 on a GPU is megatron's own (bf16 weights, float32 main copies)")
+    overrides = {"checkpoint.save_interval": 0, "logging.heatmap": False, **extra}
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        trainer = Trainer(_cfg(tiny_data, tmp_path / precision, precision=precision,
+                               **overrides), kind)
+        assert {p.dtype for p in trainer.module.parameters()} == {torch.float32}
+        runs[precision] = [r.lm_loss for r in trainer.run()]
+    fp32, bf16 = runs["fp32"], runs["bf16"]
+    assert len(fp32) == len(bf16) == 3
+    assert bf16 != fp32  # bfloat16 matmuls really ran
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
