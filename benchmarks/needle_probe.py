@@ -12,6 +12,9 @@ Beside them, the copy accuracy: ``--needles`` spans of 24 tokens drawn one by on
 stream (no n-gram predicts them), after ``length - 48`` tokens of held-out text and then repeated;
 top-1 accuracy on tokens 2..24 of the repeat. It bounds what a model's induction copy can give a
 needle's value (a value of 4 tokens copied at accuracy ``a`` is exact about ``a^4`` of the time).
+Where the first value token is missed, the miss is counted as a *wrong copy* when the prediction
+is the token that follows another occurrence of the key's last token in the prompt (an induction
+match on that one token, at the wrong place) or *not in the prompt* (no copy at all).
 Prints a table; ``--json PATH`` writes the numbers.
 """
 from __future__ import annotations
@@ -47,18 +50,34 @@ def copy_accuracy(model, stream: list[int], length: int, count: int, seed: int) 
     return total / count
 
 
+def _first_token_miss(example, predicted: int) -> str:
+    """``wrong_copy``, ``not_in_prompt`` or ``other`` (see the module docstring)."""
+    prompt, last = example.prompt, example.key[-1]
+    needle = range(example.needle_start, example.needle_start + example.key_len)
+    follows = {prompt[i + 1] for i in range(len(prompt) - 1)
+               if prompt[i] == last and i not in needle}
+    if predicted in follows:
+        return "wrong_copy"
+    return "not_in_prompt" if predicted not in prompt else "other"
+
+
 def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
     """The accuracies above for ``count`` needles in ``length``-token prompts."""
-    totals = {"exact": 0, "first": 0, "token": 0.0, "unique": 0, "exact_unique": 0}
+    totals = {"exact": 0, "first": 0, "token": 0.0, "unique": 0, "exact_unique": 0,
+              "wrong_copy": 0, "not_in_prompt": 0}
     for example in make_needle_examples(stream, length, count, seed=seed):
         tokens = torch.tensor([list(example.tokens)])
         with torch.no_grad():
             logits = model(tokens, torch.arange(tokens.shape[1])[None], None)[0]
         answer = torch.tensor(example.answer)
-        correct = logits[example.prompt_len - 1:-1].argmax(-1) == answer
+        predicted = logits[example.prompt_len - 1:-1].argmax(-1)
+        correct = predicted == answer
         unique = example.prompt.count(example.key[-1]) == 2  # the needle's key and the query's
         totals["exact"] += bool(correct.all())
         totals["first"] += bool(correct[0])
+        if not correct[0]:
+            miss = _first_token_miss(example, int(predicted[0]))
+            totals[miss] = totals.get(miss, 0) + 1
         totals["token"] += correct.float().mean().item()
         totals["unique"] += unique
         totals["exact_unique"] += bool(correct.all()) and unique
@@ -68,6 +87,9 @@ def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
             "unique_last_key_token": totals["unique"],
             "exact_if_unique": totals["exact_unique"] / max(totals["unique"], 1),
             "exact_if_shared": (totals["exact"] - totals["exact_unique"]) / max(shared, 1),
+            "first_token_misses": count - totals["first"],
+            "misses_wrong_copy": totals["wrong_copy"],
+            "misses_not_in_prompt": totals["not_in_prompt"],
             "copy": copy_accuracy(model, stream, length, count, seed)}
 
 
@@ -100,12 +122,13 @@ def main(argv=None) -> int:
     model = load_model(args.checkpoint).model.eval()
     rows = [probe(model, stream, length, args.needles, args.seed) for length in lengths]
     print("| length | exact | first token | token | exact (last key token unique / shared) "
-          "| copy |")
-    print("|---|---|---|---|---|---|")
+          "| first-token misses: wrong copy / not in prompt | copy |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['length']} | {r['exact']:.2f} | {r['first_token']:.2f} | {r['token']:.2f} | "
               f"{r['exact_if_unique']:.2f} / {r['exact_if_shared']:.2f} "
-              f"({r['unique_last_key_token']} unique) | {r['copy']:.2f} |")
+              f"({r['unique_last_key_token']} unique) | {r['first_token_misses']}: "
+              f"{r['misses_wrong_copy']} / {r['misses_not_in_prompt']} | {r['copy']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"checkpoint": args.checkpoint, "rows": rows},
                                               indent=1))
