@@ -3,9 +3,11 @@
 Triton kernels run under the interpreter on machines without CUDA; the variable must be set
 before any kernel module is imported, hence here at the top of the root conftest.
 """
+import importlib.util
 import os
 import random
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,16 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 warnings.filterwarnings("ignore", module="megatron")
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (the benchmarks are not a package;
+    import with ``from conftest import load_benchmark``)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_collection_modifyitems(config, items):

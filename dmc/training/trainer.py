@@ -49,6 +49,7 @@ from dmc.training.distill import (DistillLoss, DistillStage, build_teacher, mask
                                   teacher_path)
 from dmc.training.logging import RunLogger
 from dmc.training.phases import PhasePlan
+from dmc.training.precision import cpu_autocast, params_dtype
 from dmc.training.preemption import StopSignal
 
 __all__ = ["StepResult", "Trainer", "cr_summary"]
@@ -69,24 +70,6 @@ class StepResult:
     grad_norm: float
     tokens_per_s: float
     extra: dict = field(default_factory=dict)
-
-
-def _precision(cfg: RunConfig) -> torch.dtype:
-    """The parameters' dtype. bf16 on a CPU keeps float32 parameters and runs the forward
-    under :func:`_cpu_autocast` (megatron's bf16 optimizer wraps CUDA tensors only)."""
-    if cfg.precision == "auto":
-        return torch.bfloat16 if cuda_available() else torch.float32
-    if cfg.precision == "bf16" and not cuda_available():
-        return torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.precision]
-
-
-def _cpu_autocast(cfg: RunConfig):
-    """bf16 on a CPU: matmuls and attention in bfloat16 over float32 parameters and optimizer
-    state, the residual stream, norms and loss in float32 (``compat``'s patches; megatron's
-    cross entropy upcasts the logits)."""
-    enabled = cfg.precision == "bf16" and not cuda_available()
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
 class Trainer:
@@ -148,7 +131,7 @@ class Trainer:
         :class:`DistillStage` when distilling, wrapped in DDP (``self.model``); the optimizer
         over the trainable parameters and the LR schedule."""
         cfg = self.cfg
-        dtype = _precision(cfg)
+        dtype = params_dtype(cfg)
         self.runtime = DMCRuntime(cfg.dmc.model_settings(), seed=cfg.seed,
                                   cr_loss_weight=cfg.dmc.cr_loss_weight)
         module = build_model(self.model_config(), self.runtime, params_dtype=dtype)
@@ -221,7 +204,7 @@ class Trainer:
         def forward_step(_, model):
             runtime.microbatch = self.dp_rank * len(batches) + next(micro)
             b = next(data)
-            with _cpu_autocast(self.cfg):
+            with cpu_autocast(self.cfg):
                 if distill:
                     return (model(b["tokens"], b["position_ids"], None),
                             partial(self.distill_loss, b))

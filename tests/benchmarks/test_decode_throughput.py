@@ -1,9 +1,7 @@
 """benchmarks/decode_throughput.py: the budget counts exactly the bytes the cache allocates, the
 batch is the largest that fits, bad flags exit 2 naming them, and a tiny run of the protocol end
 to end (modes interleaved, steady-state window, JSON, bytes per step and roofline)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,12 +9,9 @@ import torch
 from dmc.inference import Engine, PagedKVCache
 from dmc.inference.dms_cache import DMSPagedCache
 from tiny_models import build_tiny
+from conftest import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-SPEC = importlib.util.spec_from_file_location(
-    "decode_throughput", ROOT / "benchmarks" / "decode_throughput.py")
-bench = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench)
+bench = load_benchmark("decode_throughput")
 
 
 def allocated_bytes(root, device: torch.device) -> int:

@@ -1,9 +1,7 @@
 """benchmarks/needle_decisions.py: which slots hold a token alone under DMC's and DMS's decisions
 (hand-worked cases), and the decisions it records are the ones the model's forward takes (a
 model that never merges holds every token whole, one that always merges none)."""
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,11 +9,9 @@ import torch
 from dmc.data.needle import make_needle_examples
 from tests.tiny_models import VOCAB, build_tiny
 
-ROOT = Path(__file__).resolve().parents[2]
-SPEC = importlib.util.spec_from_file_location("needle_decisions",
-                                              ROOT / "benchmarks" / "needle_decisions.py")
-bench = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("needle_decisions")
 
 
 def test_held_whole_by_hand():

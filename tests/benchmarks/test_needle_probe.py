@@ -1,15 +1,10 @@
 """benchmarks/needle_probe.py: a missed first value token is sorted by where the prediction
 comes from (hand-worked prompt)."""
-import importlib.util
-from pathlib import Path
-
 from dmc.data.needle import NeedleExample
 
-ROOT = Path(__file__).resolve().parents[2]
-SPEC = importlib.util.spec_from_file_location("needle_probe",
-                                              ROOT / "benchmarks" / "needle_probe.py")
-bench = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("needle_probe")
 
 
 def test_first_token_misses_are_sorted_by_their_source():

@@ -1,17 +1,14 @@
 """benchmarks/policy_cost.py at the tiny preset: the JSON holds vanilla, every policy and OmniKV
 resident, with positive times, and the table it prints."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from dmc.policies import POLICY_NAMES
 
-ROOT = Path(__file__).resolve().parents[2]
-SPEC = importlib.util.spec_from_file_location("policy_cost", ROOT / "benchmarks" / "policy_cost.py")
-bench = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("policy_cost")
 
 FIELDS = {"mode", "decode_steps", "step_ms", "policy_ms", "overhead", "state_allocated",
           "state_held", "kv", "host", "slots_cr"}

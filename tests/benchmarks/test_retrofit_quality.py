@@ -1,21 +1,14 @@
 """benchmarks/retrofit_quality.py: the experiment file is checked (bad keys fail naming the key),
 and --quick runs the whole pipeline end to end (slow: about 10 minutes on 2 cores)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "retrofit_quality", ROOT / "benchmarks" / "retrofit_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write(tmp_path, name, data):
@@ -25,7 +18,7 @@ def write(tmp_path, name, data):
 
 
 def test_experiment_files_load_and_merge():
-    bench = load_benchmark()
+    bench = load_benchmark("retrofit_quality")
     main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
     full = bench.load_experiment([main], quick=False)
     assert full["dmc_crs"] == [2, 4, 8] and full["gqa_factors"] == [2, 4]
@@ -46,7 +39,7 @@ ABLATIONS = sorted(p for p in (ROOT / "configs" / "experiments").glob("*.yaml")
 
 @pytest.mark.parametrize("path", ABLATIONS, ids=[p.stem for p in ABLATIONS])
 def test_ablation_files_merge_over_the_main_one(path):
-    bench = load_benchmark()
+    bench = load_benchmark("retrofit_quality")
     main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
     full = bench.load_experiment([main], quick=False)
     ablation = bench.load_experiment([main, path], quick=False)
@@ -75,7 +68,7 @@ def test_ablation_files_merge_over_the_main_one(path):
     ({"retrofit": {"overrides": [], "data": ["needle"]}}, "retrofit.data: expected a mapping"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, change, message):
-    bench = load_benchmark()
+    bench = load_benchmark("retrofit_quality")
     main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
     full = yaml.safe_load(main.read_text())
     if "eval" in change:
@@ -90,7 +83,7 @@ def test_bad_experiment_files_name_the_key(tmp_path, change, message):
 @pytest.mark.slow
 def test_quick_runs_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DMC_CACHE", str(tmp_path / "cache"))
-    bench = load_benchmark()
+    bench = load_benchmark("retrofit_quality")
     assert bench.main(["--quick", "--output", str(tmp_path / "out"),
                        "--out", str(tmp_path / "r.json")]) == 0
     out = tmp_path / "out" / "table1-quick"
@@ -113,7 +106,7 @@ def test_quick_runs_end_to_end(tmp_path, monkeypatch, capsys):
 
 
 def test_runs_train_on_the_retrofit_data_and_score_on_the_main_data(tmp_path, monkeypatch):
-    bench = load_benchmark()
+    bench = load_benchmark("retrofit_quality")
     main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
     exp = bench.load_experiment([main], quick=False)
     folders = {}  # data settings -> the folder ensure_data returns for them
@@ -147,7 +140,7 @@ def test_runs_are_keyed_by_content_not_by_place(tmp_path, monkeypatch):
     """A base or data cache moved elsewhere keeps its runs; another base gets new ones."""
     from dmc.megatron.checkpoint import write_manifest
 
-    bench = load_benchmark()
+    bench = load_benchmark("retrofit_quality")
     main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
     exp = {**bench.load_experiment([main], quick=True), "gqa_factors": []}
     monkeypatch.setattr(bench, "run_dmc", lambda args, log_path: {})  # nothing trains

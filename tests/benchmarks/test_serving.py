@@ -1,15 +1,12 @@
 """benchmarks/serving.py: a tiny run end to end (the JSON it writes, the table it prints) and
 batched chunked prefill generating the same tokens as one prefill at a time."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SPEC = importlib.util.spec_from_file_location("serving", ROOT / "benchmarks" / "serving.py")
-bench = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("serving")
 
 TINY = ["--requests", "5", "--min-prompt", "3", "--max-prompt", "21", "--gen-len", "3",
         "--layers", "2", "--hidden", "64", "--heads", "4", "--groups", "2", "--ffn", "96",
