@@ -64,7 +64,7 @@ def _first_token_miss(example, predicted: int) -> str:
 def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
     """The accuracies above for ``count`` needles in ``length``-token prompts."""
     totals = {"exact": 0, "first": 0, "token": 0.0, "unique": 0, "exact_unique": 0,
-              "wrong_copy": 0, "not_in_prompt": 0}
+              "wrong_copy": 0, "not_in_prompt": 0, "other": 0}
     for example in make_needle_examples(stream, length, count, seed=seed):
         tokens = torch.tensor([list(example.tokens)])
         with torch.no_grad():
@@ -76,8 +76,7 @@ def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
         totals["exact"] += bool(correct.all())
         totals["first"] += bool(correct[0])
         if not correct[0]:
-            miss = _first_token_miss(example, int(predicted[0]))
-            totals[miss] = totals.get(miss, 0) + 1
+            totals[_first_token_miss(example, int(predicted[0]))] += 1
         totals["token"] += correct.float().mean().item()
         totals["unique"] += unique
         totals["exact_unique"] += bool(correct.all()) and unique

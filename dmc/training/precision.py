@@ -12,12 +12,16 @@ from dmc.megatron.compat import cuda_available
 from dmc.training.config import RunConfig
 
 
+def _bf16_on_cpu(cfg: RunConfig) -> bool:
+    return cfg.precision == "bf16" and not cuda_available()
+
+
 def params_dtype(cfg: RunConfig) -> torch.dtype:
     """The parameters' dtype. bf16 on a CPU keeps float32 parameters and runs the forward
     under :func:`cpu_autocast` (megatron's bf16 optimizer wraps CUDA tensors only)."""
     if cfg.precision == "auto":
         return torch.bfloat16 if cuda_available() else torch.float32
-    if cfg.precision == "bf16" and not cuda_available():
+    if _bf16_on_cpu(cfg):
         return torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.precision]
 
@@ -26,5 +30,4 @@ def cpu_autocast(cfg: RunConfig):
     """bf16 on a CPU: matmuls and attention in bfloat16 over float32 parameters and optimizer
     state, the residual stream, norms and loss in float32 (``compat``'s patches; megatron's
     cross entropy upcasts the logits)."""
-    enabled = cfg.precision == "bf16" and not cuda_available()
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=_bf16_on_cpu(cfg))
