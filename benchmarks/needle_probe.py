@@ -1,6 +1,7 @@
 """Needle error analysis of one checkpoint with its full cache (a plain forward, greedy).
 
     python benchmarks/needle_probe.py CHECKPOINT DATA_DIR [--lengths 256,512,1024] [--needles 40]
+        [--token-keys] [--attention-scale FACTOR[@LAYERS]]
 
 Per context length, on ``--needles`` examples of :func:`dmc.data.needle.make_needle_examples`
 (8-token key, 4-token value, corpus spans of DATA_DIR's held-out split, depths cycling through
@@ -15,7 +16,11 @@ needle's value (a value of 4 tokens copied at accuracy ``a`` is exact about ``a^
 Where the first value token is missed, the miss is counted as a *wrong copy* when the prediction
 is the token that follows another occurrence of the key's last token in the prompt (an induction
 match on that one token, at the wrong place) or *not in the prompt* (no copy at all).
-Prints a table; ``--json PATH`` writes the numbers.
+Exact match is also given per needle depth. Two diagnostics: ``--token-keys`` draws each key's
+tokens one by one (no n-gram of the key recurs in the haystack more than by chance, so a miss is
+not a partial match on a text span); ``--attention-scale 1.3@2,3`` multiplies the attention
+logits (the softmax scale) of layers 2 and 3 (0-based; all layers without ``@``) by 1.3: what
+sharper attention would find. Prints a table; ``--json PATH`` writes the numbers.
 """
 from __future__ import annotations
 
@@ -61,11 +66,34 @@ def _first_token_miss(example, predicted: int) -> str:
     return "not_in_prompt" if predicted not in prompt else "other"
 
 
-def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
+def scale_attention(model, spec: str) -> None:
+    """Multiply the softmax scale of the core attention of the layers in ``spec`` (``F`` or
+    ``F@I,J``; see the module docstring), in place. Raises ValueError naming the option."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cores = [m for m in model.modules() if isinstance(m, DotProductAttention)]
+    factor, _, layers = spec.partition("@")
+    try:
+        chosen = [int(i) for i in layers.split(",")] if layers else list(range(len(cores)))
+        factor = float(factor)
+    except ValueError:
+        raise ValueError(f"--attention-scale: expected FACTOR or FACTOR@I,J, got {spec!r}"
+                         ) from None
+    if not cores or any(not 0 <= i < len(cores) for i in chosen):
+        raise ValueError(f"--attention-scale: layers must be in 0..{len(cores) - 1} (the "
+                         f"model's megatron core attentions), got {spec!r}")
+    for i in chosen:
+        cores[i].softmax_scale *= factor
+
+
+def probe(model, stream: list[int], length: int, count: int, seed: int,
+          token_keys: bool = False) -> dict:
     """The accuracies above for ``count`` needles in ``length``-token prompts."""
     totals = {"exact": 0, "first": 0, "token": 0.0, "unique": 0, "exact_unique": 0,
               "wrong_copy": 0, "not_in_prompt": 0, "other": 0}
-    for example in make_needle_examples(stream, length, count, seed=seed):
+    by_depth: dict[float, list[int]] = {}  # depth -> [needles, exact]
+    for example in make_needle_examples(stream, length, count, seed=seed,
+                                        token_keys=token_keys):
         tokens = torch.tensor([list(example.tokens)])
         with torch.no_grad():
             logits = model(tokens, torch.arange(tokens.shape[1])[None], None)[0]
@@ -80,6 +108,8 @@ def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
         totals["token"] += correct.float().mean().item()
         totals["unique"] += unique
         totals["exact_unique"] += bool(correct.all()) and unique
+        cell = by_depth.setdefault(example.depth, [0, 0])
+        cell[0], cell[1] = cell[0] + 1, cell[1] + bool(correct.all())
     shared = count - totals["unique"]
     return {"length": length, "needles": count, "exact": totals["exact"] / count,
             "first_token": totals["first"] / count, "token": totals["token"] / count,
@@ -89,6 +119,7 @@ def probe(model, stream: list[int], length: int, count: int, seed: int) -> dict:
             "first_token_misses": count - totals["first"],
             "misses_wrong_copy": totals["wrong_copy"],
             "misses_not_in_prompt": totals["not_in_prompt"],
+            "exact_by_depth": {str(d): hit / n for d, (n, hit) in sorted(by_depth.items())},
             "copy": copy_accuracy(model, stream, length, count, seed)}
 
 
@@ -99,6 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="256,512,1024")
     parser.add_argument("--needles", type=int, default=40)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--token-keys", action="store_true")
+    parser.add_argument("--attention-scale", metavar="FACTOR[@LAYERS]")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     try:
@@ -119,18 +152,27 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     stream = [t for doc in read_indexed_dataset(str(prefix)) for t in doc]
     model = load_model(args.checkpoint).model.eval()
-    rows = [probe(model, stream, length, args.needles, args.seed) for length in lengths]
+    if args.attention_scale:
+        try:
+            scale_attention(model, args.attention_scale)
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 2
+    rows = [probe(model, stream, length, args.needles, args.seed, args.token_keys)
+            for length in lengths]
     print("| length | exact | first token | token | exact (last key token unique / shared) "
-          "| first-token misses: wrong copy / not in prompt | copy |")
-    print("|---|---|---|---|---|---|---|")
+          "| first-token misses: wrong copy / not in prompt | copy | exact by depth |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['length']} | {r['exact']:.2f} | {r['first_token']:.2f} | {r['token']:.2f} | "
               f"{r['exact_if_unique']:.2f} / {r['exact_if_shared']:.2f} "
               f"({r['unique_last_key_token']} unique) | {r['first_token_misses']}: "
-              f"{r['misses_wrong_copy']} / {r['misses_not_in_prompt']} | {r['copy']:.2f} |")
+              f"{r['misses_wrong_copy']} / {r['misses_not_in_prompt']} | {r['copy']:.2f} | "
+              + " / ".join(f"{v:.2f}" for v in r["exact_by_depth"].values()) + " |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"checkpoint": args.checkpoint, "rows": rows},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps(
+            {"checkpoint": args.checkpoint, "token_keys": args.token_keys,
+             "attention_scale": args.attention_scale, "rows": rows}, indent=1))
     return 0
 
 

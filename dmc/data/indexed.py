@@ -6,6 +6,7 @@ command line (``dmc --help``) should not pay for that.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -13,6 +14,16 @@ from pathlib import Path
 from dmc.data.tokenizer import Tokenizer
 
 CACHE_DIRNAME = "cache"
+TEXT_SUFFIX, LOSS_MASK_SUFFIX = "_text_document", "_loss_mask_document"
+
+
+def loss_mask_prefix(prefix: str | os.PathLike) -> Path:
+    """Where the loss mask of the indexed dataset at ``prefix`` (``..._text_document``) lives:
+    one 0/1 value per token, the same document lengths (``dmc data prepare --retrieval-loss``)."""
+    prefix = Path(prefix)
+    if not prefix.name.endswith(TEXT_SUFFIX):
+        raise ValueError(f"a loss mask belongs to a '*{TEXT_SUFFIX}' prefix, got {str(prefix)!r}")
+    return prefix.with_name(prefix.name[:-len(TEXT_SUFFIX)] + LOSS_MASK_SUFFIX)
 
 
 def write_indexed_dataset(
@@ -57,10 +68,12 @@ def build_gpt_dataset(
     """A megatron ``GPTDataset`` over all documents of one indexed dataset.
 
     Samples are dicts of ``seq_length``-long tensors ``tokens, labels, loss_mask, position_ids``
-    (no attention mask: attention builds its own). ``num_samples=None`` gives one epoch; more
-    samples than an epoch holds repeat the data in new shuffles. Every rank must call this
-    (megatron builds on rank 0 first when torch.distributed is initialised). Megatron caches its
-    sample indices in ``cache_dir``, by default ``cache/`` beside the ``.bin`` file.
+    (no attention mask: attention builds its own). Where a loss mask lies beside the data
+    (:func:`loss_mask_prefix`), ``loss_mask`` is multiplied by its value at each label.
+    ``num_samples=None`` gives one epoch; more samples than an epoch holds repeat the data in
+    new shuffles. Every rank must call this (megatron builds on rank 0 first when
+    torch.distributed is initialised). Megatron caches its sample indices in ``cache_dir``, by
+    default ``cache/`` beside the ``.bin`` file.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -85,4 +98,45 @@ def build_gpt_dataset(
         path_to_cache=str(cache_dir if cache_dir is not None else prefix.parent / CACHE_DIRNAME),
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config)
-    return builder.build()[0]
+    dataset = builder.build()[0]
+    mask = loss_mask_prefix(prefix) if prefix.name.endswith(TEXT_SUFFIX) else None
+    if mask is None or not Path(f"{mask}.idx").is_file():
+        return dataset
+    # the same document sizes, seed and lengths give the same samples: mask i belongs to sample i;
+    # no pad id among the ids, or megatron would zero the labels equal to the tokenizer's pad
+    config = dataclasses.replace(config, blend=([str(mask)], None),
+                                 tokenizer=_MaskIds(tokenizer.vocab_size))
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config)
+    return LossMaskedDataset(dataset, builder.build()[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaskIds:
+    """What ``GPTDatasetConfig`` reads of a tokenizer, for a dataset of 0/1 loss weights."""
+
+    vocab_size: int
+    eod: int = -2  # not read (no EOD masking or resets); apart from pad, or megatron warns
+    pad: int = -1
+
+    @property
+    def unique_identifiers(self) -> dict:
+        return {"class": "loss_mask", "vocab_size": self.vocab_size}
+
+
+class LossMaskedDataset:
+    """Samples of ``data`` whose ``loss_mask`` is multiplied by the aligned samples' ``labels``
+    of ``mask`` (a GPT dataset over 0/1 values with the same documents and sample order)."""
+
+    def __init__(self, data, mask):
+        if len(data) != len(mask):
+            raise ValueError(f"loss mask has {len(mask)} samples, the data {len(data)}")
+        self.data, self.mask = data, mask
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict:
+        sample = dict(self.data[index])
+        weights = self.mask[index]["labels"]
+        sample["loss_mask"] = sample["loss_mask"] * weights.to(sample["loss_mask"].dtype)
+        return sample

@@ -68,15 +68,17 @@ def _count(tokens: Sequence[int], span: Sequence[int]) -> int:
 
 def make_needle_examples(stream: Iterable[int], seq_len: int, num_examples: int, *,
                          depths: Sequence[float] = DEFAULT_DEPTHS, key_len: int = 8,
-                         value_len: int = 4, seed: int = 0,
-                         exclude: Iterable[int] = ()) -> list[NeedleExample]:
+                         value_len: int = 4, seed: int = 0, exclude: Iterable[int] = (),
+                         token_keys: bool = False) -> list[NeedleExample]:
     """``num_examples`` examples of ``seq_len`` tokens from a 1-D token ``stream``.
 
     Example ``i`` uses depth ``depths[i % len(depths)]`` and the ``i``-th non-overlapping
     haystack window of ``seq_len - 2 * (key_len + value_len)`` tokens; key and value are spans
     drawn (with ``seed``) from the rest of the stream, never holding an ``exclude`` token (e.g.
-    the end-of-document id). Raises ValueError naming the argument when the stream is too short
-    or a size is out of range.
+    the end-of-document id). ``token_keys`` draws the key's tokens one by one instead (as the
+    random keys of passkey tasks: none of its n-grams is likelier to recur in the haystack than
+    chance; a diagnostic, not the task). Raises ValueError naming the argument when the stream is
+    too short or a size is out of range.
     """
     stream = [int(t) for t in stream]
     hay_len = seq_len - 2 * (key_len + value_len)
@@ -103,7 +105,8 @@ def make_needle_examples(stream: Iterable[int], seq_len: int, num_examples: int,
         depth = float(depths[i % len(depths)])
         at = round(depth * hay_len)
         for _ in range(MAX_TRIES):
-            key = _draw_span(stream, key_len, taken, exclude, rng)
+            key = ([_draw_span(stream, 1, taken, exclude, rng)[0] for _ in range(key_len)]
+                   if token_keys else _draw_span(stream, key_len, taken, exclude, rng))
             value = _draw_span(stream, value_len, taken, exclude, rng)
             prompt = hay[:at] + key + value + hay[at:] + key
             if _count(prompt[:-1], key) == 1:  # the needle's key is the only earlier one

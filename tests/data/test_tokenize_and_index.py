@@ -7,7 +7,12 @@ import numpy
 import pytest
 import torch
 
-from dmc.data.indexed import build_gpt_dataset, read_indexed_dataset, write_indexed_dataset
+from dmc.data.indexed import (
+    build_gpt_dataset,
+    loss_mask_prefix,
+    read_indexed_dataset,
+    write_indexed_dataset,
+)
 from dmc.data.tokenizer import (
     HFTokenizer,
     SentencePieceTokenizer,
@@ -156,6 +161,22 @@ def test_gpt_dataset_samples_come_from_the_data(sp, docs, tmp_path):
     assert list((tmp_path / "cache").iterdir())  # megatron's indices are cached beside the data
     again = build_gpt_dataset(tmp_path / "ds", seq, 200, 1234, sp)
     assert torch.equal(again[5]["tokens"], ds[5]["tokens"])
+
+
+def test_a_loss_mask_beside_the_data_weights_each_label_of_every_sample(sp, docs, tmp_path):
+    # the mask of a token is its id's parity: the sample's weights must follow its labels
+    encoded = [sp.encode(d) for d in docs]
+    prefix = tmp_path / "train_text_document"
+    write_indexed_dataset(prefix, encoded, sp.vocab_size, sp.eod)
+    write_indexed_dataset(loss_mask_prefix(prefix), [[t % 2 for t in e] for e in encoded],
+                          sp.vocab_size, sp.eod % 2)
+    ds = build_gpt_dataset(prefix, 32, 200, 1234, sp)
+    for i in range(len(ds)):
+        sample = ds[i]
+        assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
+        assert torch.equal(sample["loss_mask"], (sample["labels"] % 2).float())
+    with pytest.raises(ValueError, match="'\\*_text_document' prefix"):
+        loss_mask_prefix(tmp_path / "ds")
 
 
 def test_gpt_dataset_needs_an_existing_prefix(sp, tmp_path):
