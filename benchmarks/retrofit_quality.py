@@ -6,22 +6,19 @@ memory? Driven by a YAML file (``configs/experiments/retrofit_quality.yaml``), o
    (cached by the hash of the data, model and base settings under ``$DMC_CACHE`` or
    ``~/.cache/dmc``, or given with ``--base``: never retrained silently, a missing one announced);
 3. the **control** (the base up-trained with vanilla attention), **DMC** at every ``dmc_crs``
-   (zero-out, CR annealed from 1x, solidify) and **GQA** at every ``gqa_factors`` (KV heads
-   mean-pooled, then up-trained): all with the SAME steps, data (``retrofit.data``: changes to
-   the data settings, like a base stage's), data order and LR schedule, so the table compares
-   caches, not training budgets;
+   and **GQA** at every ``gqa_factors`` (KV heads mean-pooled, then up-trained): all with the
+   SAME steps, data (``retrofit.data``), data order and LR, so the table compares caches;
 4. every method through the real engine (:mod:`dmc.eval.compare`) on the main data's held-out
    split: the control, the base, DMC, GQA and every KV policy on the control at every
    ``policy_crs``: decoded-token perplexity, KL and top-1 agreement against the control, needle
    accuracy at several lengths and depths with 95% intervals, slots CR and memory CR;
 5. the DMC run with the largest CR, evaluated at its intermediate checkpoints (the paper's Fig. 4).
 
-Writes to ``OUTPUT/NAME/`` (``NAME-quick`` with ``--quick``): ``results.json``, ``table.md``,
-``compare/compare.png`` (quality against memory CR, a line per method), ``dmc_checkpoints.png``;
-prints the tables. Training runs live in ``OUTPUT/runs/<run>-<hash>``
-(the hash covers everything the run depends on: settings, the data settings, the content of the
-starting checkpoint; never a path) and are reused, or resumed, by any experiment with the same
-settings. Several ``--config`` files merge left to right (e.g. an ablation file over the main).
+Writes ``OUTPUT/NAME/`` (``NAME-quick`` with ``--quick``): ``results.json``, ``table.md``,
+``compare/compare.png`` (quality against memory CR), ``dmc_checkpoints.png``. Training runs live
+in ``OUTPUT/runs/<run>-<hash>`` (the hash covers the settings, the data settings and the content
+of the starting checkpoint, never a path) and are reused or resumed by any experiment with the
+same settings. Several ``--config`` files merge left to right (an ablation file over the main).
 
     python benchmarks/retrofit_quality.py --config configs/experiments/retrofit_quality.yaml
     dmc bench retrofit_quality --quick"""
@@ -52,9 +49,10 @@ VARIANT_KEYS = {"name", "cr", "overrides", "label"}  # label (default: name) gro
 DATA_KEYS = {"vocab_size", "retrieval_fraction", "retrieval_doc_tokens", "retrieval_kinds",
              "valid_fraction", "seed"}
 STAGE_KEYS = {"data", "overrides"}
-# what a base stage may change in its data: not the seed, vocab_size or valid_fraction, which
-# choose the tokenizer and the train / held-out split (another seed trains another tokenizer)
-STAGE_DATA_KEYS = {"retrieval_fraction", "retrieval_doc_tokens", "retrieval_kinds"}
+# what a base stage may change in its data: not the seed, vocab_size or valid_fraction (they
+# choose the tokenizer and the held-out split); retrieval_loss (default all) is a stage's only
+STAGE_DATA_KEYS = {"retrieval_fraction", "retrieval_doc_tokens", "retrieval_kinds",
+                   "retrieval_loss"}
 EVAL_KEYS = {"seq_len", "num_sequences", "prefill_fraction", "needle_lengths", "needle_depths",
              "needles_per_cell", "batch_size", "workers", "seed"}
 QUICK_KEYS = {"data", "model_overrides", "base", "retrofit", "intermediate_crs", "eval"}
@@ -133,6 +131,11 @@ def _check_stage_data(changes: dict, where: str) -> None:
         raise ValueError(f"unknown key {unknown[0]} in {where}; accepted: "
                          f"{', '.join(sorted(STAGE_DATA_KEYS))} (the others choose the "
                          f"tokenizer and the held-out split, which every stage shares)")
+    from dmc.data.prepare import RETRIEVAL_LOSSES
+
+    if changes.get("retrieval_loss", "all") not in RETRIEVAL_LOSSES:
+        raise ValueError(f"{where}.retrieval_loss: {changes['retrieval_loss']!r} not accepted; "
+                         f"choose from {', '.join(RETRIEVAL_LOSSES)}")
 
 
 def _hash(*parts) -> str:
@@ -178,7 +181,8 @@ def ensure_data(d: dict, log) -> Path:
              "--valid-fraction", str(d["valid_fraction"]), "--seed", str(d["seed"]),
              "--retrieval-fraction", str(d["retrieval_fraction"]),
              "--retrieval-doc-tokens", str(d["retrieval_doc_tokens"]),
-             "--retrieval-kinds", ",".join(d["retrieval_kinds"]), "--quiet"],
+             "--retrieval-kinds", ",".join(d["retrieval_kinds"]), "--quiet",
+             "--retrieval-loss", d.get("retrieval_loss", "all")],
             folder.parent / f"data-{_hash(d)}.log")
     return folder
 
@@ -229,7 +233,10 @@ def checkpoint_key(folder: Path) -> str:
 def run_plans(exp: dict, base: Path, out: Path) -> list[tuple[str, list[str], Path]]:
     """``(name, overrides, start checkpoint)`` of the control, DMC (and variant) and GQA runs;
     makes the GQA runs' starting checkpoints (KV heads mean-pooled) when missing."""
-    heads = _model_kv_heads(exp)
+    from dmc.training.config import load_config
+
+    model = load_config([ROOT / exp["model"]], exp["model_overrides"]).model
+    heads = model.num_query_groups or model.num_attention_heads
     plans = [("control", ["dmc.enabled=false"], base)]
     plans += [(f"dmc{cr:g}", ["dmc.enabled=true", f"dmc.target_cr={cr}"], base)
               for cr in exp["dmc_crs"]]
@@ -277,13 +284,6 @@ def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, P
         if name in plain_dmc and shared_zero_out is None:
             shared_zero_out = run_dir / "checkpoints" / "zero_out"
     return finals
-
-
-def _model_kv_heads(exp: dict) -> int:
-    from dmc.training.config import load_config
-
-    cfg = load_config([ROOT / exp["model"]], exp["model_overrides"])
-    return cfg.model.num_query_groups or cfg.model.num_attention_heads
 
 
 # ----------------------------------------------------------------------------- evaluation

