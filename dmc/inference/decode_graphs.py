@@ -83,8 +83,8 @@ class DecodeGraphs:
         batch, filtering = len(seqs), needs_filter([s.params for s in seqs])
         key = (batch, filtering)
         buffers = self._buffers(batch)
-        buffers.ids.copy_(torch.tensor([s.tokens[-1] for s in seqs]), non_blocking=True)
-        buffers.positions.copy_(torch.tensor([len(s.tokens) - 1 for s in seqs]),
+        buffers.ids.copy_(torch.tensor([s.last_token for s in seqs]), non_blocking=True)
+        buffers.positions.copy_(torch.tensor([s.num_tokens - 1 for s in seqs]),
                                 non_blocking=True)
         settings = SamplingColumns.of([s.params for s in seqs], [s.seed for s in seqs],
                                       [len(s.generated) for s in seqs], torch.device("cpu"))

@@ -249,7 +249,7 @@ class Engine:
         for (seq, n), row in zip(plan.prefill, logits[len(plan.decode):]):
             seq.cached += n
             self.stats.prefill_tokens += n
-            if seq.cached == len(seq.tokens):
+            if seq.cached == seq.num_tokens:
                 self.scheduler.prefilled(seq)
                 sampled.append(seq)
                 rows.append(row)
@@ -370,7 +370,7 @@ class Engine:
                 pages = int(pages_for(self.cache.head_lengths(seq.slot).long(),
                                       self.page_size).sum())
                 finished.append(seq.result("stop" if stop else "length",
-                                           self.compression(seq.slot, len(seq.tokens) - 1),
+                                           self.compression(seq.slot, seq.num_tokens - 1),
                                            pages, self.cache.page_bytes))
                 self.cache.free_sequence(seq.slot)
                 self.scheduler.running.remove(seq)

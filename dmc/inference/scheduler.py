@@ -55,10 +55,10 @@ class StepPlan:
     def segments(self) -> list[Segment]:
         """The forward's segments: each decode sequence's newest token, then each chunk (the
         last one of a sequence's prefill marked ``prompt_end``)."""
-        decode = [Segment(s.slot, [s.tokens[-1]], len(s.tokens) - 1, decode=True)
+        decode = [Segment(s.slot, [s.last_token], s.num_tokens - 1, decode=True)
                   for s in self.decode]
         return decode + [Segment(s.slot, s.tokens[s.cached:s.cached + n], s.cached,
-                                 prompt_end=s.cached + n == len(s.tokens))
+                                 prompt_end=s.cached + n == s.num_tokens)
                          for s, n in self.prefill]
 
     def one_at_a_time(self) -> list[StepPlan]:
@@ -135,7 +135,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and budget > 0:
             seq = self.waiting[0]
             free = self.cache.free_pages - reserved
-            if self.running and self._estimate_pages(len(seq.tokens)) + heads > free:
+            if self.running and self._estimate_pages(seq.num_tokens) + heads > free:
                 return
             n = self._chunk(seq)
             if n > budget:
@@ -168,13 +168,13 @@ class Scheduler:
     def prefilled(self, seq: Sequence) -> None:
         """Count a sequence whose prefill just ended in the compression seen so far."""
         lengths = self.cache.head_lengths(seq.slot)
-        self.seen.entries += len(seq.tokens) * lengths.numel()
+        self.seen.entries += seq.num_tokens * lengths.numel()
         self.seen.slots += int(lengths.sum())
 
     def _chunk(self, seq: Sequence) -> int:
         """The next prefill chunk of ``seq``: up to the next multiple of ``chunk_size`` (so that
         chunks, and a policy's evictions after them, do not depend on the batch) or its end."""
-        return min(self.chunk_size - seq.cached % self.chunk_size, len(seq.tokens) - seq.cached)
+        return min(self.chunk_size - seq.cached % self.chunk_size, seq.num_tokens - seq.cached)
 
     def _worst_pages(self, seq: Sequence, n: int) -> int:
         """Pages ``n`` more tokens of ``seq`` take at most (each head gains at most
@@ -203,8 +203,8 @@ class Scheduler:
         pool = f"({self.cache.num_pages} pages of {self.cache.page_size} slots)"
         if seq.decoding:
             return (f"request {seq.request_id} alone needs more than the whole pool {pool} "
-                    f"after {len(seq.tokens)} tokens")
-        return (f"request {seq.request_id}: {len(seq.tokens)} tokens do not fit in the whole "
+                    f"after {seq.num_tokens} tokens")
+        return (f"request {seq.request_id}: {seq.num_tokens} tokens do not fit in the whole "
                 f"pool {pool}")
 
 

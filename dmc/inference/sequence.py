@@ -145,6 +145,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
+    @property
+    def num_tokens(self) -> int:
+        """``len(self.tokens)`` without building the list (read every decode step)."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
     @staticmethod
     def check_prompt(prompt: list[int], params: SamplingParams, max_seq_len: int,
                      vocab: int) -> None:

@@ -109,3 +109,14 @@ def test_the_last_chunk_of_each_prefill_ends_the_prompt():
     engine.score(prompts()[1], prefill_tokens=20)
     assert [(s.start + len(s.tokens), s.prompt_end) for s in chunks] == [(8, False), (16, False),
                                                                          (20, True)]
+
+
+def test_a_sequence_counts_and_ends_its_tokens_without_building_them():
+    from dmc.inference.sequence import Sequence
+
+    seq = Sequence(request_id=0, prompt=[5, 6, 7], params=SamplingParams(max_new_tokens=4),
+                   seed=0)
+    for new in (None, 9, 2):
+        if new is not None:
+            seq.generated.append(new)
+        assert (seq.num_tokens, seq.last_token) == (len(seq.tokens), seq.tokens[-1])
