@@ -79,6 +79,18 @@ def tiny_data(tmp_path_factory):
     return out
 
 
+def text_corpus(folder):
+    """Six .txt files of random lines of a few words (a corpus `prepare_data` reads)."""
+    folder.mkdir()
+    words = random.Random(0)
+    for i in range(6):
+        text = "\n".join(" ".join(words.choice(["to", "be", "or", "not", "the", "king", "queen",
+                                                  "lord", "sweet", "night", "day", "love"])
+                                     for _ in range(12)) for _ in range(250))
+        (folder / f"doc{i}.txt").write_text(text)
+    return folder
+
+
 def tiny_overrides(data, run_dir, **extra):
     """Dotted overrides for a 2-layer GQA model trained on ``data`` (import with
     ``from conftest import tiny_overrides``)."""

@@ -22,6 +22,8 @@ from dmc.data.retrieval import (
     repeat_document,
 )
 
+from conftest import text_corpus
+
 SEP, END = 1000, 1001
 
 
@@ -179,18 +181,6 @@ def test_make_documents_is_deterministic_and_sized():
         make_retrieval_documents(docs, 100, kinds=("nope",))
     with pytest.raises(ValueError, match="doc_tokens must be >= 64"):
         make_retrieval_documents(docs, 100, doc_tokens=40, kinds=("repeat",))
-
-
-def text_corpus(folder):
-    """Six .txt files of random lines of a few words (a corpus `prepare_data` reads)."""
-    folder.mkdir()
-    words = random.Random(0)
-    for i in range(6):
-        text = "\n".join(" ".join(words.choice(["to", "be", "or", "not", "the", "king", "queen",
-                                                  "lord", "sweet", "night", "day", "love"])
-                                     for _ in range(12)) for _ in range(250))
-        (folder / f"doc{i}.txt").write_text(text)
-    return folder
 
 
 def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):
