@@ -28,8 +28,8 @@ documents, cut from the corpus's own tokens, make retrieval worth learning:
 
 Every document records where its queries start (:attr:`RetrievalDocument.query_start`: the
 ``kv``, ``needle`` and ``decoy`` documents' second part; 0 for ``repeat`` and ``copy``, where
-any token may be a copy): ``dmc data prepare --retrieval-loss queries`` keeps the language-model loss off the
-tokens before it.
+any token may be a copy): ``dmc data prepare --retrieval-loss queries`` keeps the language-model
+loss off the tokens before it.
 
 Generation is deterministic: the same token documents, sizes and seed give the same output.
 """
