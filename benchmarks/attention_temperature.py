@@ -1,7 +1,8 @@
 """How sharp a checkpoint's training objective wants its attention heads (a diagnostic).
 
     python benchmarks/attention_temperature.py CHECKPOINT DATA_DIR [--documents queried|all]
-        [--steps 100] [--lr 0.03] [--probe 512,1024] [--needles 80] [--seeds 3,5] [--json PATH]
+        [--length-term] [--steps 100] [--lr 0.03] [--probe 512,1024] [--needles 80] [--seeds 3,5]
+        [--json PATH]
 
 Every weight frozen, each head's queries are multiplied by ``exp(tau[layer, head])`` (its attention
 logits by the same factor: RoPE rotates q linearly, so a fitted scale folds into the head's rows of
@@ -14,7 +15,13 @@ mask (``dmc data prepare --retrieval-loss queries`` writes one; without it every
   documents, scored on their queries), the last ``--seq-length + 1`` tokens of each (the
   queries are at the end), taken from the split's end.
 
-Prints the loss of 8 further batches (not fitted on) before and after, and the scales ``exp(tau)``.
+With ``--length-term`` each head also gets a slope ``gamma[layer, head]`` (zeros at the start) and
+its factor at position ``p`` becomes ``exp(tau + gamma * log((p + 1) / 256))``: a query sharper the
+more keys it attends over (the log-length scaling of Nakanishi's Scalable-Softmax and Llama 4's
+attention temperature tuning), ``exp(tau)`` the factor at position 255; not foldable into W_q.
+
+Prints the loss of 8 further batches (not fitted on) before and after, and the scales ``exp(tau)``
+(and the slopes).
 Scales near 1 with an unchanged loss say the trained temperature is what that objective wants;
 scales far from 1 with a lower loss say it wants something training did not reach. With
 ``--probe``, the needle probe of ``benchmarks/needle_probe.py`` (DATA_DIR's held-out split, exact
@@ -43,25 +50,32 @@ from needle_probe import probe  # noqa: E402
 DOCUMENTS = ("all", "queried")
 BATCH = 4
 HELD_OUT_BATCHES = 8
+LENGTH_REFERENCE = 256  # the position + 1 at which the length term is 0
 
 
-def attach_query_scales(model) -> torch.Tensor:
+def attach_query_scales(model) -> tuple[torch.Tensor, torch.Tensor]:
     """Register, on every megatron core attention of ``model``, a hook multiplying its query
-    ``[seq, batch, heads, head_dim]`` by ``exp(tau[layer, head])``; returns ``tau``
-    ``[layers, heads]`` (zeros, requires grad)."""
+    ``[seq, batch, heads, head_dim]`` at position ``p`` (its index along ``seq``: the samples
+    start at position 0) by ``exp(tau[layer, head] + gamma[layer, head] * log((p + 1) / 256))``;
+    returns ``tau, gamma`` ``[layers, heads]`` (zeros, requiring grad)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     cores = [m for m in model.modules() if isinstance(m, DotProductAttention)]
-    tau = torch.zeros(len(cores), cores[0].num_attention_heads_per_partition, requires_grad=True)
+    shape = (len(cores), cores[0].num_attention_heads_per_partition)
+    tau, gamma = torch.zeros(shape, requires_grad=True), torch.zeros(shape, requires_grad=True)
 
     def hook(layer):
         def scale_query(module, args):
-            return (args[0] * tau[layer].exp().view(1, 1, -1, 1),) + tuple(args[1:])
+            query = args[0]
+            log_length = torch.log(torch.arange(1, query.shape[0] + 1, dtype=query.dtype)
+                                   / LENGTH_REFERENCE)
+            factor = (tau[layer] + gamma[layer] * log_length[:, None]).exp()  # [seq, heads]
+            return (query * factor[:, None, :, None],) + tuple(args[1:])
         return scale_query
 
     for layer, core in enumerate(cores):
         core.register_forward_pre_hook(hook(layer))
-    return tau
+    return tau, gamma
 
 
 def masked_loss(model, batch: dict) -> torch.Tensor:
@@ -73,9 +87,9 @@ def masked_loss(model, batch: dict) -> torch.Tensor:
     return (losses * mask).sum() / mask.sum().clamp(min=1)
 
 
-def fit(model, tau: torch.Tensor, batches: list[dict], lr: float) -> None:
-    """One Adam step on ``tau`` per batch, minimising :func:`masked_loss`."""
-    optimizer = torch.optim.Adam([tau], lr=lr)
+def fit(model, parameters: list[torch.Tensor], batches: list[dict], lr: float) -> None:
+    """One Adam step on ``parameters`` per batch, minimising :func:`masked_loss`."""
+    optimizer = torch.optim.Adam(parameters, lr=lr)
     for batch in batches:
         optimizer.zero_grad()
         masked_loss(model, batch).backward()
@@ -118,6 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("checkpoint")
     parser.add_argument("data", help="a `dmc data prepare` folder")
     parser.add_argument("--documents", default="queried")
+    parser.add_argument("--length-term", action="store_true")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=0.03)
     parser.add_argument("--seq-length", type=int, default=1024)
@@ -147,7 +162,8 @@ def main(argv=None) -> int:
     model = load_model(args.checkpoint).model.eval()
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    tau = attach_query_scales(model)
+    tau, gamma = attach_query_scales(model)
+    fitted_parameters = [tau, gamma] if args.length_term else [tau]
     held_out = batches[args.steps:]
 
     def held_out_loss() -> float:
@@ -155,20 +171,24 @@ def main(argv=None) -> int:
             return sum(masked_loss(model, b).item() for b in held_out) / len(held_out)
 
     before = held_out_loss()
-    fit(model, tau, batches[:args.steps], args.lr)
+    fit(model, fitted_parameters, batches[:args.steps], args.lr)
     result = {"checkpoint": args.checkpoint, "documents": args.documents, "steps": args.steps,
               "loss_before": before, "loss_after": held_out_loss(),
-              "scales": tau.detach().exp().tolist()}
+              "scales": tau.detach().exp().tolist(), "slopes": gamma.detach().tolist()}
     print(f"held-out loss ({args.documents}): {before:.4f} -> {result['loss_after']:.4f}")
     for layer, scales in enumerate(result["scales"]):
-        print(f"layer {layer}: scales " + " ".join(f"{s:.2f}" for s in scales))
+        print(f"layer {layer}: scales " + " ".join(f"{s:.2f}" for s in scales)
+              + (" | slopes " + " ".join(f"{g:.3f}" for g in result["slopes"][layer])
+                 if args.length_term else ""))
     if lengths:
         stream = [t for doc in read_indexed_dataset(str(split_prefix(args.data, "valid")))
                   for t in doc]
-        fitted = tau.detach().clone()
+        fitted = [p.detach().clone() for p in (tau, gamma)]
         result["probe"] = {}
-        for name, value in (("trained", torch.zeros_like(fitted)), ("fitted", fitted)):
-            tau.data.copy_(value)
+        for name, values in (("trained", [torch.zeros_like(p) for p in fitted]),
+                             ("fitted", fitted)):
+            for parameter, value in zip((tau, gamma), values):
+                parameter.data.copy_(value)
             exact = {n: sum(probe(model, stream, n, args.needles, s)["exact"] for s in seeds)
                      / len(seeds) for n in lengths}
             result["probe"][name] = exact

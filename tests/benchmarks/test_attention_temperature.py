@@ -1,5 +1,6 @@
 """benchmarks/attention_temperature.py: a head's query scale multiplies its attention logits
-(== needle_probe's softmax-scale factor when every head gets it), the fit lowers the masked loss
+(== needle_probe's softmax-scale factor when every head gets it), the length term scales
+position p by exp(gamma * log((p + 1) / 256)), the fit lowers the masked loss
 it fits, queried documents are the masked ones, and bad options exit 2 naming the option."""
 import math
 
@@ -29,8 +30,8 @@ def tiny_vanilla(parallel_1x1, one_thread):
 
 def test_query_scales_multiply_each_heads_attention_logits(tiny_vanilla):
     model, batch = tiny_vanilla
-    tau = bench.attach_query_scales(model)
-    assert tau.shape == (2, 4) and not tau.any()
+    tau, gamma = bench.attach_query_scales(model)
+    assert tau.shape == gamma.shape == (2, 4) and not tau.any() and not gamma.any()
 
     def logits():
         with torch.no_grad():
@@ -47,14 +48,40 @@ def test_query_scales_multiply_each_heads_attention_logits(tiny_vanilla):
     assert not torch.allclose(logits(), trained)
 
 
+def test_length_term_scales_position_p_by_its_log_length(tiny_vanilla):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    model, batch = tiny_vanilla
+    tau, gamma = bench.attach_query_scales(model)
+    tau.data.fill_(0.3)
+    gamma.data[0, 1] = 0.5
+    core = next(m for m in model.modules() if isinstance(m, DotProductAttention))
+    seen = {}
+
+    def keep(name):
+        def hook(module, args):
+            seen[name] = args[0]
+        return hook
+
+    core.register_forward_pre_hook(keep("before"), prepend=True)
+    core.register_forward_pre_hook(keep("after"))
+    with torch.no_grad():
+        model(batch["tokens"], batch["position_ids"], None)
+    positions = torch.arange(40, dtype=torch.float64)
+    factor = torch.full((40, 4), 0.3, dtype=torch.float64)
+    factor[:, 1] += 0.5 * torch.log((positions + 1) / 256)
+    expected = seen["before"].double() * factor.exp()[:, None, :, None]
+    torch.testing.assert_close(seen["after"].double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_fit_lowers_the_masked_loss_it_fits(tiny_vanilla):
     model, batch = tiny_vanilla
-    tau = bench.attach_query_scales(model)
+    tau, gamma = bench.attach_query_scales(model)
     batch["loss_mask"][:, :20] = 0
     with torch.no_grad():
         before = bench.masked_loss(model, batch).item()
-    bench.fit(model, tau, [batch] * 5, lr=0.05)
-    assert tau.abs().min() > 0  # every head moved: the gradient reaches each scale
+    bench.fit(model, [tau, gamma], [batch] * 5, lr=0.05)
+    assert tau.abs().min() > 0 and gamma.abs().min() > 0  # the gradient reaches every head
     with torch.no_grad():
         assert bench.masked_loss(model, batch).item() < before
 
