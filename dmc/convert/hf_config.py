@@ -105,6 +105,9 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
     ``dmc_extra``, e.g. the target and measured CR
     and ``auto_map``. The exported DMC / DMS models of a model with ``qk_layernorm`` or
     ``kv_channels`` also get ``qk_norm`` and ``head_dim`` (absent otherwise, as before)."""
+    if dmc is not None and dmc.merge_delay:
+        raise ValueError(f"dmc.merge_delay={dmc.merge_delay}: DMC with delayed merging has no "
+                         f"Hugging Face export (only dmc.merge_delay=0, the paper's DMC)")
     heads = model.num_attention_heads
     cfg = {
         "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,

@@ -284,6 +284,10 @@ def make_kv_write(dmc: DMCConfig | None, *args) -> KVWrite:
     """:class:`DMCKV` for a DMC config, :class:`~dmc.inference.kv_write_dms.DMSKV` for
     ``method="dms"`` (its cache a ``DMSPagedCache``), else :class:`VanillaKV` (arguments of
     :class:`KVWrite`)."""
+    if dmc is not None and dmc.merge_delay:
+        raise ValueError(f"Engine: dmc.merge_delay={dmc.merge_delay} (DMC with delayed merging) "
+                         f"is not served by the engine; only dmc.merge_delay=0 is. Score such a "
+                         f"model with its eval-mode forward (dmc.eval.ForwardScorer)")
     if dmc is not None and dmc.method == "dms":
         from dmc.inference.kv_write_dms import DMSKV
 

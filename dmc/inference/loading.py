@@ -65,15 +65,15 @@ def saved_configs(saved: dict, source: Path) -> tuple[ModelConfig, DMCConfig | N
             None if dmc_config is None else DMCConfig.from_dict(dmc_config))
 
 
-def saved_method(path) -> str | None:
-    """The compression method the model at ``path`` was saved with: "dmc" or "dms" (its DMC
-    config's ``method``), None for a vanilla model; read without building the model."""
+def saved_dmc_config(path) -> DMCConfig | None:
+    """The DMC config the model at ``path`` was saved with (its ``method``: "dmc" or "dms"),
+    None for a vanilla model; read without building the model."""
     from dmc.megatron.checkpoint import read_state
 
     path = Path(path)
     saved = load_inference_state(path) if path.is_file() else read_state(resolve_checkpoint(path))
     dmc_config = saved.get("dmc_config")
-    return None if dmc_config is None else DMCConfig.from_dict(dmc_config).method
+    return None if dmc_config is None else DMCConfig.from_dict(dmc_config)
 
 
 def find_tokenizer(checkpoint: Path, state: dict) -> Path | None:

@@ -15,6 +15,10 @@ Modes (set on the shared :class:`~dmc.megatron.runtime.DMCRuntime`):
 - ``eval``: hard decisions alpha = [k[..., -1] - c > 0] and a -inf/0 mask: exactly what
   inference with a compressed cache computes (Algorithm 1).
 
+With ``dmc.merge_delay`` = d >= 1 (delayed merging, not in the paper) ``train`` and ``eval``
+attend over the accumulated keys and the raw keys of the last d + 1 tokens
+(:func:`dmc.ops.delayed_merge_attention`).
+
 Megatron tensors are ``[seq, batch, heads, dim]``; the ops take ``[batch, heads, seq, dim]``.
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from dmc.megatron.cr_loss import attach_cr_loss, attach_head_balance_loss
 from dmc.megatron.runtime import DMCRuntime
 from dmc.ops import (
+    delayed_merge_attention,
     dmc_attention,
     logistic_noise,
     partial_accumulate,
@@ -156,6 +161,9 @@ class DMCSelfAttention(SelfAttention):
         key_acc, value_acc = partial_accumulate(
             channels.key, to_bhsd(value), alpha, channels.omega, cfg.window
         )
+        if cfg.merge_delay:
+            return self._delayed_merge_attention(channels, key_acc, value_acc, to_bhsd(value),
+                                                 log_keep, rotary_pos_emb), alpha
         query, key_acc = self._rotate(to_sbhd(channels.query), to_sbhd(key_acc), rotary_pos_emb)
         context = dmc_attention(
             to_bhsd(zero_decision_channel(query)),
@@ -166,6 +174,19 @@ class DMCSelfAttention(SelfAttention):
             backend=cfg.attention_backend,
         )
         return context, alpha
+
+    def _delayed_merge_attention(self, channels, key_acc, value_acc, value, log_keep,
+                                 rotary_pos_emb):
+        """``dmc.merge_delay`` d >= 1: the accumulated and the raw keys, both rotated at their
+        own positions, under :func:`dmc.ops.delayed_merge_attention`."""
+        batch = key_acc.shape[0]
+        keys = torch.cat([to_sbhd(key_acc), to_sbhd(channels.key)], dim=1)  # [seq, 2b, h, d]
+        query, keys = self._rotate(to_sbhd(channels.query), keys, rotary_pos_emb)
+        keys = to_bhsd(zero_decision_channel(keys))
+        return delayed_merge_attention(
+            to_bhsd(zero_decision_channel(query)), keys[:batch], value_acc, keys[batch:], value,
+            log_keep, self.dmc.config.merge_delay, scale=self.softmax_scale,
+            backend=self.dmc.config.attention_backend)
 
     def _zero_out_forward(self, hidden_states, attention_mask, rotary_pos_emb):
         """Megatron's core attention with q[..., -1] and k[..., -1] multiplied by

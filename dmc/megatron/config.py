@@ -165,6 +165,11 @@ class DMCConfig:
         (see :func:`dmc.ops.importance`), 0 is the paper's.
     attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense" or "flex": how the
         training attention is computed, not part of the model (``to_dict`` leaves it out).
+    merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
+        (DMS's delayed eviction carried over to DMC; README "Delayed merging"): each query sees
+        its last d + 1 tokens as they are and the earlier ones through the merged slots
+        (:func:`dmc.ops.delayed_merge_bias`). Training and the eval-mode model only: the
+        inference engine and the Hugging Face export refuse it. ``to_dict`` leaves out 0.
     """
 
     window: int | None = 12
@@ -182,6 +187,7 @@ class DMCConfig:
     dms_window: int = 512
     dms_logit_scale: float = 100.0
     dms_decision: str = "query"
+    merge_delay: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -194,6 +200,12 @@ class DMCConfig:
                               f"(DMC reads its decisions from the borrowed channels: query)")
         if not isinstance(self.dms_window, int) or self.dms_window < 0:
             raise ConfigError(f"dmc.dms_window: must be an integer >= 0, got {self.dms_window!r}")
+        if not isinstance(self.merge_delay, int) or self.merge_delay < 0:
+            raise ConfigError(f"dmc.merge_delay: must be an integer >= 0 (0 = the paper's DMC), "
+                              f"got {self.merge_delay!r}")
+        if self.merge_delay and self.method != "dmc":
+            raise ConfigError(f"dmc.merge_delay: needs dmc.method: dmc (DMS delays its "
+                              f"evictions with dmc.dms_window), got {self.method!r}")
         if self.dms_logit_scale <= 0:
             raise ConfigError(f"dmc.dms_logit_scale: must be > 0, got {self.dms_logit_scale!r}")
         if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
@@ -225,6 +237,8 @@ class DMCConfig:
             set() if self.method == "dms" else set(DMS_ONLY))
         if self.dms_decision == "query":
             skip.add("dms_decision")
+        if not self.merge_delay:
+            skip.add("merge_delay")
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(DMCConfig)
                 if f.name not in skip}
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 
 import torch
@@ -12,12 +11,6 @@ from megatron.core import parallel_state
 
 from dmc.megatron.compat import apply_cpu_compat, cuda_available, model_parallel_manual_seed
 from dmc.megatron.pipeline_sum import init_pipeline_scalar_groups
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun_command(nproc: int) -> list[str]:
@@ -30,8 +23,8 @@ def torchrun_command(nproc: int) -> list[str]:
 
 def init_process_group() -> None:
     """Initialises torch.distributed from the torchrun/SLURM-style environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or, when absent, as a single local process.
-    nccl on CUDA, gloo otherwise."""
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or, when absent, as a single local process (an
+    in-process ``HashStore``: no port). nccl on CUDA, gloo otherwise."""
     if dist.is_initialized():
         return
     backend = "nccl" if cuda_available() else "gloo"
@@ -40,12 +33,9 @@ def init_process_group() -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
         return
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
-        rank=0,
-        world_size=1,
-    )
+    # one local process: an in-process store, no port (a port picked free and bound later can
+    # be taken in between by a process started at the same time, e.g. compare's workers)
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def initialize_parallel(

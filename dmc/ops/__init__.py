@@ -1,6 +1,6 @@
 """Device-agnostic DMC math (no megatron import). Shapes are ``[batch, heads, seq, dim]``."""
 from dmc.ops.accumulate import partial_accumulate
-from dmc.ops.attention import dmc_attention
+from dmc.ops.attention import delayed_merge_attention, dmc_attention
 from dmc.ops.decisions import (
     DecisionChannels,
     DMSChannels,
@@ -28,6 +28,7 @@ from dmc.ops.loss import (
 from dmc.ops.mask import (
     bias_from_log_keep,
     dmc_attention_bias,
+    delayed_merge_bias,
     dms_attention_bias,
     log_keep_next,
     log_keep_next_from_logits,
@@ -40,6 +41,8 @@ __all__ = [
     "DMSChannels",
     "bias_from_log_keep",
     "compression_loss",
+    "delayed_merge_attention",
+    "delayed_merge_bias",
     "dmc_attention",
     "compression_loss_from_sums",
     "head_balance_loss",

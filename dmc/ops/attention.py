@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from dmc.ops.mask import bias_from_log_keep
+from dmc.ops.mask import bias_from_log_keep, delayed_merge_bias
 
 BACKENDS = ("auto", "dense", "flex")
 
@@ -54,12 +54,58 @@ def dmc_attention(
     return _dense_attention(query, key, value, log_keep, scale, delay)
 
 
+def delayed_merge_attention(
+    query: torch.Tensor,
+    key_acc: torch.Tensor,
+    value_acc: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    log_keep: torch.Tensor,
+    delay: int,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """DMC attention with delayed merging (``dmc.merge_delay``; :func:`delayed_merge_bias`):
+    one softmax over the accumulated keys (Eq. 9) and the raw keys of the last ``delay + 1``
+    tokens, GQA-aware. ``backend`` as :func:`dmc_attention`: "dense" builds the ``[batch,
+    q_heads, seq, 2 * seq]`` bias, "flex" reads ``log_keep`` in a ``score_mod`` over the
+    ``2 * seq`` keys with a block mask of the two bands.
+
+    Args:
+        query: ``[batch, q_heads, seq, dim]``.
+        key_acc, value_acc: ``[batch, kv_heads, seq, dim]`` partially accumulated (key post-RoPE).
+        key, value: ``[batch, kv_heads, seq, dim]`` the tokens' own (key post-RoPE).
+        log_keep: ``[batch, kv_heads, seq]``, ``log(1 - alpha_{j+1})`` per key position.
+        delay: d >= 1. scale: softmax scale, default ``dim ** -0.5``.
+        backend: "auto" (flex on CUDA, dense otherwise), "dense" or "flex".
+
+    Returns:
+        ``[batch, q_heads, seq, dim]`` in the dtype of ``query``.
+    """
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"delayed_merge_attention: q_heads={query.shape[1]} is not a multiple "
+                         f"of kv_heads={key.shape[1]}")
+    if backend not in BACKENDS:
+        raise ValueError(f"delayed_merge_attention: backend must be one of {BACKENDS}, got "
+                         f"{backend!r}")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    keys, values = torch.cat([key_acc, key], dim=2), torch.cat([value_acc, value], dim=2)
+    if backend == "flex" or (backend == "auto" and query.is_cuda):
+        return _flex_delayed(query, keys, values, log_keep, scale, delay)
+    return _biased_attention(query, keys, values, delayed_merge_bias(log_keep, delay), scale)
+
+
 def _dense_attention(query, key, value, log_keep, scale, delay):
+    return _biased_attention(query, key, value, bias_from_log_keep(log_keep, delay=delay), scale)
+
+
+def _biased_attention(query, key, value, bias, scale):
+    """``softmax(q k^T * scale + bias) v`` with a per-KV-head ``bias [batch, kv_heads, q, k]``."""
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    bias = bias_from_log_keep(log_keep.repeat_interleave(group, dim=1), delay=delay).to(work)
+    bias = bias.repeat_interleave(group, dim=1).to(work)
     scores = torch.matmul(query.to(work), key.to(work).transpose(-1, -2)) * scale + bias
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, value.to(work)).to(query.dtype)
@@ -103,3 +149,35 @@ def _flex_attention(query, key, value, log_keep, scale, delay):
         scale=scale,
         enable_gqa=group > 1,
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _delayed_block_mask(seq: int, delay: int, device: str):
+    """Queries ``[0, seq)`` over ``[accumulated | raw]`` keys ``[0, 2 * seq)``: accumulated key
+    j for ``i - j > delay``, raw key ``seq + j`` for ``0 <= i - j <= delay``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def bands(b, h, q_idx, kv_idx):
+        raw = kv_idx >= seq
+        lag = q_idx - torch.where(raw, kv_idx - seq, kv_idx)
+        return torch.where(raw, (lag >= 0) & (lag <= delay), lag > delay)
+
+    return create_block_mask(bands, None, None, seq, 2 * seq, device=device)
+
+
+def _flex_delayed(query, keys, values, log_keep, scale, delay):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    group = query.shape[1] // keys.shape[1]
+    seq = query.shape[2]
+    log_keep = log_keep.float()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        merged = (kv_idx < seq) & (q_idx - kv_idx > delay + 1)
+        weight = log_keep[b, h // group, torch.clamp(kv_idx, max=seq - 1)]
+        return torch.where(merged, score + weight, score)
+
+    attend = _compiled_flex() if query.is_cuda else flex_attention
+    return attend(query, keys, values, score_mod=score_mod,
+                  block_mask=_delayed_block_mask(seq, delay, str(query.device)), scale=scale,
+                  enable_gqa=group > 1)

@@ -12,6 +12,13 @@ token j + 1 marks key j for eviction, but the key stays visible to the next ``de
 mask is the same expression with ``delay = 0`` (one implementation: :func:`bias_from_log_keep`).
 NVIDIA's DMS code (Model-Optimizer ``dms_attn_train_mode``) uses the same shift by one and the
 same ``q_idx - k_idx <= window`` condition.
+
+DMC with delayed merging (``dmc.merge_delay`` = d, not in the DMC paper: DMS's delayed eviction
+carried over to merging): query i sees the last d + 1 tokens (i - d .. i) as they are, and the
+tokens before them through DMC's merged slots, as Algorithm 1 leaves them after token i - d - 1:
+the open slot (the partial accumulation at i - d - 1) unweighted, each earlier slot weighted by
+``log(1 - alpha_{j+1})``. Its bias spans two key sets, the accumulated and the raw keys
+(:func:`delayed_merge_bias`).
 """
 from __future__ import annotations
 
@@ -63,6 +70,31 @@ def bias_from_log_keep(log_keep: torch.Tensor, q_len: int | None = None,
     bias = log_keep.unsqueeze(-2).expand(*log_keep.shape[:-1], q_len, seq)
     bias = torch.where(q_pos - k_pos <= delay, torch.zeros_like(bias), bias)
     return bias.masked_fill(k_pos > q_pos, float("-inf"))
+
+
+def delayed_merge_bias(log_keep: torch.Tensor, delay: int) -> torch.Tensor:
+    """The dense bias of DMC with delayed merging over ``[accumulated keys | raw keys]``.
+
+    Args:
+        log_keep: ``[batch, heads, seq]`` from :func:`log_keep_next`.
+        delay: d >= 1, the raw tokens a query sees besides itself.
+
+    Returns:
+        ``[batch, heads, seq, 2 * seq]``. Accumulated key j (columns ``0 .. seq - 1``):
+        ``log_keep[j]`` for ``i - j > d + 1``, 0 for ``i - j == d + 1`` (the open slot), -inf
+        for ``i - j <= d``. Raw key j (columns ``seq + j``): 0 for ``0 <= i - j <= d``, -inf
+        otherwise.
+    """
+    if delay < 1:
+        raise ValueError(f"delayed_merge_bias: delay must be >= 1, got {delay}")
+    seq = log_keep.shape[-1]
+    positions = torch.arange(seq, device=log_keep.device)
+    lag = positions[:, None] - positions[None, :]  # [query i, key j]: i - j
+    merged = log_keep.unsqueeze(-2).expand(*log_keep.shape[:-1], seq, seq)
+    merged = torch.where(lag == delay + 1, torch.zeros_like(merged), merged)
+    merged = merged.masked_fill(lag <= delay, float("-inf"))
+    raw = torch.zeros_like(merged).masked_fill((lag < 0) | (lag > delay), float("-inf"))
+    return torch.cat([merged, raw], dim=-1)
 
 
 def dmc_attention_bias(alpha: torch.Tensor) -> torch.Tensor:

@@ -141,3 +141,39 @@ def compression_loss_reference(alpha, target_cr, prior="global", head_cr_cap=Non
             loss = sum(max(0.0, k - per_layer / target_cr) for k in kept_per_layer) / total
         losses.append(loss + cap_hinge + head_balance_weight * balance)
     return sum(losses) / batch
+
+
+def delayed_merge_attention_reference(q, k, v, alpha, omega, delay, inv_freq):
+    """DMC with delayed merging for one head, query by query, from Algorithm 1: query i (RoPE at
+    i) attends to the slots :func:`compressed_cache_reference` leaves after tokens 0 .. i - d - 1
+    (each slot's mean key rotated at the position of its last token, as the engine's open slot
+    is) and to tokens max(0, i - d) .. i as they are (rotated at their own positions).
+
+    Args:
+        q, k, v: ``[seq, dim]`` pre-RoPE; alpha: ``[seq]`` in {0, 1}; omega: ``[seq]``;
+        delay: d >= 1; inv_freq: ``[dim // 2]``.
+
+    Returns:
+        ``[seq, dim]`` float64.
+    """
+    from dmc.ops.rope import apply_rope
+
+    inv_freq = inv_freq.double()
+    rows = []
+    for i in range(q.shape[0]):
+        keys, values = [], []
+        merged = i - delay
+        if merged > 0:
+            slot_keys, slot_values, slot_of = compressed_cache_reference(
+                k[:merged], v[:merged], alpha[:merged], omega[:merged])
+            for slot in range(slot_keys[-1].shape[0]):
+                last = max(t for t in range(merged) if slot_of[t] == slot)
+                keys.append(apply_rope(slot_keys[-1][slot], torch.tensor(last), inv_freq))
+                values.append(slot_values[-1][slot])
+        for j in range(max(0, merged), i + 1):
+            keys.append(apply_rope(k[j].double(), torch.tensor(j), inv_freq))
+            values.append(v[j].double())
+        query = apply_rope(q[i].double(), torch.tensor(i), inv_freq)
+        scores = torch.stack(keys) @ query / math.sqrt(q.shape[-1])
+        rows.append(scores.softmax(0) @ torch.stack(values))
+    return torch.stack(rows)

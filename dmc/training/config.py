@@ -295,6 +295,11 @@ def _validate(cfg: RunConfig) -> None:
             f"its decision, so no eviction would ever reach the LM loss; scale it down with the "
             f"context"
         )
+    if dmc.enabled and dmc.merge_delay >= cfg.data.seq_length - 1:
+        raise ConfigError(
+            f"dmc.merge_delay ({dmc.merge_delay}) must be < data.seq_length - 1 "
+            f"({cfg.data.seq_length - 1}): no query would see a merged slot"
+        )
 
 
 def _validate_training_objective(cfg: RunConfig) -> None:

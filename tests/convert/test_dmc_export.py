@@ -53,3 +53,13 @@ def test_vanilla_checkpoint_exports_as_llama(tmp_path):
     with torch.no_grad():
         diff = (hf(ids).logits - megatron_logits(model, ids)).abs().max().item()
     assert diff < 1e-5
+
+
+def test_delayed_merge_has_no_export():
+    from dmc.convert.hf_config import hf_config_from_model_config
+    from dmc.megatron.config import DMCConfig, ModelConfig
+
+    model = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64,
+                        vocab_size=VOCAB, max_seq_length=64)
+    with pytest.raises(ValueError, match="merge_delay=8: DMC with delayed merging has no"):
+        hf_config_from_model_config(model, "float32", DMCConfig(merge_delay=8))

@@ -262,10 +262,12 @@ def test_noise_is_keyed_by_step_and_microbatch(parallel_1x1):
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_flex_backend_matches_dense(parallel_1x1, mode):
-    _, dense_model, dense_rt = _pair(2, DMCConfig(window=4, c=0.0, attention_backend="dense"))
+@pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "merge_delay"])
+def test_flex_backend_matches_dense(parallel_1x1, mode, delay):
+    _, dense_model, dense_rt = _pair(2, DMCConfig(window=4, c=0.0, attention_backend="dense",
+                                                  merge_delay=delay))
     spread_decisions(dense_model, scale=1.0)
-    flex_rt = DMCRuntime(DMCConfig(window=4, c=0.0, attention_backend="flex"))
+    flex_rt = DMCRuntime(DMCConfig(window=4, c=0.0, attention_backend="flex", merge_delay=delay))
     flex_model = build_gpt_model(tiny_config(2), VOCAB, 64, dmc=flex_rt)
     flex_model.load_state_dict(dense_model.state_dict())
     dense_rt.set_mode(mode)
@@ -289,11 +291,44 @@ def test_hard_straight_through_training_is_finite(parallel_1x1):
     assert all(torch.isfinite(p.grad).all() for p in dmc.parameters() if p.grad is not None)
 
 
+def test_merge_delay_over_the_whole_sequence_is_vanilla(parallel_1x1):
+    vanilla, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, merge_delay=SEQ))
+    spread_decisions(dmc, scale=1.0)
+    vanilla.load_state_dict(dmc.state_dict())
+    for layer in (m for m in vanilla.modules() if hasattr(m, "linear_qkv")):
+        with torch.no_grad():  # DMC takes the decision channels out of q.k; so does this model
+            layer.linear_qkv.weight[decision_rows(layer)] = 0
+    tokens, positions = _batch()
+    runtime.set_mode("eval")
+    with torch.no_grad():
+        torch.testing.assert_close(dmc(tokens, positions, None), vanilla(tokens, positions, None),
+                                   rtol=1e-4, atol=1e-4)
+    assert all(layer.measured_cr().min() > 1.3 for layer in dmc_layers(dmc))  # it does merge
+
+
+def test_merge_delay_trains_the_decisions(parallel_1x1):
+    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, merge_delay=3))
+    spread_decisions(dmc, scale=1.0)
+    runtime.set_mode("train")
+    runtime.target_cr = 4.0
+    tokens, positions = _batch()
+    dmc(tokens, positions, None, labels=tokens).mean().backward()
+    for layer in dmc_layers(dmc):
+        grad = layer.linear_qkv.weight.grad[decision_rows(layer)]
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
 def test_bad_settings_fail_clearly(parallel_1x1):
     with pytest.raises(ValueError, match="mode must be one of"):
         DMCRuntime().set_mode("inference")
     with pytest.raises(ValueError, match="dmc.window"):
         DMCConfig(window=0)
+    with pytest.raises(ValueError, match="dmc.merge_delay: must be an integer >= 0"):
+        DMCConfig(merge_delay=-1)
+    with pytest.raises(ValueError, match="dmc.merge_delay: needs dmc.method: dmc"):
+        DMCConfig(method="dms", merge_delay=4)
+    assert "merge_delay" not in DMCConfig().to_dict()
+    assert DMCConfig.from_dict(DMCConfig(merge_delay=8).to_dict()).merge_delay == 8
     with pytest.raises(ValueError, match="attention_dropout"):
         build_gpt_model(
             llama_transformer_config(1, 32, 2, 64, attention_dropout=0.1), VOCAB, 16,

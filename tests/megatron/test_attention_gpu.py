@@ -1,6 +1,7 @@
 """DMCSelfAttention on a CUDA GPU: the FlexAttention backend equals the dense bias backend in a
-train-mode step (Gumbel decisions, CR loss): the loss and every parameter gradient (gpu mark:
-skipped without CUDA; the CPU forward comparison is in test_attention.py)."""
+train-mode step (Gumbel decisions, CR loss; with and without delayed merging): the loss and
+every parameter gradient (gpu mark: skipped without CUDA; the CPU forward comparison is in
+test_attention.py)."""
 import pytest
 import torch
 
@@ -11,9 +12,11 @@ from tiny_models import VOCAB, spread_decisions, tiny_config
 pytestmark = pytest.mark.gpu
 
 
-def train_step_grads(backend, hard, state, tokens, positions):
-    """Loss and parameter gradients of one train-mode forward/backward with ``backend``."""
-    runtime = DMCRuntime(DMCConfig(window=4, c=0.0, hard=hard, attention_backend=backend))
+def train_step_grads(backend, hard, state, tokens, positions, delay=0):
+    """Loss and parameter gradients of one train-mode forward/backward with ``backend``
+    (``delay``: ``dmc.merge_delay``)."""
+    runtime = DMCRuntime(DMCConfig(window=4, c=0.0, hard=hard, attention_backend=backend,
+                                   merge_delay=delay))
     model = build_gpt_model(tiny_config(2), VOCAB, 256, dmc=runtime)
     model.load_state_dict(state)
     runtime.set_mode("train")
@@ -23,8 +26,8 @@ def train_step_grads(backend, hard, state, tokens, positions):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("hard", [False, True])
-def test_flex_train_step_matches_dense(parallel_1x1, hard):
+@pytest.mark.parametrize("hard,delay", [(False, 0), (True, 0), (False, 16)])
+def test_flex_train_step_matches_dense(parallel_1x1, hard, delay):
     torch.manual_seed(0)
     reference = build_gpt_model(tiny_config(2), VOCAB, 256, dmc=DMCRuntime(DMCConfig()))
     spread_decisions(reference, scale=1.0)
@@ -32,8 +35,8 @@ def test_flex_train_step_matches_dense(parallel_1x1, hard):
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (2, 200), generator=gen).cuda()
     positions = torch.arange(200, device="cuda").expand(2, 200)
-    dense_loss, dense = train_step_grads("dense", hard, state, tokens, positions)
-    flex_loss, flex = train_step_grads("flex", hard, state, tokens, positions)
+    dense_loss, dense = train_step_grads("dense", hard, state, tokens, positions, delay)
+    flex_loss, flex = train_step_grads("flex", hard, state, tokens, positions, delay)
     torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
     assert flex.keys() == dense.keys() and any("linear_qkv" in n for n in dense)
     for name, grad in dense.items():

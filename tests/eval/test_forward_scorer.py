@@ -1,0 +1,85 @@
+"""ForwardScorer (the eval-mode forward as a scorer) equals the engine's compressed cache on a
+DMC and a vanilla model: log-probabilities, logits, slots and cache bytes; on a DMC model with
+delayed merging, which the engine refuses, its slots are Algorithm 1's over the tokens a query
+no longer sees raw plus the raw window, and `dmc eval compare` scores it."""
+import json
+
+import pytest
+import torch
+
+from dmc.cli import main
+from dmc.eval.forward_scorer import ForwardScorer
+from dmc.inference import Engine, save_inference_state
+from dmc.inference.loading import load_model
+from tiny_models import VOCAB, build_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CONFIG = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 96,
+          "vocab_size": VOCAB, "max_seq_length": 160, "num_query_groups": 2}
+
+
+@pytest.fixture(scope="module")
+def models(parallel_1x1, tmp_path_factory):
+    root = tmp_path_factory.mktemp("forward")
+    vanilla, _ = build_tiny(2, seed=3)
+    save_inference_state(root / "vanilla.pt", vanilla, CONFIG)
+    for name, dmc in (("dmc", {"window": 3, "c": -1.0}),
+                      ("delayed", {"window": 3, "c": -1.0, "merge_delay": 5})):
+        model, _ = build_tiny(2, window=3, c=-1.0, seed=3)
+        save_inference_state(root / f"{name}.pt", model, CONFIG, dmc)
+    stream = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(0))
+    torch.save(stream, root / "tokens.pt")
+    return root
+
+
+def _sequences(lengths=(57, 33, 80)):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", ["vanilla", "dmc"])
+def test_forward_equals_the_engine(models, name):
+    loaded = load_model(models / f"{name}.pt")
+    engine = Engine(loaded.model, dmc="auto" if name == "dmc" else None, max_batch=3,
+                    max_seq_len=96, page_size=8, chunk_size=16)
+    sequences = _sequences()
+    want = engine.score_batch(sequences, prefill_tokens=20, return_logits=True)
+    got = ForwardScorer(loaded, max_batch=3, page_size=8).score_batch(
+        sequences, prefill_tokens=20, return_logits=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.token_logprobs, w.token_logprobs, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g.logits, w.logits, rtol=1e-4, atol=1e-4)
+        assert g.compression.tokens == w.compression.tokens
+        assert torch.equal(g.compression.slots, w.compression.slots.long())
+        for key in ("kv", "metadata", "dmc_state", "total"):
+            assert g.cache_bytes[key] == w.cache_bytes[key], key
+    if name == "dmc":
+        assert any((r.compression.slots < r.compression.tokens).any() for r in got)
+
+
+def test_delayed_merge_slots_and_engine_refusal(models):
+    loaded = load_model(models / "delayed.pt")
+    with pytest.raises(ValueError, match="merge_delay=5.*not served by the engine"):
+        Engine(loaded.model, dmc="auto", max_batch=1, max_seq_len=96)
+    tokens = _sequences((57,))[0]
+    result = ForwardScorer(loaded).score_batch([tokens])[0]
+    plain = ForwardScorer(load_model(models / "dmc.pt")).score_batch([tokens[:51]])[0]
+    # layer 0 decides from the embeddings alone, so both models decide alike there
+    assert torch.equal(result.compression.slots[0], plain.compression.slots[0] + 6)
+    assert result.compression.tokens == 57
+    short = ForwardScorer(loaded).score_batch([tokens[:4]])[0]
+    assert torch.equal(short.compression.slots, torch.full((2, 2), 4))
+
+
+def test_compare_scores_a_delayed_merge_model(models, capsys):
+    assert main(["eval", "compare", "--control", str(models / "vanilla.pt"), "--dmc",
+                 str(models / "dmc.pt"), str(models / "delayed.pt"), "--data",
+                 str(models / "tokens.pt"), "--seq-len", "48", "--num-sequences", "2",
+                 "--needle-lengths", "40", "--needle-depths", "0.5", "--needles-per-cell", "2",
+                 "--batch-size", "2", "--prefill-fraction", "0.5", "--policies", "",
+                 "--output", str(models / "out"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [r["scorer"] for r in rows] == ["engine", "engine", "forward"]
+    assert [r["label"] for r in rows] == ["control", "DMC", "DMC delay 5"]
+    assert rows[2]["slots_cr"] < rows[1]["slots_cr"]  # the raw window costs slots
+    assert 0 <= rows[2]["needle_accuracy"] <= 1 and rows[2]["perplexity"] > 1
