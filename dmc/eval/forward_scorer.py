@@ -76,6 +76,7 @@ class ForwardScorer:
         if runtime:
             runtime.set_mode("eval")
         try:
+            self._reset_stats()
             logits = self._forward(tokens).float()
             slots = self._slots(tokens)
         finally:
@@ -93,18 +94,23 @@ class ForwardScorer:
         ids = torch.tensor(tokens, device=self.device)[None]
         return self.model(ids, torch.arange(len(tokens), device=self.device)[None], None)[0]
 
+    def _reset_stats(self) -> None:
+        for layer in self.layers:
+            layer.reset_cr_stats()
+
     def _slots(self, tokens: list[int]) -> torch.Tensor:
         """Slots the cache holds per (layer, KV head) after ``tokens``: ``[layers, kv_heads]``
-        long (see the module docstring)."""
+        long (see the module docstring), read from the decision statistics of the forward over
+        all of them just run, or of one over the tokens no longer seen raw."""
         n = len(tokens)
         if self.dmc is None:
             return torch.full(self.shape, n, dtype=torch.long)
         raw = min(n, self.dmc.merge_delay + 1) if self.dmc.merge_delay else 0
-        if n == raw:
+        if raw == n:
             return torch.full(self.shape, n, dtype=torch.long)
-        for layer in self.layers:
-            layer.reset_cr_stats()
-        self._forward(tokens[:n - raw])
+        if raw:
+            self._reset_stats()
+            self._forward(tokens[:n - raw])
         merged = torch.stack([layer.cr_kept for layer in self.layers]).round().long().cpu()
         return merged + raw
 

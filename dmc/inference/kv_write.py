@@ -287,7 +287,8 @@ def make_kv_write(dmc: DMCConfig | None, *args) -> KVWrite:
     if dmc is not None and dmc.merge_delay:
         raise ValueError(f"Engine: dmc.merge_delay={dmc.merge_delay} (DMC with delayed merging) "
                          f"is not served by the engine; only dmc.merge_delay=0 is. Score such a "
-                         f"model with its eval-mode forward (dmc.eval.ForwardScorer)")
+                         f"model with its eval-mode forward "
+                         f"(dmc.eval.forward_scorer.ForwardScorer)")
     if dmc is not None and dmc.method == "dms":
         from dmc.inference.kv_write_dms import DMSKV
 

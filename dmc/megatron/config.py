@@ -166,9 +166,9 @@ class DMCConfig:
     attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense" or "flex": how the
         training attention is computed, not part of the model (``to_dict`` leaves it out).
     merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
-        (DMS's delayed eviction carried over to DMC; README "Delayed merging"): each query sees
-        its last d + 1 tokens as they are and the earlier ones through the merged slots
-        (:func:`dmc.ops.delayed_merge_bias`). Training and the eval-mode model only: the
+        (DMS's delayed eviction carried over to DMC; README "DMC with delayed merging"): a
+        query sees its last d + 1 tokens as they are and the earlier ones through the merged
+        slots (:func:`dmc.ops.delayed_merge_bias`). Training and the eval-mode model only: the
         inference engine and the Hugging Face export refuse it. ``to_dict`` leaves out 0.
     """
 
