@@ -226,7 +226,7 @@ def make_engine(method: Method, loaded, data: EvalData, *, batch_size: int,
     (:class:`dmc.eval.forward_scorer.ForwardScorer`)."""
     from dmc.inference.engine import Engine
 
-    if method.kind != "policy" and scored_by_forward(loaded):
+    if scored_by_forward(loaded):
         from dmc.eval.forward_scorer import ForwardScorer
 
         return ForwardScorer(loaded, max_batch=batch_size, page_size=page_size)

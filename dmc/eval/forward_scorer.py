@@ -17,10 +17,32 @@ with the engine's block-table and length metadata, the DMC merge state, and unde
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dmc.inference.block_allocator import pages_for
 from dmc.inference.sequence import CompressionStats, ScoreResult
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """``model`` in eval mode and, for a DMC model, its runtime in ``eval`` mode (hard
+    decisions: what the engine's cache computes); both restored on exit."""
+    from dmc.megatron.attention import dmc_layers
+
+    layers = dmc_layers(model)
+    runtime = layers[0].dmc if layers else None
+    mode, was_training = (runtime.mode if runtime else None), model.training
+    model.eval()
+    if runtime:
+        runtime.set_mode("eval")
+    try:
+        yield
+    finally:
+        if runtime:
+            runtime.set_mode(mode)
+        model.train(was_training)
 
 
 class ForwardScorer:
@@ -70,19 +92,10 @@ class ForwardScorer:
         return results
 
     def _score(self, tokens: list[int], return_logits: bool) -> ScoreResult:
-        runtime = self.layers[0].dmc if self.layers else None
-        mode, was_training = (runtime.mode if runtime else None), self.model.training
-        self.model.eval()
-        if runtime:
-            runtime.set_mode("eval")
-        try:
+        with eval_mode(self.model):
             self._reset_stats()
             logits = self._forward(tokens).float()
             slots = self._slots(tokens)
-        finally:
-            if runtime:
-                runtime.set_mode(mode)
-            self.model.train(was_training)
         logp = torch.log_softmax(logits[:-1], dim=-1)
         target = torch.tensor(tokens[1:], device=logits.device)[:, None]
         picked = logp.gather(-1, target)[:, 0].double().cpu()

@@ -192,18 +192,11 @@ def model_perplexity(model, sequences: Iterable[Sequence[int]]) -> dict:
     """Perplexity from the megatron model's full forward (one sequence at a time). DMC models run
     in ``eval`` mode (hard decisions, the runtime's mode is restored afterwards): the number the
     engine's real cache must reproduce. Returns ``{"perplexity", "nll", "tokens", "sequences"}``."""
-    from dmc.megatron.attention import dmc_layers
+    from dmc.eval.forward_scorer import eval_mode
 
-    layers = dmc_layers(model)
-    runtime = layers[0].dmc if layers else None
-    mode = runtime.mode if runtime else None
-    if runtime:
-        runtime.set_mode("eval")
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     nll, count, n = 0.0, 0, 0
-    try:
+    with eval_mode(model):
         for tokens in sequences:
             ids = torch.as_tensor(list(tokens), device=device)[None]
             positions = torch.arange(ids.shape[1], device=device)[None]
@@ -212,10 +205,6 @@ def model_perplexity(model, sequences: Iterable[Sequence[int]]) -> dict:
             nll -= float(logp.gather(-1, ids[0, 1:, None]).sum())
             count += ids.shape[1] - 1
             n += 1
-    finally:
-        if runtime:
-            runtime.set_mode(mode)
-        model.train(was_training)
     if not count:
         raise ValueError("model_perplexity: no sequences")
     return {"perplexity": math.exp(nll / count), "nll": nll / count, "tokens": count,

@@ -40,18 +40,26 @@ def dmc_attention(
     Returns:
         ``[batch, q_heads, seq, dim]`` in the dtype of ``query``.
     """
+    scale, flex = _settings("dmc_attention", query, key, scale, backend)
+    if flex:
+        seq = query.shape[2]
+        return _flex(query, key, value, log_keep, scale, _causal_block_mask(seq, str(query.device)),
+                     lambda q_idx, kv_idx: q_idx - kv_idx > delay)
+    return _biased_attention(query, key, value, bias_from_log_keep(log_keep, delay=delay), scale)
+
+
+def _settings(name: str, query, key, scale, backend) -> tuple[float, bool]:
+    """The softmax scale (default ``dim ** -0.5``) and whether FlexAttention runs; ValueError
+    naming ``name`` for a bad backend or a query head count that is not a multiple of the KV
+    heads'."""
     if backend not in BACKENDS:
-        raise ValueError(f"dmc_attention: backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
     if query.shape[1] % key.shape[1]:
         raise ValueError(
-            f"dmc_attention: q_heads={query.shape[1]} is not a multiple of kv_heads={key.shape[1]}"
+            f"{name}: q_heads={query.shape[1]} is not a multiple of kv_heads={key.shape[1]}"
         )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if backend == "auto":
-        backend = "flex" if query.is_cuda else "dense"
-    if backend == "flex":
-        return _flex_attention(query, key, value, log_keep, scale, delay)
-    return _dense_attention(query, key, value, log_keep, scale, delay)
+    return scale, backend == "flex" or (backend == "auto" and query.is_cuda)
 
 
 def delayed_merge_attention(
@@ -82,21 +90,14 @@ def delayed_merge_attention(
     Returns:
         ``[batch, q_heads, seq, dim]`` in the dtype of ``query``.
     """
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"delayed_merge_attention: q_heads={query.shape[1]} is not a multiple "
-                         f"of kv_heads={key.shape[1]}")
-    if backend not in BACKENDS:
-        raise ValueError(f"delayed_merge_attention: backend must be one of {BACKENDS}, got "
-                         f"{backend!r}")
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scale, flex = _settings("delayed_merge_attention", query, key, scale, backend)
     keys, values = torch.cat([key_acc, key], dim=2), torch.cat([value_acc, value], dim=2)
-    if backend == "flex" or (backend == "auto" and query.is_cuda):
-        return _flex_delayed(query, keys, values, log_keep, scale, delay)
+    if flex:
+        seq = query.shape[2]
+        return _flex(query, keys, values, log_keep, scale,
+                     _delayed_block_mask(seq, delay, str(query.device)),
+                     lambda q_idx, kv_idx: (kv_idx < seq) & (q_idx - kv_idx > delay + 1))
     return _biased_attention(query, keys, values, delayed_merge_bias(log_keep, delay), scale)
-
-
-def _dense_attention(query, key, value, log_keep, scale, delay):
-    return _biased_attention(query, key, value, bias_from_log_keep(log_keep, delay=delay), scale)
 
 
 def _biased_attention(query, key, value, bias, scale):
@@ -128,27 +129,23 @@ def _causal_block_mask(seq: int, device: str):
     return create_block_mask(causal, None, None, seq, seq, device=device)
 
 
-def _flex_attention(query, key, value, log_keep, scale, delay):
+def _flex(query, key, value, log_keep, scale, block_mask, weighted):
+    """FlexAttention over ``key, value [batch, kv_heads, keys, dim]`` with ``block_mask``,
+    adding ``log_keep[b, kv_head, kv_idx]`` to the scores where ``weighted(q_idx, kv_idx)``
+    (which must be false past ``log_keep``'s end: the index is only clamped there)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     group = query.shape[1] // key.shape[1]
-    seq = query.shape[2]
+    last = log_keep.shape[-1] - 1
     log_keep = log_keep.float()
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.where(q_idx - kv_idx > delay, score + log_keep[b, h // group, kv_idx], score)
+        weight = log_keep[b, h // group, torch.clamp(kv_idx, max=last)]
+        return torch.where(weighted(q_idx, kv_idx), score + weight, score)
 
-    block_mask = _causal_block_mask(seq, str(query.device))
     attend = _compiled_flex() if query.is_cuda else flex_attention
-    return attend(
-        query,
-        key,
-        value,
-        score_mod=score_mod,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=group > 1,
-    )
+    return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                  enable_gqa=group > 1)
 
 
 @functools.lru_cache(maxsize=32)
@@ -164,20 +161,3 @@ def _delayed_block_mask(seq: int, delay: int, device: str):
 
     return create_block_mask(bands, None, None, seq, 2 * seq, device=device)
 
-
-def _flex_delayed(query, keys, values, log_keep, scale, delay):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    group = query.shape[1] // keys.shape[1]
-    seq = query.shape[2]
-    log_keep = log_keep.float()
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        merged = (kv_idx < seq) & (q_idx - kv_idx > delay + 1)
-        weight = log_keep[b, h // group, torch.clamp(kv_idx, max=seq - 1)]
-        return torch.where(merged, score + weight, score)
-
-    attend = _compiled_flex() if query.is_cuda else flex_attention
-    return attend(query, keys, values, score_mod=score_mod,
-                  block_mask=_delayed_block_mask(seq, delay, str(query.device)), scale=scale,
-                  enable_gqa=group > 1)

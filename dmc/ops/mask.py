@@ -87,12 +87,9 @@ def delayed_merge_bias(log_keep: torch.Tensor, delay: int) -> torch.Tensor:
     """
     if delay < 1:
         raise ValueError(f"delayed_merge_bias: delay must be >= 1, got {delay}")
-    seq = log_keep.shape[-1]
-    positions = torch.arange(seq, device=log_keep.device)
+    positions = torch.arange(log_keep.shape[-1], device=log_keep.device)
     lag = positions[:, None] - positions[None, :]  # [query i, key j]: i - j
-    merged = log_keep.unsqueeze(-2).expand(*log_keep.shape[:-1], seq, seq)
-    merged = torch.where(lag == delay + 1, torch.zeros_like(merged), merged)
-    merged = merged.masked_fill(lag <= delay, float("-inf"))
+    merged = bias_from_log_keep(log_keep, delay=delay + 1).masked_fill(lag <= delay, float("-inf"))
     raw = torch.zeros_like(merged).masked_fill((lag < 0) | (lag > delay), float("-inf"))
     return torch.cat([merged, raw], dim=-1)
 
