@@ -214,22 +214,10 @@ def nominal_cr(method: Method, loaded, control_kv: int, measured: float) -> floa
     return 1.0
 
 
-def scored_by_forward(loaded) -> bool:
-    """Whether ``loaded`` is scored by its eval-mode forward: DMC with delayed merging."""
-    return loaded.dmc_config is not None and bool(loaded.dmc_config.merge_delay)
-
-
 def make_engine(method: Method, loaded, data: EvalData, *, batch_size: int,
                 chunk_size: int = 512, page_size: int = 16):
-    """A fresh engine (and policy: a policy serves one engine) for ``method``'s model; for DMC
-    with delayed merging, which the engine does not serve, the eval-mode forward
-    (:class:`dmc.eval.forward_scorer.ForwardScorer`)."""
+    """A fresh engine (and policy: a policy serves one engine) for ``method``'s model."""
     from dmc.inference.engine import Engine
-
-    if scored_by_forward(loaded):
-        from dmc.eval.forward_scorer import ForwardScorer
-
-        return ForwardScorer(loaded, max_batch=batch_size, page_size=page_size)
 
     longest = max(len(s) for s in list(data.sequences) + [n.tokens for n in data.needles])
     kwargs = dict(max_batch=batch_size, max_seq_len=longest, chunk_size=chunk_size,
@@ -272,7 +260,6 @@ def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | No
     control_bytes = (reference or ppl)["cache_bytes"]["total"]
     result = {"method": method.kind, "label": method.label, "path": method.path,
               "policy": method.policy, "schedule": schedule_of(method),
-              "scorer": "forward" if scored_by_forward(loaded) else "engine",
               "requested_cr": method.cr,
               "nominal_cr": nominal_cr(method, loaded, control_kv, slots_cr),
               "slots_cr": slots_cr, "memory_cr": control_bytes / ppl["cache_bytes"]["total"],

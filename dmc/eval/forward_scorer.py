@@ -1,6 +1,6 @@
 """Teacher-forced scoring through a model's eval-mode forward, with no cache: the reference the
-engine's compressed cache must reproduce, and the only scorer of models the engine does not
-serve (DMC with delayed merging, ``dmc.merge_delay``).
+engine's compressed cache must reproduce (tests/eval/test_forward_scorer.py compares the two on
+vanilla, DMC and delayed-merging DMC models, ``dmc.merge_delay``).
 
 :class:`ForwardScorer` answers what :func:`dmc.eval.perplexity.evaluate_perplexity` and
 :func:`dmc.eval.needle.evaluate_needle` ask of an :class:`dmc.inference.Engine`

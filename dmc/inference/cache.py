@@ -1,13 +1,11 @@
 """Paged, per-head, variable-length KV cache for DMC inference (Algorithm 1 of the paper).
 
 The pages, free list, block tables and lengths are the :class:`BlockAllocator`'s (``allocator``);
-this module holds the storage: ONE pool of pages per model,
-
-* ``k_pages``, ``v_pages``: ``[num_pages, page_size, head_dim]`` in the cache dtype (slot ``n`` of
-  a head at ``k_pages[block_tables[seq, layer, head, n // page_size], n % page_size]``),
-
-and, in float32, the DMC merge state of each head's open (last) slot (Eq. 9), so that merging at
-inference equals the training-time accumulation:
+this module holds the storage: ONE pool of pages per model, ``k_pages``, ``v_pages``
+``[num_pages, page_size, head_dim]`` in the cache dtype (slot ``n`` of a head at
+``k_pages[block_tables[seq, layer, head, n // page_size], n % page_size]``), and, in float32,
+the DMC merge state of each head's open (last) slot (Eq. 9), so that merging at inference equals
+the training-time accumulation:
 
 * ``open_k``, ``open_v``: ``[max_seqs, num_layers, num_kv_heads, rows, head_dim]`` pre-RoPE;
 * ``open_omega``: ``[max_seqs, num_layers, num_kv_heads, rows]``;
@@ -18,13 +16,12 @@ With ``window=w`` the rows (``rows = w``) are a ring of the open slot's last ``w
 one row: the running pre-RoPE mean and its running weight ``z``.
 
 A decode step's DMC writes may be deferred (``write(..., defer=True)``): the append-or-merge
-decisions then stay on the device. :meth:`begin_decode` opens the step before its first layer:
-every head of every layer at a page boundary gets its next page (the scheduler made room: its
-worst case is that every head appends), so the layers' writes take no page and make no host
-work of the allocator. :meth:`settle` closes it, reading the lengths of all layers back in one
-copy (the engine: the copy that reads the sampled tokens) and returning the pages of the heads
-that merged. Until then the host lengths lag behind on a GPU; every method but :meth:`write` and
-:meth:`attention` settles first when the step holds the sequences it is given.
+decisions stay on the device. :meth:`begin_decode` opens the step before its first layer: every
+head of every layer at a page boundary gets its next page (the scheduler made room), so the
+layers' writes take no page and make no host work. :meth:`settle` closes it, reading the lengths
+of all layers back in one copy (with the engine's sampled tokens) and returning the pages of the
+heads that merged. Until then the host lengths lag behind on a GPU; every method but
+:meth:`write` and :meth:`attention` settles first when the step holds its sequences.
 """
 from __future__ import annotations
 
@@ -187,26 +184,34 @@ class PagedKVCache:
                 step :meth:`begin_decode` opened for ``seq_slots`` (see the module docstring).
         """
         seqs, rows = self.allocator.rows(seq_slots)
-        device = self.device
         if defer:
             self.allocator.claim(seqs, layer)
+            return self._write_decided(layer, rows, positions, k, v, omega, alpha, use_triton)
+        self._settle_for(seqs)
+        lengths = self.allocator.lengths[seqs, layer].long()
+        append = (torch.as_tensor(alpha).detach().cpu() <= 0.5) | (lengths == 0)
+        self.allocator.grow(seqs, layer, lengths + append.long())
+        self._write_decided(layer, rows, positions, k, v, omega, alpha, use_triton,
+                            (lengths + append.long(), append))
+
+    def _write_decided(self, layer: int, rows: torch.Tensor, positions, k: torch.Tensor,
+                       v: torch.Tensor, omega, alpha, use_triton: bool | None,
+                       host: tuple | None = None) -> None:
+        """Algorithm 1's write of a token per cache row ``rows`` (device ``[batch]``): with
+        ``host`` (new lengths, appends) as decided on the host, else decided on the device in
+        the step :meth:`begin_decode` opened (pages reserved)."""
+        device = self.device
+        if host is None:
             current = self.lengths[rows, layer].long()
             append = (torch.as_tensor(alpha, device=device) <= 0.5) | (current == 0)
             new_lengths = current + append.long()
             self.lengths[rows, layer] = new_lengths.to(torch.int32)
         else:
-            self._settle_for(seqs)
-            lengths = self.allocator.lengths[seqs, layer].long()
-            append = (torch.as_tensor(alpha).detach().cpu() <= 0.5) | (lengths == 0)
-            new_lengths = lengths + append.long()
-            self.allocator.grow(seqs, layer, new_lengths)
-            append, new_lengths = to_device(append, device), to_device(new_lengths, device)
-        run_dmc_write(
-            self.k_pages, self.v_pages, self.block_tables, self.open_k, self.open_v,
-            self.open_omega, self.open_count, self.inv_freq, self.window, layer, rows,
-            new_lengths - 1, append, k, v, torch.as_tensor(omega, device=device),
-            torch.as_tensor(positions, device=device), use_triton=use_triton,
-        )
+            new_lengths, append = (to_device(x, device) for x in host)
+        run_dmc_write(self.k_pages, self.v_pages, self.block_tables, self.open_k, self.open_v,
+                      self.open_omega, self.open_count, self.inv_freq, self.window, layer, rows,
+                      new_lengths - 1, append, k, v, torch.as_tensor(omega, device=device),
+                      torch.as_tensor(positions, device=device), use_triton=use_triton)
 
     def begin_decode(self, seq_slots, static: bool = False) -> None:
         """Open a decode step of ``seq_slots`` whose writes are deferred: settle the previous

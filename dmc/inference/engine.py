@@ -7,7 +7,9 @@ preemption done before the model runs), runs it as one forward of the
 ``DMCSelfAttention`` in ``eval`` mode, Algorithm 1 (:mod:`dmc.ops.algorithm1`, through
 :class:`~dmc.inference.kv_write.DMCKV`); with ``dmc.method="dms"``, DMS's delayed eviction with
 hard decisions (:class:`~dmc.inference.kv_write_dms.DMSKV` over a
-:class:`~dmc.inference.dms_cache.DMSPagedCache`); prefill is exact and chunked. A preempted
+:class:`~dmc.inference.dms_cache.DMSPagedCache`); with ``dmc.merge_delay``, DMC with delayed
+merging (:class:`~dmc.inference.kv_write_delayed.DelayedDMCKV` over a
+:class:`~dmc.inference.delayed_cache.DelayedMergeCache`); prefill is exact and chunked. A preempted
 sequence restarts by prefilling its prompt and the tokens it generated (its sampler state is
 kept, so its output is the same); one that cannot fit in the whole pool alone ends with
 ``finish_reason="cache_full"``.
@@ -22,6 +24,7 @@ import torch
 from dmc.inference.block_allocator import default_num_pages, pages_for
 from dmc.inference.cache import PagedKVCache
 from dmc.inference.decode_graphs import DecodeGraphs
+from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
 from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
 from dmc.inference.kv_write import make_kv_write, make_policy
 from dmc.inference.loading import load_inference_state, load_model, load_plain
@@ -55,8 +58,8 @@ class Engine:
             ``None`` (vanilla attention).
         num_pages: pages in the pool; default: room for ``max_batch`` uncompressed sequences of
             ``max_seq_len`` tokens, capped by ``kv_cache_bytes``.
-        kv_cache_bytes: byte budget of the page pool (keys and values; under DMS, the window
-            rings of ``max_batch`` sequences too) when ``num_pages`` is not given; default: 90%
+        kv_cache_bytes: byte budget of the page pool (keys and values; under DMS or delayed
+            merging, the window rings of ``max_batch`` sequences too) when ``num_pages`` is not given; default: 90%
             of the free GPU memory on CUDA, a quarter of the RAM on CPU.
         page_size: slots per page.
         max_batch: most sequences running at once (= cache sequence slots).
@@ -129,20 +132,23 @@ class Engine:
         self.max_seq_len = int(max_seq_len or model.max_sequence_length)
         self.page_size, self.max_batch, self.chunk_size = page_size, max_batch, chunk_size
         dms = self.dmc is not None and self.dmc.method == "dms"
+        delay = self.dmc.merge_delay if self.dmc is not None else 0
         if num_pages is None:
             heads = self.num_layers * self.num_kv_heads
             item = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
-            rings = (max_batch * heads * ring_bytes(self.dmc.dms_window, self.head_dim, item)
-                     if dms else 0)
+            ring = (ring_bytes(self.dmc.dms_window, self.head_dim, item) if dms else
+                    delayed_ring_bytes(delay, self.head_dim, item) if delay else 0)
             num_pages = default_num_pages(max_batch, self.max_seq_len, page_size, heads,
                                           2 * page_size * self.head_dim * item, kv_cache_bytes,
-                                          self.device, reserved=rings)
+                                          self.device, reserved=max_batch * heads * ring)
         shape = (self.num_layers, self.num_kv_heads, self.head_dim, num_pages)
         options = dict(page_size=page_size, max_seqs=max_batch, dtype=cache_dtype or self.dtype,
                        device=self.device, max_seq_len=self.max_seq_len,
                        inv_freq=rope_frequencies(model, self.head_dim))
         if dms:
             self.cache = DMSPagedCache(*shape, self.dmc.dms_window, **options)
+        elif delay:
+            self.cache = DelayedMergeCache(*shape, delay, window=self.dmc.window, **options)
         else:
             self.cache = PagedKVCache(*shape, window=self.dmc.window if self.dmc else None,
                                       **options)

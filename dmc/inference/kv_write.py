@@ -7,6 +7,8 @@ strategy per kind of cache, so that the model runner never branches on the model
   the host learns the lengths once per step: :meth:`PagedKVCache.settle`), a prefill chunk is
   compressed at once and packed; queries see a slot once closed and the open one.
 * ``DMSKV`` (:mod:`dmc.inference.kv_write_dms`): DMS's delayed eviction over a window ring.
+* ``DelayedDMCKV`` (:mod:`dmc.inference.kv_write_delayed`): DMC with delayed merging, Algorithm 1
+  behind a window ring.
 
 A KV policy (:class:`dmc.policies.PolicyRunner`) or :class:`NoPolicy` observes the written slots,
 may replace decode attention and, when its schedule says so, evicts after a forward.
@@ -189,9 +191,9 @@ class KVWrite:
         raise NotImplementedError
 
     def _chunk_attention(self, layer: int, seq: int, chunk: Chunk) -> torch.Tensor:
-        """Queries ``[heads, n, dim]`` over the visible cached slots and the chunk's own slots
-        under ``chunk.bias``. Returns ``[heads, n, dim]`` float32."""
-        kv, n, dim = chunk.keys.shape
+        """Queries ``[heads, n, dim]`` over the visible cached slots and the chunk's keys (``[kv,
+        k, dim]``) under ``chunk.bias`` ``[kv, n, k]``. Returns ``[heads, n, dim]`` float32."""
+        (kv, _, dim), n = chunk.keys.shape, chunk.q_rot.shape[1]
         keys, values, bias = chunk.keys, chunk.values, chunk.bias
         cached = chunk.visible.shape[1]
         if cached:
@@ -260,20 +262,28 @@ class DMCKV(KVWrite):
         return zero_decision_channel(rotate(decided.query[:, :, 0].float(), step.cos, step.sin))
 
     def prepare_chunk(self, layer, seq, query, key, value, positions, lengths):
-        heads, dim = self.cache.num_kv_heads, query.shape[-1]
-        start = int(positions[0])
         decided = self._decide(query.transpose(0, 1)[None], key.transpose(0, 1)[None])
-        alpha = decided.alpha
-        if start == 0:
-            alpha[..., 0] = 0
-        prefix = (empty_prefix(1, heads, dim, query.device) if start == 0 else
-                  open_slot_prefix(self.cache.open_state(layer, [seq]), self.config.window))
-        packed = compress_chunk(decided.key, value.transpose(0, 1)[None], alpha, decided.omega,
-                                positions, self.inv_freq, self.config.window, prefix)
-        alpha = alpha[0]
-        overwrite = (alpha[:, 0] > 0.5) if start else None  # first token merges: open slot
         q_rot = apply_rope(decided.query[0].float(), positions, self.inv_freq)
-        return Chunk(zero_decision_channel(q_rot), packed.keys[0], packed.values[0],
+        chunk = self._compress(layer, seq, decided.key[0], value.transpose(0, 1),
+                               decided.alpha[0], decided.omega[0], positions, lengths)
+        return chunk._replace(q_rot=zero_decision_channel(q_rot))
+
+    def _compress(self, layer, seq, key, value, alpha, omega, positions, lengths) -> Chunk:
+        """Algorithm 1 over ``m`` tokens at ``positions [m]`` following the cache's slots of
+        ``layer`` (``lengths [kv]`` host): pre-RoPE ``key`` and ``value`` ``[kv, m, dim]``,
+        decisions ``alpha``, ``omega`` ``[kv, m]`` (alpha of position 0 taken as 0). A
+        :class:`Chunk` without queries (``q_rot`` None): the tokens' accumulated keys and their
+        DMC mask, the cached slots they leave visible, what to pack."""
+        start = int(positions[0])
+        alpha = alpha.clone()
+        if start == 0:
+            alpha[:, 0] = 0
+        prefix = (empty_prefix(1, key.shape[0], key.shape[-1], key.device) if start == 0 else
+                  open_slot_prefix(self.cache.open_state(layer, [seq]), self.config.window))
+        packed = compress_chunk(key[None], value[None], alpha[None], omega[None], positions,
+                                self.inv_freq, self.config.window, prefix)
+        overwrite = (alpha[:, 0] > 0.5) if start else None  # first token merges: open slot
+        return Chunk(None, packed.keys[0], packed.values[0],
                      bias_from_log_keep(log_keep_next(alpha)),
                      self._slot_mask(lengths, None if overwrite is None else overwrite.cpu()),
                      packed.counts[0].cpu(), packed.slot_keys[0], packed.slot_values[0],
@@ -281,14 +291,14 @@ class DMCKV(KVWrite):
 
 
 def make_kv_write(dmc: DMCConfig | None, *args) -> KVWrite:
-    """:class:`DMCKV` for a DMC config, :class:`~dmc.inference.kv_write_dms.DMSKV` for
-    ``method="dms"`` (its cache a ``DMSPagedCache``), else :class:`VanillaKV` (arguments of
-    :class:`KVWrite`)."""
+    """:class:`DMCKV` for a DMC config, ``DelayedDMCKV``
+    (:mod:`~dmc.inference.kv_write_delayed`; its cache a ``DelayedMergeCache``) under
+    ``merge_delay``, :class:`~dmc.inference.kv_write_dms.DMSKV` for ``method="dms"`` (its cache
+    a ``DMSPagedCache``), else :class:`VanillaKV` (arguments of :class:`KVWrite`)."""
     if dmc is not None and dmc.merge_delay:
-        raise ValueError(f"Engine: dmc.merge_delay={dmc.merge_delay} (DMC with delayed merging) "
-                         f"is not served by the engine; only dmc.merge_delay=0 is. Score such a "
-                         f"model with its eval-mode forward "
-                         f"(dmc.eval.forward_scorer.ForwardScorer)")
+        from dmc.inference.kv_write_delayed import DelayedDMCKV
+
+        return DelayedDMCKV(dmc, *args)
     if dmc is not None and dmc.method == "dms":
         from dmc.inference.kv_write_dms import DMSKV
 

@@ -9,6 +9,7 @@ from dmc.inference import Engine, SamplingParams
 from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.megatron.runtime import DMCConfig
 from dmc.policies import get_policy
+from test_delayed_engine import build_delayed
 from test_dms_engine import build_dms
 from test_engine import build, check_against_model, prompts
 
@@ -53,13 +54,16 @@ def test_static_decode_steps_equal_the_ordinary_forward(parallel_1x1, groups, wi
         check_against_model(model, static, prompts((13, 21, 7, 9)), dmc=runtime is not None)
 
 
+@pytest.mark.parametrize("kind", ["dms", "merge_delay"])
 @pytest.mark.parametrize("groups,window", [(2, 4), (4, 8)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_static_dms_steps_equal_the_ordinary_forward(parallel_1x1, groups, window, temperature):
-    """DMS (about half the tokens evicted): a step runs static once every sequence of its batch
-    fills its window ring, eagerly before (window 8: the 7-token prompt's first decode steps),
-    and gives what the ordinary steps give, bit for bit."""
-    model = build_dms(groups, window)
+def test_static_ring_steps_equal_the_ordinary_forward(parallel_1x1, kind, groups, window,
+                                                      temperature):
+    """DMS (about half the tokens evicted) and DMC with delayed merging (``window`` the delay):
+    a step runs static once every sequence of its batch fills its window ring, eagerly before
+    (window 8: the 7-token prompt's first decode steps), and gives what the ordinary steps
+    give, bit for bit."""
+    model = build_dms(groups, window) if kind == "dms" else build_delayed(groups, window)
     params = SamplingParams(temperature=temperature)
     _, eager = generate(model, groups, False, params)
     static_engine = Engine(model, page_size=4, max_batch=4, chunk_size=5, num_pages=36 * groups,
@@ -74,7 +78,7 @@ def test_static_dms_steps_equal_the_ordinary_forward(parallel_1x1, groups, windo
         assert a.tokens == b.tokens and a.logprobs == b.logprobs
         assert torch.equal(a.compression.slots, b.compression.slots)
     assert all(ready) == (window < 7) and sum(ready) > 20
-    assert max(r.compression.overall for r in static) > 1.2, "DMS should evict"
+    assert max(r.compression.overall for r in static) > 1.2, "the cache should compress"
     assert static_engine.cache.pages_in_use == 0
 
 

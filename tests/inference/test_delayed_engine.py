@@ -1,0 +1,80 @@
+"""The engine under DMC with delayed merging (``dmc.merge_delay``) against the megatron model's
+eval-mode forward (dense delayed attention over accumulated and raw keys, itself checked against
+a float64 loop over Algorithm 1 in tests/ops/test_delayed_merge.py): greedy generation of
+batched requests (chunked prefill across the ring's edge, then decode), slots (Algorithm 1's over
+the tokens that left the ring, plus the ring), preemption, the byte budget, and the cache's
+accounting."""
+import dataclasses
+
+import pytest
+import torch
+
+from dmc.inference import Engine, SamplingParams
+from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
+from test_engine import build, prompts, teacher_forced
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def build_delayed(groups, delay, window=3, c=-1.0, seed=0):
+    """A tiny DMC model (eval mode, decisions that merge long runs) with ``merge_delay``."""
+    model, runtime = build(groups, window, c, seed=seed)
+    runtime.config = dataclasses.replace(runtime.config, merge_delay=delay)
+    return model
+
+
+@pytest.mark.parametrize("groups,delay,window", [(4, 3, 3), (2, 8, 3), (2, 4, None)])
+def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups, delay, window):
+    model = build_delayed(groups, delay, window)
+    prompt_list = prompts((13, 21, 7))
+    engine = Engine(model, page_size=4, max_batch=3, chunk_size=5)
+    assert isinstance(engine.cache, DelayedMergeCache) and engine.cache.ring_size == delay + 1
+    results = engine.generate(prompt_list, SamplingParams(max_new_tokens=24))
+    for prompt, result in zip(prompt_list, results):
+        fed = prompt + result.tokens[:-1]  # the last generated token is never fed back
+        logp, _ = teacher_forced(model, fed)
+        steps = logp[len(prompt) - 1:]
+        assert steps.argmax(-1).tolist() == result.tokens
+        picked = steps.gather(-1, torch.tensor(result.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), picked,
+                                   atol=1e-4, rtol=0)
+        _, merged = teacher_forced(model, fed[:len(fed) - delay - 1])
+        assert torch.equal(result.compression.slots, merged + delay + 1)
+    assert min(r.compression.overall for r in results) > 1.3, "decisions should merge"
+    assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
+
+
+def test_out_of_pages_preempts_and_restarts_with_the_same_output(parallel_1x1):
+    model = build_delayed(2, 3)
+    prompt_list = prompts((10, 12, 9))
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)
+    expected = Engine(model, page_size=4, max_batch=3, chunk_size=8).generate(
+        prompt_list, [params] * 3)
+    tight = Engine(model, page_size=4, max_batch=3, chunk_size=8, num_pages=20)
+    results = tight.generate(prompt_list, [params] * 3)
+    assert tight.stats.preemptions > 0 and results[0].preemptions == 0
+    for e, r in zip(expected, results):
+        assert r.tokens == e.tokens
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(e.logprobs),
+                                   atol=1e-5, rtol=0)
+    assert tight.cache.pages_in_use == 0 and tight.cache.free_pages == 20
+
+
+def test_the_byte_budget_and_the_accounting_hold_the_rings(parallel_1x1):
+    """kv_cache_bytes covers the pages and the rings of every sequence slot; a sequence's bytes
+    are its pages, their metadata, the merge state and the ring, as allocated."""
+    model = build_delayed(2, 3)
+    page = 2 * 16 * 16 * 4  # keys + values, 16 slots of head_dim 16, float32
+    rings = 3 * 2 * 2 * delayed_ring_bytes(3, 16, 4)  # max_batch x layers x kv heads
+    engine = Engine(model, max_batch=3, kv_cache_bytes=rings + 10 * page + 5)
+    cache = engine.cache
+    assert cache.num_pages == 10
+    ring_tensors = (cache.ring_k, cache.ring_v, cache.ring_alpha, cache.ring_omega)
+    assert sum(t.numel() * t.element_size() for t in ring_tensors) == rings
+    engine.add_request(prompts((30,))[0], SamplingParams(max_new_tokens=5))
+    engine.step()
+    seq = engine.scheduler.running[0]
+    held = cache.sequence_bytes(seq.slot)
+    state = [cache.open_k, cache.open_v, cache.open_omega, cache.open_count, *ring_tensors]
+    assert held["dmc_state"] == sum(t[seq.slot].numel() * t.element_size() for t in state)
+    assert held["kv"] == cache.pages_in_use * cache.page_bytes
