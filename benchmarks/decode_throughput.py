@@ -9,8 +9,11 @@ temperature 1, no stop token) with the largest batch whose cache fits ONE memory
    and per sequence slot the block-table row of every (layer, KV head), its length, and the DMC
    open-slot merge state (float32 window ring of pre-RoPE keys and values, their weights, the
    token count), under DMS the window ring of ``w + 1`` keys, values and eviction flags in the
-   cache dtype; plus the policy's state per sequence. The batch is the largest that fits; the
-   pool gets every page the budget has left;
+   cache dtype, under delayed merging the ring of ``d + 1`` raw keys and values (cache dtype)
+   and their two float32 decisions; plus the policy's state per sequence. The batch is the
+   largest that fits with a page per (layer, KV head) to spare (the scheduler's margin for
+   admitting a prompt while others run: without it the last sequence of a batch can wait for
+   the others to finish); the pool gets every page the budget has left;
 3. all modes run together, interleaved step by step (one ``Engine.step`` of each mode in turn,
    the order rotated every round), so that drift of the machine lands on every mode alike;
 4. throughput is tokens/s over the last ``--steady`` decode steps at the full batch (steps that
@@ -24,6 +27,10 @@ Modes (``--modes``, comma separated):
   (earlier decisions change later hidden states), the k[-1] decision row gets random weights and
   a bias from a calibration forward such that a fraction ``1 - 1/CR`` of tokens merges; the q[-1]
   rows are zeroed (uniform importance). The measured CR is reported next to the target;
+* ``delay:CR``: as ``dmc:CR`` with ``dmc.merge_delay`` = ``--merge-delay`` d (DMC with delayed
+  merging: a ring of the last d + 1 raw tokens in front of Algorithm 1's slots), the tokens
+  older than the ring merging so that the CR at the full length P + G is CR (P + G must be at
+  least CR * (d + 1));
 * ``dms:CR``: the base weights as a DMS model (window ``--dms-window``, PyTorch decode on every
   device) with forced decisions: per layer, in order, the borrowed row (q[-1] of the first query
   head of each KV group, pre-RoPE) gets random weights and a bias from a calibration forward such
@@ -42,7 +49,7 @@ Modes (``--modes``, comma separated):
 replaces the random base model; its shape then comes from the checkpoint.
 
 Each mode also gets its roofline (:mod:`dmc.eval.roofline`): the bytes a steady step reads
-(weights, the K/V pages held, the DMC merge state it updates or the DMS window ring it reads),
+(weights, the K/V pages held, the DMC merge state it updates, the window ring it reads),
 the bandwidth it achieves, and the fraction of its bound ``max(bytes / read bandwidth, flops /
 GEMM rate)`` it reaches at the median step time, the bandwidth and GEMM rate measured by
 microbenchmarks after the run, in the same process and thread count.
@@ -52,7 +59,8 @@ Presets: ``gpu`` (default with CUDA): a ~1B-shaped Llama (16 layers, hidden 2048
 ``cpu`` (default otherwise): 2 layers, hidden 256, 4 heads, P = 256, G = 64, 8 MiB per mode, fp32,
 vanilla and DMC 2x / 4x; ``cpu-kv``: a KV-heavy CPU shape where the cache, not the weights,
 dominates a step (2 layers, hidden 512, 8 heads and 8 KV heads, P = 1024, G = 64, 136 MiB per
-mode), vanilla, DMC 2x / 4x, GQA 2x / 4x (add ``dms:4`` for DMS). Any flag overrides its preset
+mode), vanilla, DMC 2x / 4x, GQA 2x / 4x (add ``dms:4`` for DMS, ``delay:4`` for delayed
+merging). Any flag overrides its preset
 value.
 
 Prints a table; ``--out FILE.json`` writes every number. On CUDA the Triton kernels run, on CPU
@@ -70,10 +78,10 @@ import warnings
 
 import torch
 
-from dmc.eval.decode_modes import MODE_SYNTAX, Mode, build_models, parse_mode
+from dmc.eval.decode_modes import FORCED, MODE_SYNTAX, Mode, build_models, parse_mode
 from dmc.eval.kv_budget import cache_allocation, fit_batch
 from dmc.eval.roofline import attention_flops, measure_machine, roofline, weight_bytes_and_flops
-from dmc.inference.dms_cache import DMSPagedCache
+from dmc.inference.ring_cache import WindowRingCache
 
 warnings.filterwarnings("ignore", module="megatron")
 
@@ -113,6 +121,8 @@ def parse_args(argv=None):
                    help="DMC / DMS decision offset of forced modes")
     p.add_argument("--dms-window", type=int, default=32,
                    help="DMS eviction delay w of dms:CR modes (512 in NVIDIA's recipe)")
+    p.add_argument("--merge-delay", type=int, default=16,
+                   help="merge delay d of delay:CR modes (dmc.merge_delay)")
     p.add_argument("--chunk-size", type=int, help="prefill chunk per sequence (default: P)")
     p.add_argument("--probe", type=int, help="sequences in each probe run")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
@@ -137,9 +147,9 @@ def parse_args(argv=None):
     kinds = [m.kind for m in args.mode_list]
     if not args.mode_list:
         p.error(f"--modes: no mode given; accepted: {MODE_SYNTAX}")
-    if args.model and {"dmc", "dms", "gqa"} & set(kinds):
-        p.error("--modes: dmc:CR, dms:CR and gqa:FACTOR need the random base model (no --model); "
-                "with --model use vanilla, model, policy:NAME:CR")
+    if args.model and set(FORCED + ("gqa",)) & set(kinds):
+        p.error("--modes: dmc:CR, delay:CR, dms:CR and gqa:FACTOR need the random base model (no "
+                "--model); with --model use vanilla, model, policy:NAME:CR")
     if "model" in kinds and not args.model:
         p.error("--modes: 'model' needs --model PATH")
     for name in ("prompt_len", "gen_len", "steady", "page_size", "probe", "threads"):
@@ -153,10 +163,14 @@ def parse_args(argv=None):
         p.error(f"--window: must be >= 0 (0 = exact), got {args.window}")
     if args.dms_window < 0:
         p.error(f"--dms-window: must be >= 0, got {args.dms_window}")
+    if args.merge_delay < 1:
+        p.error(f"--merge-delay: must be >= 1, got {args.merge_delay}")
+    rings = {"dms": ("--dms-window", args.dms_window), "delay": ("--merge-delay", args.merge_delay)}
     for m in args.mode_list:
-        if m.kind == "dms" and args.prompt_len + args.gen_len < m.value * (args.dms_window + 1):
-            p.error(f"--dms-window: dms:{m.value:g} needs P + G >= CR * (w + 1) = "
-                    f"{m.value * (args.dms_window + 1):g} (the window always stays), got "
+        flag, w = rings.get(m.kind, (None, 0))
+        if flag and args.prompt_len + args.gen_len < m.value * (w + 1):
+            p.error(f"{flag}: {m.kind}:{m.value:g} needs P + G >= CR * ({w} + 1) = "
+                    f"{m.value * (w + 1):g} (the window always stays), got "
                     f"{args.prompt_len + args.gen_len} tokens")
         if m.kind == "gqa" and (m.value != int(m.value) or args.groups % int(m.value)):
             p.error(f"--modes: gqa:{m.value:g} must be a whole divisor of --groups "
@@ -188,7 +202,7 @@ class Run:
         seconds = time.perf_counter() - started
         cache = self.engine.cache
         slots = int(cache.allocator.lengths.sum())
-        if isinstance(cache, DMSPagedCache):  # the filled ring rows of every head
+        if isinstance(cache, WindowRingCache):  # the filled ring rows of every head
             slots += int(cache.written.clamp(max=cache.ring_size).sum()) * cache.num_kv_heads
         self.steps.append((seconds, stats.decode_tokens - before[0],
                            stats.prefill_tokens - before[1],
@@ -234,7 +248,8 @@ def graphs_for(policy, args) -> bool:
 
 def probe(mode, model, dmc, policy, args, params) -> dict:
     """Pages and policy state one sequence holds at its full length, the measured CR, the
-    cache's DMC window (None: exact, vanilla or DMS) and DMS window (None: not DMS)."""
+    cache's DMC window (None: exact, vanilla or DMS), DMS window (None: not DMS) and merge delay
+    (None: not delayed merging)."""
     from dmc.inference import CompressionStats
 
     engine = engine_for(model, dmc, policy, args, args.probe, None)
@@ -253,6 +268,7 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
                 math.ceil(engine.stats.peak_pages / args.probe))
     return {"window": engine.cache.window,
             "dms_window": getattr(engine.cache, "dms_window", None),
+            "merge_delay": getattr(engine.cache, "merge_delay", None),
             "pages_per_seq": pages, "policy_state_per_seq": state,
             "kv_bytes_per_seq": sum(r.kv_bytes for r in results) / len(results),
             "probe_cr": comp.overall, "probe_cr_per_layer": comp.per_layer}
@@ -273,9 +289,10 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
                      head_dim=args.hidden // args.heads, page_size=args.page_size,
                      window=row.pop("window"), dtype=getattr(torch, args.dtype),
                      max_seq_len=args.prompt_len + args.gen_len,
-                     dms_window=row.pop("dms_window"), device="cuda" if args.cuda else "cpu")
+                     dms_window=row.pop("dms_window"), merge_delay=row.pop("merge_delay"),
+                     device="cuda" if args.cuda else "cpu")
         batch, num_pages = fit_batch(budget, row["pages_per_seq"], row["policy_state_per_seq"],
-                                     shape)
+                                     shape, headroom_pages=args.layers * kv_heads)
         if batch == 0:
             raise SystemExit(f"--budget-mib: {args.budget_mib} MiB holds no {mode.label} "
                              f"sequence of {args.prompt_len + args.gen_len} tokens")
@@ -325,7 +342,8 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
 
 def add_rooflines(args, runs: list[Run], rows: dict) -> None:
     """Each row's steady step cost (``step_bytes``: weights, K/V pages held, ``dmc_state``: the
-    DMC merge state or the DMS window ring; ``step_flops``, over paged and ring slots) and
+    DMC merge state, the DMS window ring, or both the merge state and the raw ring under delayed
+    merging; ``step_flops``, over paged and ring slots) and
     :func:`~dmc.eval.roofline.roofline` at its median step time, against the machine now."""
     machine = measure_machine(torch.device("cuda" if args.cuda else "cpu"),
                               getattr(torch, args.dtype))
@@ -334,8 +352,9 @@ def add_rooflines(args, runs: list[Run], rows: dict) -> None:
         weights, linear = weight_bytes_and_flops(run.engine.model, run.batch)
         kv, slots = run.steady_cache(args.steady)
         memory = row["memory"]
-        state = memory.get("dms_ring", memory["dmc_state"]) if run.engine.kv.keeps_merge_state \
-            else 0
+        state = 0
+        if run.engine.kv.keeps_merge_state:
+            state = memory.get("dms_ring", memory["dmc_state"] + memory.get("delay_ring", 0))
         cache = run.engine.cache
         step_bytes = {"weights": weights, "kv": kv, "dmc_state": state}
         step_bytes["total"] = sum(step_bytes.values())

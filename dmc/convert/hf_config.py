@@ -99,15 +99,12 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
     """A ``config.json`` dict: ``LlamaForCausalLM`` or, with ``model.qk_layernorm``,
     ``Qwen3ForCausalLM`` (``dmc`` None), the exported DMC model
     (:class:`dmc.convert.hf_modeling_dmc.DMCLlamaConfig`: ``dmc``'s settings as its ``dmc_*``
-    fields) or, for ``dmc.method == "dms"``, the exported DMS model
+    fields, ``dmc_merge_delay`` only under delayed merging) or, for ``dmc.method == "dms"``, the exported DMS model
     (:class:`dmc.convert.hf_modeling_dms.DMSLlamaConfig`: ``dms_window``, ``dms_c``,
     ``dms_logit_scale``, ``dms_channel``, and ``dms_decision`` for adapter decisions), plus
     ``dmc_extra``, e.g. the target and measured CR
     and ``auto_map``. The exported DMC / DMS models of a model with ``qk_layernorm`` or
     ``kv_channels`` also get ``qk_norm`` and ``head_dim`` (absent otherwise, as before)."""
-    if dmc is not None and dmc.merge_delay:
-        raise ValueError(f"dmc.merge_delay={dmc.merge_delay}: DMC with delayed merging has no "
-                         f"Hugging Face export (only dmc.merge_delay=0, the paper's DMC)")
     heads = model.num_attention_heads
     cfg = {
         "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
@@ -144,4 +141,6 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
     cfg.update(architectures=[DMC_ARCHITECTURE], model_type=DMC_MODEL_TYPE,
                rope_llama3_scaling=llama3, dmc_window=dmc.window, dmc_c=dmc.c,
                dmc_omega_offset=dmc.omega_offset, dmc_channel="last", **(dmc_extra or {}))
+    if dmc.merge_delay:
+        cfg["dmc_merge_delay"] = dmc.merge_delay
     return cfg

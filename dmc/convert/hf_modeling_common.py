@@ -113,8 +113,10 @@ class CompressedCache(Cache):
             self.next_position = self.next_position.repeat_interleave(repeats)
 
     def slot_counts(self) -> torch.Tensor:
-        """``[layers, batch, kv_heads]`` entries held per head."""
-        return torch.stack([layer.lengths for layer in self.layers])
+        """``[layers, batch, kv_heads]`` entries held per head (a layer's ``held()`` where it
+        has one, else its ``lengths``)."""
+        return torch.stack([layer.held() if hasattr(layer, "held") else layer.lengths
+                            for layer in self.layers])
 
 
 def head_dim_of(config) -> int:

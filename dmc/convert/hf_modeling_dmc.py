@@ -18,14 +18,21 @@ Attention is DMC in eval mode (Algorithm 1 of the paper, hard decisions), the se
 * a merge makes the open slot the omega-weighted mean of the pre-RoPE keys and values of its last
   ``window`` tokens (Eq. 9, window-grouped; ``window: null`` = the exact running mean);
 * a slot's key is rotated at the position of its newest token; a query sees every closed slot and
-  the open one.
+  the open one;
+* with ``dmc_merge_delay`` = d >= 1 (DMC with delayed merging, ``dmc.merge_delay``: not in the
+  paper, DMS's delayed eviction carried over to merging, see ``dmc.ops.delayed_merge_bias``), a
+  query at position i sees its last d + 1 tokens raw (keys rotated at their own positions) and
+  the slots Algorithm 1 leaves after token ``i - d - 1``: a token goes through Algorithm 1 when
+  it leaves that raw window, with its own decisions.
 
 Without a cache (or with an empty one) a forward computes all positions at once with the
 hard-decision mask (App. H): key ``j < i`` is visible to query ``i`` only if token ``j + 1``
 appended. :class:`DMCCache` holds the compressed cache that ``generate()`` uses: per (layer,
 sequence, KV head) a variable number of slots, padded to the longest head and masked per head.
-Left padding is supported (a 2-D ``attention_mask`` of zeros followed by ones per row). The Llama
-blocks and the model body are shared with the DMS export (:mod:`.hf_modeling_common`).
+Under delayed merging :class:`DelayedCacheLayer` adds a ring of the last d + 1 tokens (pre-RoPE
+keys, values, decisions, positions). Left padding is supported (a 2-D ``attention_mask`` of
+zeros followed by ones per row). The Llama blocks and the model body are shared with the DMS
+export (:mod:`.hf_modeling_common`).
 """
 from __future__ import annotations
 
@@ -56,6 +63,8 @@ class DMCLlamaConfig(PretrainedConfig):
     dmc_omega_offset: added to omega (2^-7 in NVIDIA's models, 0 in the paper's).
     dmc_channel: which head channel carries the decision/importance logits (only "last").
     dmc_target_cr, dmc_measured_cr: the training target and the CR measured at export (or None).
+    dmc_merge_delay: d, the raw tokens a query sees besides itself before they merge (0 = the
+    paper's DMC).
     rope_llama3_scaling: None or {factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings} (Llama 3.x frequency scaling).
     head_dim: channels per head (None = hidden_size / num_attention_heads). qk_norm: Qwen3's
@@ -70,11 +79,13 @@ class DMCLlamaConfig(PretrainedConfig):
                  max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
                  dmc_window=12, dmc_c=5.0, dmc_omega_offset=0.0, dmc_channel="last",
                  dmc_target_cr=None, dmc_measured_cr=None, use_cache=True, head_dim=None,
-                 qk_norm=False, **kwargs):
+                 qk_norm=False, dmc_merge_delay=0, **kwargs):
         if dmc_channel != "last":
             raise ValueError(f"dmc_channel must be 'last', got {dmc_channel!r}")
         if dmc_window is not None and int(dmc_window) < 1:
             raise ValueError(f"dmc_window must be null or >= 1, got {dmc_window!r}")
+        if int(dmc_merge_delay) < 0:
+            raise ValueError(f"dmc_merge_delay must be >= 0, got {dmc_merge_delay!r}")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -92,6 +103,7 @@ class DMCLlamaConfig(PretrainedConfig):
         self.dmc_channel = dmc_channel
         self.dmc_target_cr = dmc_target_cr
         self.dmc_measured_cr = dmc_measured_cr
+        self.dmc_merge_delay = int(dmc_merge_delay)
         self.use_cache = use_cache
         self.head_dim = head_dim
         self.qk_norm = bool(qk_norm)
@@ -149,21 +161,117 @@ class DMCCacheLayer(CompressedCacheLayer):
         self.ring_k, self.ring_v, self.ring_omega, self.count = ring_from_tail(chunk.open,
                                                                                self.rows)
 
-    def merge_token(self, k, v, omega, append, positions, inv_freq):
+    def merge_token(self, k, v, omega, append, positions, inv_freq, active=None):
         """Algorithm 1 for one token per (sequence, KV head): ``k, v [batch, kv, dim]`` pre-RoPE
         (zeroed channel), ``omega [batch, kv]``, ``append [batch, kv]`` bool, ``positions
         [batch]``. Opens a slot or merges into the open one (Eq. 9), then stores the slot's mean
-        key rotated at ``positions``."""
-        ring = OpenSlot(self.ring_k, self.ring_v, self.ring_omega, self.count)
-        ring, mean_k, mean_v = merge_into_open_slot(ring, append, k, v, omega, self.window)
-        self.ring_k, self.ring_v, self.ring_omega, self.count = ring
+        key rotated at ``positions``. ``active [batch]`` bool (None: every row): a row whose
+        token is padding keeps its state (its write lands past its heads' slots)."""
+        old = OpenSlot(self.ring_k, self.ring_v, self.ring_omega, self.count)
+        ring, mean_k, mean_v = merge_into_open_slot(old, append, k, v, omega, self.window)
         slot = torch.where(append, self.lengths, self.lengths - 1)
-        self.lengths = torch.where(append, self.lengths + 1, self.lengths)
-        self._reserve(int(self.lengths.max()))
+        lengths = torch.where(append, self.lengths + 1, self.lengths)
+        if active is not None:
+            ring = OpenSlot(*(_rows_where(active, new, was) for new, was in zip(ring, old)))
+            slot = torch.where(active[:, None], slot, self.lengths)
+            lengths = torch.where(active[:, None], lengths, self.lengths)
+        self.ring_k, self.ring_v, self.ring_omega, self.count = ring
+        self._reserve(int(torch.maximum(lengths, slot + 1).max()))
+        self.lengths = lengths
         rotated = apply_rope(mean_k, positions[:, None], inv_freq)[:, :, None]
         index = slot[..., None, None].expand(-1, -1, 1, k.shape[-1])
         self.keys.scatter_(2, index, rotated.to(self.keys.dtype))
         self.values.scatter_(2, index, mean_v[:, :, None].to(self.values.dtype))
+
+    def visible(self, inv_freq):
+        """What the next query attends: keys (rotated) and values ``[batch, kv, s, dim]`` float32
+        and ``valid [batch, kv, s]`` bool."""
+        most = int(self.lengths.max())
+        valid = torch.arange(most, device=self.keys.device) < self.lengths[..., None]
+        return self.keys[:, :, :most].float(), self.values[:, :, :most].float(), valid
+
+    def held(self) -> torch.Tensor:
+        """``[batch, kv_heads]`` slots a query of each head attends."""
+        return self.lengths
+
+
+def _rows_where(rows, new, old):
+    """``new`` where ``rows [batch]`` is set, else ``old`` (any shape ``[batch, ...]``)."""
+    return torch.where(rows.view(-1, *[1] * (new.dim() - 1)), new, old)
+
+
+class DelayedCacheLayer(DMCCacheLayer):
+    """Under ``dmc_merge_delay`` d: :class:`DMCCacheLayer` (Algorithm 1's slots of the tokens
+    that left the raw window) behind a ring of the last ``R = d + 1`` tokens, token t of the
+    (padded) batch in row ``t % R``: ``raw_k`` (pre-RoPE, decision channel zeroed) and ``raw_v``
+    ``[batch, kv, R, dim]`` float32, their decisions ``raw_alpha``, ``raw_omega`` ``[batch, kv,
+    R]``, ``raw_position`` and ``raw_real`` (not padding, row filled) ``[batch, R]``;
+    ``written``: tokens of the batch so far."""
+
+    state_names = DMCCacheLayer.state_names + ("raw_k", "raw_v", "raw_alpha", "raw_omega",
+                                               "raw_position", "raw_real")
+
+    def __init__(self, window: int | None, delay: int):
+        super().__init__(window)
+        self.delay, self.written = delay, 0
+        self.raw_k = self.raw_v = self.raw_alpha = self.raw_omega = None
+        self.raw_position = self.raw_real = None
+
+    def reset(self) -> None:
+        self.__init__(self.window, self.delay)
+
+    def fill_delayed(self, chunk, ends, k, v, alpha, omega, positions, real) -> None:
+        """Packs a prefilled batch of ``n`` tokens: ``chunk``, ``ends`` as :meth:`fill` for the
+        first ``n - R`` tokens (None when none left the window), the last ``min(n, R)`` of
+        ``k, v [batch, kv, n, dim]`` (pre-RoPE), ``alpha, omega [batch, kv, n]``, ``positions,
+        real [batch, n]`` into the ring."""
+        if chunk is None:
+            self.lazy_initialization(k[:, :, :0], v[:, :, :0])
+        else:
+            self.fill(chunk, ends)
+        (batch, heads, n, dim), size = k.shape, self.delay + 1
+        stay = min(n, size)
+        rows = torch.arange(n - stay, n, device=k.device) % size
+        self.raw_k = torch.zeros(batch, heads, size, dim, device=k.device)
+        self.raw_v = torch.zeros_like(self.raw_k)
+        self.raw_alpha = torch.zeros(batch, heads, size, device=k.device)
+        self.raw_omega = torch.zeros_like(self.raw_alpha)
+        self.raw_position = torch.zeros(batch, size, dtype=torch.long, device=k.device)
+        self.raw_real = torch.zeros(batch, size, dtype=torch.bool, device=k.device)
+        for ring, x in ((self.raw_k, k), (self.raw_v, v), (self.raw_alpha, alpha),
+                        (self.raw_omega, omega)):
+            ring[:, :, rows] = x[:, :, n - stay:].float()
+        self.raw_position[:, rows] = positions[:, n - stay:]
+        self.raw_real[:, rows] = real[:, n - stay:]
+        self.written = n
+
+    def push(self, k, v, alpha, omega, positions, inv_freq) -> None:
+        """One token per sequence (``k, v [batch, kv, dim]`` pre-RoPE, ``alpha, omega [batch,
+        kv]``, ``positions [batch]``) takes the ring row of the token that leaves the window,
+        which goes through Algorithm 1 with its own decisions (padding leaves no trace)."""
+        row = self.written % (self.delay + 1)
+        if self.written > self.delay:
+            append = (self.raw_alpha[:, :, row] <= 0.5) | (self.lengths == 0)
+            self.merge_token(self.raw_k[:, :, row], self.raw_v[:, :, row],
+                             self.raw_omega[:, :, row], append, self.raw_position[:, row],
+                             inv_freq, active=self.raw_real[:, row])
+        self.raw_k[:, :, row], self.raw_v[:, :, row] = k.float(), v.float()
+        self.raw_alpha[:, :, row], self.raw_omega[:, :, row] = alpha.float(), omega.float()
+        self.raw_position[:, row], self.raw_real[:, row] = positions, True
+        self.written += 1
+
+    def visible(self, inv_freq):
+        """:meth:`DMCCacheLayer.visible`'s slots, then the ring's tokens rotated at their
+        positions."""
+        keys, values, valid = super().visible(inv_freq)
+        raw_k = apply_rope(self.raw_k, self.raw_position[:, None], inv_freq)
+        heads = keys.shape[1]
+        raw_valid = self.raw_real[:, None].expand(-1, heads, -1)
+        return (torch.cat([keys, raw_k], 2), torch.cat([values, self.raw_v], 2),
+                torch.cat([valid, raw_valid], 2))
+
+    def held(self) -> torch.Tensor:
+        return self.lengths + self.raw_real.sum(-1)[:, None]
 
 
 class DMCCache(CompressedCache):
@@ -172,7 +280,9 @@ class DMCCache(CompressedCache):
     (``next_position [batch]``, the RoPE position of the next token)."""
 
     def __init__(self, config: DMCLlamaConfig):
-        super().__init__([DMCCacheLayer(config.dmc_window)
+        delay = getattr(config, "dmc_merge_delay", 0)
+        super().__init__([DelayedCacheLayer(config.dmc_window, delay) if delay else
+                          DMCCacheLayer(config.dmc_window)
                           for _ in range(config.num_hidden_layers)])
 
 
@@ -185,12 +295,13 @@ class DMCAttention(CompressedAttention):
         self.c = float(config.dmc_c)
         self.omega_offset = float(config.dmc_omega_offset)
         self.window = config.dmc_window
+        self.delay = getattr(config, "dmc_merge_delay", 0)
 
     def forward(self, hidden, positions, real, inv_freq, cache: DMCCacheLayer | None,
                 prefill: bool):
         """``hidden [batch, n, hidden]``, ``positions [batch, n]``, ``real [batch, n]`` bool.
         ``prefill``: the cache (if any) is empty and all ``n`` tokens are processed at once;
-        otherwise ``n == 1`` and the token is merged into ``cache``."""
+        otherwise ``n == 1`` and the token goes through ``cache``."""
         batch, n, _ = hidden.shape
         q, k = self._queries(hidden), self._keys(hidden)
         v = self._split(self.v_proj(hidden), self.kv_heads)
@@ -198,41 +309,63 @@ class DMCAttention(CompressedAttention):
         q_rot = zero_decision_channel(apply_rope(q, positions[:, None], inv_freq))
         if prefill:
             context = self._prefill(q_rot, k, v, alpha, omega, positions, real, inv_freq, cache)
+        elif self.delay:
+            cache.push(k[:, :, 0], v[:, :, 0], alpha[..., 0], omega[..., 0], positions[:, 0],
+                       inv_freq)
+            context = self._attend_cache(q_rot, *cache.visible(inv_freq))
         else:
             append = (alpha[..., 0] <= 0.5) | (cache.lengths == 0)
             cache.merge_token(k[:, :, 0], v[:, :, 0], omega[..., 0], append, positions[:, 0],
                               inv_freq)
-            context = self._attend_cache(q_rot, cache)
+            context = self._attend_cache(q_rot, *cache.visible(inv_freq))
         context = context.transpose(1, 2).reshape(batch, n, self.heads * self.head_dim)
         return self.o_proj(context.to(hidden.dtype))
 
     def _prefill(self, q_rot, k, v, alpha, omega, positions, real, inv_freq, cache):
+        """All ``n`` tokens at once: Algorithm 1 over the tokens that left the raw window (all
+        of them without a delay), each query over their accumulated keys under the DMC mask and,
+        under a delay d, its last d + 1 tokens raw."""
         batch, n = real.shape
         first_real = real.float().argmax(dim=-1)  # left padding: the first real token
         index = torch.arange(n, device=k.device)
         alpha = alpha * (index[None, None] > first_real[:, None, None]).float()
-        chunk = compress_chunk(k, v, alpha, omega, positions[:, None], inv_freq, self.window,
-                               empty_prefix(batch, self.kv_heads, self.head_dim, k.device))
-        ends = slot_ends(alpha) & real[:, None, :]
-        visible = ends[..., None, :] & (index[None, :] < index[:, None])
-        visible = visible | torch.eye(n, dtype=torch.bool, device=k.device)
+        merged = n - min(n, self.delay + 1) if self.delay else n
+        chunk = compress_chunk(
+            k[:, :, :merged], v[:, :, :merged], alpha[..., :merged], omega[..., :merged],
+            positions[:, None, :merged], inv_freq, self.window,
+            empty_prefix(batch, self.kv_heads, self.head_dim, k.device)) if merged else None
+        ends = slot_ends(alpha[..., :merged]) & real[:, None, :merged]
+        lag = index[:, None] - index[None, :]  # [query i, key j]: i - j
+        if self.delay:  # the slots left after token i - d - 1 (its open one), then raw keys
+            lag_m = lag[:, :merged]
+            accumulated = ((lag_m == self.delay + 1)
+                           | ((lag_m > self.delay + 1) & ends[..., None, :]))
+            accumulated = accumulated & real[:, None, None, :merged]
+            raw = ((lag >= 0) & (lag <= self.delay) & real[:, None, None, :]) | (lag == 0)
+            visible = torch.cat([accumulated, raw.expand(-1, self.kv_heads, -1, -1)], -1)
+            keys = [apply_rope(k.float(), positions[:, None], inv_freq), v.float()]
+            if chunk is not None:
+                keys = [torch.cat([chunk.keys, keys[0]], 2), torch.cat([chunk.values, keys[1]], 2)]
+        else:
+            visible = (ends[..., None, :] & (lag > 0)) | (lag == 0)
+            keys = [chunk.keys, chunk.values]
         scores = torch.einsum("bhgqd,bhkd->bhgqk",
                               q_rot.view(batch, self.kv_heads, self.group, n, -1),
-                              chunk.keys) * self.scale
+                              keys[0]) * self.scale
         scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-        context = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1), chunk.values)
-        if cache is not None:
+        context = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1), keys[1])
+        if cache is not None and self.delay:
+            cache.fill_delayed(chunk, ends, k, v, alpha, omega, positions, real)
+        elif cache is not None:
             cache.fill(chunk, ends)
         return context.reshape(q_rot.shape)
 
-    def _attend_cache(self, q_rot, cache: DMCCacheLayer):
-        """One query per sequence over each head's slots: ``q_rot [batch, heads, 1, dim]``."""
-        most = int(cache.lengths.max())
-        keys, values = cache.keys[:, :, :most].float(), cache.values[:, :, :most].float()
+    def _attend_cache(self, q_rot, keys, values, valid):
+        """One query per sequence over each head's visible entries (:meth:`DMCCacheLayer.visible`):
+        ``q_rot [batch, heads, 1, dim]``."""
         batch = q_rot.shape[0]
         q = q_rot.view(batch, self.kv_heads, self.group, -1)
         scores = torch.einsum("bhgd,bhsd->bhgs", q, keys) * self.scale
-        valid = torch.arange(most, device=q.device) < cache.lengths[..., None]
         scores = scores.masked_fill(~valid[:, :, None], float("-inf"))
         context = torch.einsum("bhgs,bhsd->bhgd", scores.softmax(-1), values)
         return context.reshape(batch, self.heads, 1, -1)

@@ -1,6 +1,6 @@
 """The modes of the decode benchmark (``benchmarks/decode_throughput.py``): their ``--modes``
-syntax and the models that serve them, random ones (vanilla, GQA, DMC and DMS with forced
-decisions) or a trained checkpoint."""
+syntax and the models that serve them, random ones (vanilla, GQA, DMC, DMC with delayed merging
+and DMS with forced decisions) or a trained checkpoint."""
 from __future__ import annotations
 
 import functools
@@ -11,8 +11,9 @@ import torch
 
 
 class Mode(NamedTuple):
-    """One row of the benchmark: ``kind`` is vanilla, dmc, dms, gqa, policy or model; ``value``
-    the target CR (dmc, dms, policy) or GQA factor; ``policy`` the policy name."""
+    """One row of the benchmark: ``kind`` is vanilla, dmc, delay (DMC with delayed merging), dms,
+    gqa, policy or model; ``value`` the target CR (dmc, delay, dms, policy) or GQA factor;
+    ``policy`` the policy name."""
 
     kind: str
     value: float = 1.0
@@ -22,12 +23,15 @@ class Mode(NamedTuple):
     def label(self) -> str:
         if self.kind in ("dmc", "dms", "gqa"):
             return f"{self.kind} {self.value:g}x"
+        if self.kind == "delay":
+            return f"dmc delay {self.value:g}x"
         if self.kind == "policy":
             return f"{self.policy} {self.value:g}x"
         return self.kind
 
 
-MODE_SYNTAX = "vanilla, model, dmc:CR, dms:CR, gqa:FACTOR, policy:NAME:CR"
+MODE_SYNTAX = "vanilla, model, dmc:CR, delay:CR, dms:CR, gqa:FACTOR, policy:NAME:CR"
+FORCED = ("dmc", "delay", "dms")  # random models with forced decisions
 
 
 def parse_mode(text: str) -> Mode:
@@ -47,7 +51,7 @@ def parse_mode(text: str) -> Mode:
         number = None
     if kind in ("vanilla", "model") and not values:
         return Mode(kind)
-    if kind in ("dmc", "dms", "gqa") and len(values) == 1 and number and number > 1:
+    if kind in FORCED + ("gqa",) and len(values) == 1 and number and number > 1:
         return Mode(kind, number)
     if kind == "policy" and len(values) == 2 and number and number > 1:
         return Mode(kind, number, values[0])
@@ -101,8 +105,10 @@ def build_models(args) -> dict:
             config = model_config(args, int(args.groups / mode.value))
             models[mode] = (build_model_from_config(config, **QKV_BIAS), None, None)
         else:
-            dmc = (DMCConfig(window=args.window or None, c=args.c) if mode.kind == "dmc" else
-                   DMCConfig(method="dms", dms_window=args.dms_window, c=args.c))
+            dmc = (DMCConfig(method="dms", dms_window=args.dms_window, c=args.c)
+                   if mode.kind == "dms" else
+                   DMCConfig(window=args.window or None, c=args.c,
+                             merge_delay=args.merge_delay if mode.kind == "delay" else 0))
             model = build_model_from_config(model_config(args, args.groups), dmc, **QKV_BIAS)
             model.load_state_dict(base.state_dict())
             force_cr(model, mode.value, args)
@@ -110,13 +116,14 @@ def build_models(args) -> dict:
     return models
 
 
-def dms_keep_fraction(cr: float, tokens: int, dms_window: int) -> float:
-    """The fraction of tokens a forced DMS model keeps so that its CR after ``tokens`` tokens is
-    ``cr``: a query holds the ``w + 1`` tokens of its window whatever their decisions, plus the
-    kept ones of the ``tokens - w - 1`` older; 0 when even the window alone is more than
+def window_keep_fraction(cr: float, tokens: int, ring: int) -> float:
+    """The fraction of the tokens older than a raw window of ``ring`` tokens that a forced model
+    keeps (DMS: not evicted; delayed DMC: appended, not merged) so that its CR after ``tokens``
+    tokens is ``cr``: a query holds the ``ring`` tokens of its window whatever their decisions,
+    plus the kept ones of the ``tokens - ring`` older; 0 when even the window alone is more than
     ``tokens / cr``."""
-    older = tokens - dms_window - 1
-    return min(1.0, max(0.0, (tokens / cr - dms_window - 1) / older)) if older > 0 else 1.0
+    older = tokens - ring
+    return min(1.0, max(0.0, (tokens / cr - ring) / older)) if older > 0 else 1.0
 
 
 @torch.no_grad()
@@ -124,11 +131,12 @@ def force_cr(model, cr: float, args) -> None:
     """Set the decision rows of every DMC or DMS layer so that the model compresses about
     ``cr``-fold. DMC: a fraction ``1 - 1/cr`` of calibration tokens merges (the k[-1] row of each
     KV head random, its bias from the calibration forward; the q[-1] rows zeroed: uniform
-    importance). DMS: the borrowed row (q[-1] of the first query head of each KV group, pre-RoPE:
-    :func:`~dmc.megatron.attention.decision_rows`) random, its bias such that
-    ``q[-1] * dms_logit_scale - c > 0`` (evict) for a fraction ``1 -``
-    :func:`dms_keep_fraction` of tokens, which reaches ``cr`` at the full length P + G. Layer
-    by layer, in order: earlier decisions change later hidden states."""
+    importance); under ``merge_delay`` d a fraction ``1 -`` :func:`window_keep_fraction` (ring
+    d + 1), which reaches ``cr`` at the full length P + G. DMS: the borrowed row (q[-1] of the
+    first query head of each KV group, pre-RoPE: :func:`~dmc.megatron.attention.decision_rows`)
+    random, its bias such that ``q[-1] * dms_logit_scale - c > 0`` (evict) for a fraction ``1 -``
+    :func:`window_keep_fraction` of tokens (ring w + 1). Layer by layer, in order: earlier
+    decisions change later hidden states."""
     from dmc.megatron.attention import decision_rows, dmc_layers
 
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -142,13 +150,17 @@ def force_cr(model, cr: float, args) -> None:
         rows = decision_rows(layer)
         if layer.method == "dms":
             config = layer.dmc.config
-            quantile = dms_keep_fraction(cr, args.prompt_len + args.gen_len, config.dms_window)
+            quantile = window_keep_fraction(cr, args.prompt_len + args.gen_len,
+                                            config.dms_window + 1)
             offset = config.c / config.dms_logit_scale
         else:
             per_group = len(rows) // layer.num_query_groups_per_partition
             weight[rows], bias[rows] = 0, 0  # q[-1] rows: omega = sigmoid(c) for every token
             rows = rows[per_group - 1::per_group]  # the k[-1] rows
-            quantile, offset = 1.0 / cr, args.c
+            delay = layer.dmc.config.merge_delay
+            quantile = (window_keep_fraction(cr, args.prompt_len + args.gen_len, delay + 1)
+                        if delay else 1.0 / cr)
+            offset = args.c
         for row in rows:
             weight[row] = torch.randn(weight.shape[1], generator=gen).to(weight) / math.sqrt(
                 weight.shape[1])

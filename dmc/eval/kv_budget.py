@@ -1,13 +1,15 @@
 """The memory a decode benchmark mode holds at equal budget: every byte a
 :class:`~dmc.inference.PagedKVCache` (or, under DMS, a
-:class:`~dmc.inference.dms_cache.DMSPagedCache`) allocates, and the largest batch that fits a
-budget."""
+:class:`~dmc.inference.dms_cache.DMSPagedCache`; under delayed merging, a
+:class:`~dmc.inference.delayed_cache.DelayedMergeCache`) allocates, and the largest batch that
+fits a budget."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+from dmc.inference.delayed_cache import delayed_ring_bytes
 from dmc.inference.dms_cache import ring_bytes
 
 INT32 = 4
@@ -18,7 +20,7 @@ FLOAT32 = 4
 def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                      page_size: int, max_seqs: int, window: int | None, dtype: torch.dtype,
                      max_seq_len: int, dms_window: int | None = None,
-                     device: str = "cpu") -> dict:
+                     device: str = "cpu", merge_delay: int | None = None) -> dict:
     """Bytes the cache built with these arguments allocates on ``device``, by part: ``pages``
     (K and V pools), ``block_tables`` (one int32 row of ``ceil(max_seq_len / page_size)`` page
     ids per (sequence slot, layer, KV head)), ``lengths`` (int32 per head), ``dmc_state``
@@ -28,10 +30,15 @@ def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_page
 
     With ``dms_window`` (a DMS cache; ``window`` must then be None) also ``dms_ring``: per head
     the window ring of ``dms_window + 1`` keys, values and eviction flags (:func:`ring_bytes`),
-    and ``dms_positions``: the int64 tokens written per (sequence slot, layer), host memory,
-    counted only when ``device`` is the CPU."""
+    and ``ring_positions``: the int64 tokens written per (sequence slot, layer), host memory,
+    counted only when ``device`` is the CPU. With ``merge_delay`` (DMC with delayed merging,
+    beside the DMC ``window``) instead ``delay_ring``: per head the ring of ``merge_delay + 1``
+    raw keys, values and their float32 decisions (:func:`delayed_ring_bytes`), and
+    ``ring_positions``."""
     if dms_window is not None and window is not None:
         raise ValueError(f"cache_allocation: a DMS cache has no DMC window, got {window}")
+    if dms_window is not None and merge_delay is not None:
+        raise ValueError("cache_allocation: dms_window and merge_delay exclude each other")
     heads = max_seqs * num_layers * num_kv_heads
     rows = window or 1
     element = torch.empty((), dtype=dtype).element_size()
@@ -44,22 +51,28 @@ def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_page
     }
     if dms_window is not None:
         out["dms_ring"] = heads * ring_bytes(dms_window, head_dim, element)
+    if merge_delay is not None:
+        out["delay_ring"] = heads * delayed_ring_bytes(merge_delay, head_dim, element)
+    if dms_window is not None or merge_delay is not None:
         on_host = torch.device(device).type == "cpu"
-        out["dms_positions"] = max_seqs * num_layers * INT64 if on_host else 0
+        out["ring_positions"] = max_seqs * num_layers * INT64 if on_host else 0
     out["total"] = sum(out.values())
     return out
 
 
-def fit_batch(budget: int, pages_per_seq: int, state_per_seq: int, shape: dict) -> tuple:
-    """The largest batch whose cache (:func:`cache_allocation` with ``batch * pages_per_seq``
-    pages) plus ``state_per_seq`` bytes per sequence fits ``budget`` bytes, and the pages the
-    budget then holds: ``(batch, num_pages)``; batch 0 when not even one sequence fits."""
+def fit_batch(budget: int, pages_per_seq: int, state_per_seq: int, shape: dict,
+              headroom_pages: int = 0) -> tuple:
+    """The largest batch whose cache (:func:`cache_allocation` with ``batch * pages_per_seq +
+    headroom_pages`` pages) plus ``state_per_seq`` bytes per sequence fits ``budget`` bytes, and
+    the pages the budget then holds: ``(batch, num_pages)``; batch 0 when not even one sequence
+    fits. ``headroom_pages``: what the scheduler keeps free beyond a prompt's expected pages to
+    admit it while others run (a page per head), so that the whole batch runs at once."""
     def fixed(batch):
         return cache_allocation(num_pages=0, max_seqs=batch, **shape)["total"] \
             + batch * state_per_seq
 
     page = cache_allocation(num_pages=1, max_seqs=0, **shape)["pages"]
     batch = 0
-    while fixed(batch + 1) + (batch + 1) * pages_per_seq * page <= budget:
+    while fixed(batch + 1) + ((batch + 1) * pages_per_seq + headroom_pages) * page <= budget:
         batch += 1
     return batch, (budget - fixed(batch)) // page if batch else 0

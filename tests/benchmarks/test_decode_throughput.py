@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dmc.inference import Engine, PagedKVCache
+from dmc.inference.delayed_cache import DelayedMergeCache
 from dmc.inference.dms_cache import DMSPagedCache
 from tiny_models import build_tiny
 from conftest import load_benchmark
@@ -69,6 +70,26 @@ def test_dms_budget_accounting_equals_the_bytes_the_cache_allocates(
         bench.cache_allocation(1, 1, 8, 1, 4, 1, 12, dtype, 50, dms_window=4)
 
 
+@pytest.mark.parametrize("layers,kv_heads,head_dim,pages,seqs,delay,window,dtype", [
+    (2, 4, 16, 37, 3, 16, 12, torch.float32),
+    (1, 2, 8, 5, 1, 1, None, torch.bfloat16),
+])
+def test_delayed_merge_budget_accounting_equals_the_bytes_the_cache_allocates(
+        layers, kv_heads, head_dim, pages, seqs, delay, window, dtype):
+    """Delayed merging: the pages, the DMC merge state, the rings of raw tokens with their two
+    float32 decisions, and the host position counter (the device is the CPU)."""
+    cache = DelayedMergeCache(layers, kv_heads, head_dim, pages, delay, page_size=4,
+                              max_seqs=seqs, window=window, dtype=dtype, max_seq_len=50)
+    counted = bench.cache_allocation(layers, kv_heads, head_dim, pages, 4, seqs, window, dtype,
+                                     50, merge_delay=delay)
+    assert counted["total"] == allocated_bytes(cache, cache.device)
+    element = torch.empty((), dtype=dtype).element_size()
+    assert counted["delay_ring"] == seqs * layers * kv_heads * (delay + 1) * (
+        2 * head_dim * element + 2 * 4)
+    with pytest.raises(ValueError, match="exclude each other"):
+        bench.cache_allocation(1, 1, 8, 1, 4, 1, None, dtype, 50, dms_window=4, merge_delay=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 12])
 def test_budget_accounting_on_cuda(window):
@@ -108,6 +129,9 @@ def test_fit_batch_is_the_largest_batch_within_the_budget():
     assert used(batch, pages) <= budget < used(batch, pages + 1)
     assert used(batch + 1, 20 * (batch + 1)) > budget
     assert bench.fit_batch(1000, 20, 100, shape) == (0, 0)
+    spared, spared_pages = bench.fit_batch(budget, 20, 100, shape, headroom_pages=30)
+    assert spared_pages >= 20 * spared + 30 and used(spared, spared_pages) <= budget
+    assert used(spared + 1, 20 * (spared + 1) + 30) > budget and spared < batch
 
 
 @pytest.mark.parametrize("flags,named", [
@@ -120,6 +144,9 @@ def test_fit_batch_is_the_largest_batch_within_the_budget():
     (["--modes", "dms:1"], "--modes"),
     (["--modes", "dms:4", "--dms-window", "-1"], "--dms-window"),
     (["--modes", "dms:8", "--dms-window", "63"], "--dms-window"),
+    (["--modes", "delay:4", "--merge-delay", "0"], "--merge-delay"),
+    (["--modes", "delay:8", "--merge-delay", "63"], "--merge-delay"),
+    (["--modes", "delay:1"], "--modes"),
     (["--gen-len", "8", "--steady", "8"], "--steady"),
     (["--budget-mib", "0"], "--budget-mib"),
     (["--preset", "tpu"], "--preset"),
@@ -136,12 +163,14 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     code = bench.main([
         "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
         "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "10", "--steady", "4",
-        "--budget-mib", "0.25", "--modes", "vanilla,dmc:4,gqa:2,policy:streamingllm:2,dms:2",
-        "--dms-window", "8", "--out", str(out)])
+        "--budget-mib", "0.25", "--modes",
+        "vanilla,dmc:4,gqa:2,policy:streamingllm:2,dms:2,delay:4", "--dms-window", "8",
+        "--merge-delay", "4", "--out", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
     rows = {row["mode"]: row for row in data["rows"]}
-    assert set(rows) == {"vanilla", "dmc 4x", "gqa 2x", "streamingllm 2x", "dms 2x"}
+    assert set(rows) == {"vanilla", "dmc 4x", "gqa 2x", "streamingllm 2x", "dms 2x",
+                         "dmc delay 4x"}
     for row in rows.values():
         assert row["memory"]["total"] + row["memory"]["policy_state"] <= data["budget_bytes"]
         assert row["steady_steps"] == 4 and row["steady_tokens"] == 4 * row["batch"]
@@ -152,13 +181,16 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     assert 1.6 < dms["measured_cr"] < 2.4 and dms["batch"] > rows["vanilla"]["batch"]
     assert dms["memory"]["dms_ring"] == dms["batch"] * 2 * 9 * (2 * 16 * 4 + 1)
     assert data["args"]["dms_window"] == 8
+    delay = rows["dmc delay 4x"]
+    assert 2.5 < delay["measured_cr"] < 5.5 and delay["batch"] > rows["vanilla"]["batch"]
+    assert delay["memory"]["delay_ring"] == delay["batch"] * 2 * 5 * (2 * 16 * 4 + 2 * 4)
     out = capsys.readouterr().out
     assert "x vanilla" in out and "GB/s" in out and "roofline" in out
     for row in rows.values():  # the roofline columns
         parts = row["step_bytes"]
         assert parts["total"] == parts["weights"] + parts["kv"] + parts["dmc_state"]
         assert 0 < parts["kv"] <= row["memory"]["pages"]
-        assert (parts["dmc_state"] > 0) == (row["kind"] in ("dmc", "dms"))
+        assert (parts["dmc_state"] > 0) == (row["kind"] in ("dmc", "dms", "delay"))
         roof = row["roofline"]
         assert 0 < roof["fraction"] and roof["bound_seconds"] > 0 and row["step_flops"] > 0
         median = row["batch"] / row["median_step_tokens_per_s"]
@@ -166,6 +198,8 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
         assert roof["fraction"] == pytest.approx(roof["bound_seconds"] / median)
     assert rows["gqa 2x"]["step_bytes"]["weights"] < rows["vanilla"]["step_bytes"]["weights"]
     assert dms["step_bytes"]["dmc_state"] == dms["memory"]["dms_ring"]  # the ring it attends
+    assert delay["step_bytes"]["dmc_state"] == (delay["memory"]["dmc_state"]
+                                                + delay["memory"]["delay_ring"])
 
 
 def test_roofline_counts_and_bound(parallel_1x1):

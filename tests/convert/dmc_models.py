@@ -25,11 +25,12 @@ def spread_decisions(model, std=0.4):
             weight[rows] = torch.randn_like(weight[rows]) * std
 
 
-def tiny_dmc(groups, window, c=-1.0, seed=0, omega_offset=0.0):
+def tiny_dmc(groups, window, c=-1.0, seed=0, omega_offset=0.0, merge_delay=0):
     """``(model, model_config, dmc_config)``: an eval-mode DMC megatron model."""
     torch.manual_seed(seed)
     cfg = model_config(groups)
-    dmc = {"window": window, "tau": 0.1, "c": c, "hard": False, "omega_offset": omega_offset}
+    dmc = {"window": window, "tau": 0.1, "c": c, "hard": False, "omega_offset": omega_offset,
+           "merge_delay": merge_delay}
     model = build_model_from_config(cfg, dmc).eval()
     spread_decisions(model)
     return model, cfg, dmc

@@ -55,11 +55,22 @@ def test_vanilla_checkpoint_exports_as_llama(tmp_path):
     assert diff < 1e-5
 
 
-def test_delayed_merge_has_no_export():
-    from dmc.convert.hf_config import hf_config_from_model_config
-    from dmc.megatron.config import DMCConfig, ModelConfig
-
-    model = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64,
-                        vocab_size=VOCAB, max_seq_length=64)
-    with pytest.raises(ValueError, match="merge_delay=8: DMC with delayed merging has no"):
-        hf_config_from_model_config(model, "float32", DMCConfig(merge_delay=8))
+@pytest.mark.parametrize("groups,window,delay", [(2, 4, 5), (4, None, 1)],
+                         ids=["gqa-window4-delay5", "mha-exact-delay1"])
+def test_exported_delayed_merge_model_matches_megatron_and_engine(tmp_path, groups, window,
+                                                                   delay):
+    """DMC with delayed merging: logits of a full forward and through the cache (the prefix
+    shorter and longer than the raw window) equal megatron's; generate() gives the engine's
+    tokens and slots (Algorithm 1's plus the raw window), left-padded batches included."""
+    model, cfg, dmc = tiny_dmc(groups, window, merge_delay=delay)
+    hf, info = export_tiny(model, cfg, dmc, tmp_path)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["dmc_merge_delay"] == delay and config["dmc_window"] == window
+    assert info["measured_cr"] > 1.2
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    for prefix in (3, 25):
+        cache = check_hf_logits(hf, model, ids, prefix, f"delay {delay}, prefix {prefix}")
+        assert (cache.slot_counts() < 40).any()
+    results, _ = check_generate_matches_engine(
+        hf, model, [ids[0, :3].tolist(), ids[1, :19].tolist(), ids[0, 5:30].tolist()], NEW)
+    assert max(r.compression.overall for r in results) > 1.1

@@ -25,7 +25,21 @@ def build_delayed(groups, delay, window=3, c=-1.0, seed=0):
 
 @pytest.mark.parametrize("groups,delay,window", [(4, 3, 3), (2, 8, 3), (2, 4, None)])
 def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups, delay, window):
-    model = build_delayed(groups, delay, window)
+    check_greedy(build_delayed(groups, delay, window), delay)
+
+
+@pytest.mark.gpu
+def test_greedy_generation_on_cuda_equals_the_eval_mode_forward(parallel_1x1):
+    """The same on CUDA: the ring's writes, the leaving token's Algorithm 1 write and the ring
+    attention on the device."""
+    model = build_delayed(2, 5)
+    assert next(model.parameters()).is_cuda
+    check_greedy(model, 5)
+
+
+def check_greedy(model, delay):
+    """Greedy generation of three batched requests (chunked prefill across the ring's edge) gives
+    the eval-mode forward's tokens, logprobs and slots."""
     prompt_list = prompts((13, 21, 7))
     engine = Engine(model, page_size=4, max_batch=3, chunk_size=5)
     assert isinstance(engine.cache, DelayedMergeCache) and engine.cache.ring_size == delay + 1

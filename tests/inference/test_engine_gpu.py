@@ -74,12 +74,15 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1, g
     assert engine.cache.pages_in_use == 0
 
 
-def test_dms_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1):
-    """DMS (window 4: every ring full after the prompts): steps replayed from a CUDA graph per
-    batch size give the eager engine's tokens, and the sync test's single wait holds for them."""
+@pytest.mark.parametrize("kind", ["dms", "merge_delay"])
+def test_ring_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1, kind):
+    """DMS (window 4) and DMC with delayed merging (delay 4): every ring is full after the
+    prompts, so steps replayed from a CUDA graph per batch size give the eager engine's tokens
+    and slots."""
+    from test_delayed_engine import build_delayed
     from test_dms_engine import build_dms
 
-    model = build_dms(2, 4)
+    model = build_dms(2, 4) if kind == "dms" else build_delayed(2, 4)
     prompt_list = prompts()
     params = [SamplingParams(max_new_tokens=n) for n in (24, 12, 32)]  # batches 3, 2, 1
     engine = Engine(model, page_size=4, max_batch=4, chunk_size=5, cuda_graphs=True)
