@@ -13,7 +13,9 @@ Decode (:meth:`write`, batched over sequences and heads): token ``p - R`` leaves
 (the one token p then takes) and goes through Algorithm 1's write with its own decisions
 (appended or merged on the device, in the step ``begin_decode`` opened: the paged part of a
 deferred DMC write), its pre-RoPE key recovered by rotating back (RoPE is orthogonal: rotating
-by ``-t`` undoes rotating by ``t``, exact up to rounding in the cache dtype). Prefill is the
+by ``-t`` undoes rotating by ``t``, exact up to rounding in the cache dtype). On the CPU a
+compiled kernel does the whole write (:func:`~dmc.inference.kernels.native.native_delayed_write`,
+tested against the PyTorch path). Prefill is the
 KV write's (:class:`~dmc.inference.kv_write_delayed.DelayedDMCKV`) over :meth:`raw_window` and
 :meth:`keep_window_tail`, with :meth:`window_decisions`.
 
@@ -28,6 +30,7 @@ import torch
 
 from dmc.ops.rope import rope_tables, rotate
 
+from .kernels.native import native_delayed_write
 from .ring_cache import WindowRingCache
 
 
@@ -81,6 +84,11 @@ class DelayedMergeCache(WindowRingCache):
             raise ValueError("DelayedMergeCache.write: decode writes are deferred (defer=True)")
         seqs, rows = self.allocator.rows(seq_slots)
         self.allocator.claim(seqs, layer)
+        if (not self.static_step and self.native_kernels and self.device.type == "cpu"
+                and native_delayed_write(self, layer, seqs, self.written[seqs, layer], k, v,
+                                         torch.as_tensor(alpha), torch.as_tensor(omega))):
+            self.written[seqs, layer] += 1
+            return
         positions = torch.as_tensor(positions, device=self.device)
         leaving, at = self._leaving(layer, seqs, rows, positions)
         if leaving.numel():

@@ -65,8 +65,6 @@ class DMSPagedCache(WindowRingCache):
             ``rope_base``, ``inv_freq`` of :class:`PagedKVCache` (its ``window`` is None).
     """
 
-    native_kernels = True  # CPU decode writes by the compiled kernel where it applies
-
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  dms_window: int, **kwargs):
         if dms_window < 0:

@@ -39,6 +39,8 @@ class WindowRingCache(PagedKVCache):
         **kwargs: the keyword arguments of :class:`PagedKVCache`.
     """
 
+    native_kernels = True  # CPU decode writes by the compiled kernel where it applies
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  ring_size: int, **kwargs):
         super().__init__(num_layers, num_kv_heads, head_dim, num_pages, **kwargs)

@@ -113,6 +113,8 @@ def _load(compiler: str) -> ctypes.CDLL:
                                          + [integer] * 8)
     library.dms_write_token.restype = None
     library.dms_write_token.argtypes = [pointer] * 12 + [integer] * 10
+    library.delayed_write_token.restype = None
+    library.delayed_write_token.argtypes = [pointer] * 19 + [integer] * 11
     return library
 
 
@@ -274,4 +276,44 @@ def native_dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ri
         batch, heads, block_tables.shape[1], block_tables.shape[-1], ring_k.shape[-2],
         k_pages.shape[-1], k_pages.shape[1], int(k_pages.dtype == torch.bfloat16),
         torch.get_num_threads())
+    return True
+
+
+def native_delayed_write(cache, layer: int, seqs: torch.Tensor, positions: torch.Tensor,
+                         keys: torch.Tensor, values: torch.Tensor, alpha: torch.Tensor,
+                         omega: torch.Tensor) -> bool:
+    """The decode write of DMC with delayed merging by the compiled kernel
+    (``DelayedMergeCache.write``'s PyTorch path: token ``p - R`` out of its ring row through
+    Algorithm 1's windowed write into its head's reserved page slot, token ``p`` into the ring);
+    ``False`` (nothing written) where it does not apply: no library, the exact running mean
+    (``window=None``), GPU tensors, pools and rings not of one dtype (float32 / bfloat16), state
+    tensors not contiguous or not of the cache's dtypes. ``cache``: a ``DelayedMergeCache``;
+    ``seqs``, ``positions`` ``[batch]`` (host, p = the tokens written); ``keys`` (pre-RoPE,
+    decision channel zeroed), ``values [batch, kv_heads, head_dim]``; ``alpha``, ``omega
+    [batch, kv_heads]``."""
+    library = load_library()
+    state = dict(open_k=cache.open_k, open_v=cache.open_v, open_omega=cache.open_omega,
+                 open_count=cache.open_count, block_tables=cache.block_tables)
+    rings = (cache.ring_alpha, cache.ring_omega, cache.lengths)
+    if (library is None or cache.window is None
+            or not _in_place(cache.k_pages, cache.v_pages, cache.ring_k, cache.ring_v)
+            or cache.head_dim > 1024 or cache.head_dim % 2
+            or not all(t.is_contiguous() for t in (*state.values(), *rings))
+            or any(state[name].dtype != dtype for name, dtype in WRITE_INPUTS.items())
+            or cache.lengths.dtype != torch.int32):
+        return False
+    batch, heads = keys.shape[:2]
+    token = [t.to(torch.float32).contiguous() for t in (keys, values, alpha, omega)]
+    index = [t.to(torch.int64).contiguous() for t in (seqs, positions)]
+    freq = cache.inv_freq.float().contiguous()  # held: the kernel reads it
+    library.delayed_write_token(
+        cache.k_pages.data_ptr(), cache.v_pages.data_ptr(), cache.block_tables.data_ptr(),
+        cache.lengths.data_ptr(), cache.open_k.data_ptr(), cache.open_v.data_ptr(),
+        cache.open_omega.data_ptr(), cache.open_count.data_ptr(),
+        freq.data_ptr(), cache.ring_k.data_ptr(),
+        cache.ring_v.data_ptr(), cache.ring_alpha.data_ptr(), cache.ring_omega.data_ptr(),
+        *(t.data_ptr() for t in token), index[0].data_ptr(), index[1].data_ptr(),
+        cache.window, layer, batch, heads, cache.block_tables.shape[1],
+        cache.block_tables.shape[-1], cache.ring_size, cache.head_dim, cache.k_pages.shape[1],
+        int(cache.k_pages.dtype == torch.bfloat16), torch.get_num_threads())
     return True

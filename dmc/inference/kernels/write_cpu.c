@@ -1,5 +1,6 @@
 /* DMC append/merge of one token per (sequence, KV head) into the paged cache, on the CPU, with a
- * merge window (Algorithm 1 lines 4-10, Eq. 9 with hard alpha).
+ * merge window (Algorithm 1 lines 4-10, Eq. 9 with hard alpha); the decode writes of DMS and of
+ * DMC with delayed merging, which move a token out of a window ring.
  *
  * Semantics of dmc.inference.kernels.reference.dmc_write_reference (the oracle, which goes
  * through dmc.ops.algorithm1.merge_into_open_slot): append restarts the open slot with the token
@@ -35,6 +36,67 @@ static inline void store(void *pool, int64_t index, const float *row, int64_t n,
         memcpy((float *)pool + index, row, sizeof(float) * n);
 }
 
+static inline void load(const void *pool, int64_t index, float *row, int64_t n, int bf16) {
+    if (bf16)
+        for (int64_t d = 0; d < n; ++d) {
+            const uint32_t bits = (uint32_t)((const uint16_t *)pool)[index + d] << 16;
+            memcpy(row + d, &bits, sizeof bits);
+        }
+    else
+        memcpy(row, (const float *)pool + index, sizeof(float) * n);
+}
+
+/* rotate-half RoPE of x [head_dim] at `position` (a negative one rotates back) into out */
+static inline void rope(const float *x, float *out, float position, const float *inv_freq,
+                        int64_t half) {
+    for (int64_t d = 0; d < half; ++d) {
+        const float angle = position * inv_freq[d];
+        const float c = cosf(angle), s = sinf(angle);
+        out[d] = x[d] * c - x[d + half] * s;
+        out[d + half] = x[d + half] * c + x[d] * s;
+    }
+}
+
+/* Algorithm 1 for one token of head `state` (k, v pre-RoPE, weight omega): `count` tokens merged
+ * before it (0 = append), its ring row, the slot's weighted mean rotated at `position`, written
+ * at `slot` of the head's pages. */
+static void merge_token(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
+                        float *open_v, float *open_omega, int32_t *open_count,
+                        const float *inv_freq, int64_t window, int64_t state, int64_t count,
+                        const float *k, const float *v, float omega, float position,
+                        int64_t slot, int64_t max_pages, int64_t head_dim, int64_t page_size,
+                        int bf16) {
+    float *ring_k = open_k + state * window * head_dim;
+    float *ring_v = open_v + state * window * head_dim;
+    float *ring_omega = open_omega + state * window;
+    const int64_t put = count % window;
+    memcpy(ring_k + put * head_dim, k, sizeof(float) * head_dim);
+    memcpy(ring_v + put * head_dim, v, sizeof(float) * head_dim);
+    ring_omega[put] = omega;
+    open_count[state] = (int32_t)(count + 1);
+    const int64_t filled = count + 1 < window ? count + 1 : window;
+    float mean_k[MAX_HEAD], mean_v[MAX_HEAD], rotated[MAX_HEAD], total = 0.0f;
+    memset(mean_k, 0, sizeof(float) * head_dim);
+    memset(mean_v, 0, sizeof(float) * head_dim);
+    for (int64_t r = 0; r < filled; ++r) {
+        const float weight = ring_omega[r];
+        total += weight;
+        for (int64_t d = 0; d < head_dim; ++d) {
+            mean_k[d] += weight * ring_k[r * head_dim + d];
+            mean_v[d] += weight * ring_v[r * head_dim + d];
+        }
+    }
+    for (int64_t d = 0; d < head_dim; ++d) {
+        mean_k[d] /= total;
+        mean_v[d] /= total;
+    }
+    rope(mean_k, rotated, position, inv_freq, head_dim / 2);
+    const int64_t page = tables[state * max_pages + slot / page_size];
+    const int64_t index = (page * page_size + slot % page_size) * head_dim;
+    store(k_pages, index, rotated, head_dim, bf16);
+    store(v_pages, index, mean_v, head_dim, bf16);
+}
+
 void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
                       float *open_v, float *open_omega, int32_t *open_count,
                       const float *inv_freq, int64_t window, int64_t layer,
@@ -43,48 +105,60 @@ void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float
                       const int64_t *positions, int64_t batch, int64_t kv_heads,
                       int64_t layers, int64_t max_pages, int64_t head_dim, int64_t page_size,
                       int64_t is_bf16, int64_t threads) {
-    const int64_t half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t row = 0; row < batch * kv_heads; ++row) {
         const int64_t b = row / kv_heads, h = row % kv_heads;
         const int64_t state = (seq_slots[b] * layers + layer) * kv_heads + h;
-        float *ring_k = open_k + state * window * head_dim;
-        float *ring_v = open_v + state * window * head_dim;
-        float *ring_omega = open_omega + state * window;
         const int64_t count = append[row] ? 0 : open_count[state];
-        const int64_t put = count % window;
-        memcpy(ring_k + put * head_dim, k + row * head_dim, sizeof(float) * head_dim);
-        memcpy(ring_v + put * head_dim, v + row * head_dim, sizeof(float) * head_dim);
-        ring_omega[put] = omega[row];
-        open_count[state] = (int32_t)(count + 1);
-        const int64_t filled = count + 1 < window ? count + 1 : window;
-        float mean_k[MAX_HEAD], mean_v[MAX_HEAD], rotated[MAX_HEAD], total = 0.0f;
-        memset(mean_k, 0, sizeof(float) * head_dim);
-        memset(mean_v, 0, sizeof(float) * head_dim);
-        for (int64_t r = 0; r < filled; ++r) {
-            const float weight = ring_omega[r];
-            total += weight;
-            for (int64_t d = 0; d < head_dim; ++d) {
-                mean_k[d] += weight * ring_k[r * head_dim + d];
-                mean_v[d] += weight * ring_v[r * head_dim + d];
-            }
+        merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count, inv_freq,
+                    window, state, count, k + row * head_dim, v + row * head_dim, omega[row],
+                    (float)positions[b], slots[row], max_pages, head_dim, page_size,
+                    (int)is_bf16);
+    }
+}
+
+/* Decode write of DMC with delayed merging (dmc.merge_delay = R - 1; semantics of
+ * DelayedMergeCache.write's PyTorch path, which stays the oracle) of one token per (sequence,
+ * KV head) at position p: when p >= R, token t = p - R leaves ring row p mod R: its key rotated
+ * back by t, it goes through Algorithm 1 with its own decisions (append when alpha <= 0.5 or
+ * the head holds no slot; the slot's page reserved by the caller) and `length` grows by its
+ * append; then token p takes that ring row, its key rotated at p. Rings ring_k, ring_v
+ * [max_seqs, layers, kv_heads, R, head_dim] and pools in the cache dtype, ring_alpha,
+ * ring_omega [..., R] float32, lengths int32; keys (pre-RoPE), values [batch, kv_heads,
+ * head_dim], alpha, omega [batch, kv_heads] float32; the merge state as dmc_write_window's. */
+void delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_t *lengths,
+                         float *open_k, float *open_v, float *open_omega, int32_t *open_count,
+                         const float *inv_freq, void *ring_k, void *ring_v, float *ring_alpha,
+                         float *ring_omega, const float *keys, const float *values,
+                         const float *alpha, const float *omega, const int64_t *seq_slots,
+                         const int64_t *positions, int64_t window, int64_t layer, int64_t batch,
+                         int64_t kv_heads, int64_t layers, int64_t max_pages, int64_t ring_size,
+                         int64_t head_dim, int64_t page_size, int64_t is_bf16, int64_t threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t row = 0; row < batch * kv_heads; ++row) {
+        const int64_t b = row / kv_heads, h = row % kv_heads, p = positions[b];
+        const int64_t state = (seq_slots[b] * layers + layer) * kv_heads + h;
+        const int64_t ring_row = state * ring_size + p % ring_size;
+        float key[MAX_HEAD], pre[MAX_HEAD], value[MAX_HEAD];
+        if (p >= ring_size) {
+            const float token = (float)(p - ring_size);
+            load(ring_k, ring_row * head_dim, key, head_dim, (int)is_bf16);
+            load(ring_v, ring_row * head_dim, value, head_dim, (int)is_bf16);
+            rope(key, pre, -token, inv_freq, half);
+            const int64_t length = lengths[state];
+            const int append = ring_alpha[ring_row] <= 0.5f || length == 0;
+            merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
+                        inv_freq, window, state, append ? 0 : open_count[state], pre, value,
+                        ring_omega[ring_row], token, append ? length : length - 1, max_pages,
+                        head_dim, page_size, (int)is_bf16);
+            lengths[state] = (int32_t)(length + append);
         }
-        for (int64_t d = 0; d < head_dim; ++d) {
-            mean_k[d] /= total;
-            mean_v[d] /= total;
-        }
-        const float position = (float)positions[b];
-        for (int64_t d = 0; d < half; ++d) {
-            const float angle = position * inv_freq[d];
-            const float c = cosf(angle), s = sinf(angle);
-            rotated[d] = mean_k[d] * c - mean_k[d + half] * s;
-            rotated[d + half] = mean_k[d + half] * c + mean_k[d] * s;
-        }
-        const int64_t slot = slots[row];
-        const int64_t page = tables[state * max_pages + slot / page_size];
-        const int64_t index = (page * page_size + slot % page_size) * head_dim;
-        store(k_pages, index, rotated, head_dim, (int)is_bf16);
-        store(v_pages, index, mean_v, head_dim, (int)is_bf16);
+        rope(keys + row * head_dim, key, (float)p, inv_freq, half);
+        store(ring_k, ring_row * head_dim, key, head_dim, (int)is_bf16);
+        store(ring_v, ring_row * head_dim, values + row * head_dim, head_dim, (int)is_bf16);
+        ring_alpha[ring_row] = alpha[row];
+        ring_omega[ring_row] = omega[row];
     }
 }
 
