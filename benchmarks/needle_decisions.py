@@ -14,7 +14,9 @@ value are held *whole* by a head when no other token's are mixed into the slot t
 * DMS: ``alpha_{t+1}`` evicts token ``t`` (once the window has passed): ``whole_t = 1 -
   alpha_{t+1}``; a kept token is never averaged with another.
 
-The last prompt token (the query's last key token) is left out. Prints, per layer, the share of
+A token the last prompt query still sees raw is held whole whatever the decisions: within the
+last ``dms_window`` tokens under DMS, the last ``merge_delay`` under DMC with delayed merging
+(``dmc.merge_delay``). The last prompt token (the query's last key token) is left out. Prints, per layer, the share of
 heads x tokens held whole among haystack tokens, the needle's key and its value, and
 ``value / haystack`` (above 1: the heads single out the value, a decision that depends on the
 content); ``--json PATH`` writes the numbers.
@@ -36,16 +38,24 @@ from dmc.megatron.attention import dmc_layers
 KINDS = ("haystack", "key", "value")
 
 
-def held_whole(alpha: torch.Tensor, method: str) -> torch.Tensor:
+def held_whole(alpha: torch.Tensor, method: str, raw_from: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """``alpha [batch, heads, seq]`` hard decisions -> ``[batch, heads, seq]`` 1 where the
     token's slot holds that token alone (see the module docstring); the last position, whose
-    fate the next token decides, is taken as kept by the next decision ``alpha = 0``."""
+    fate the next token decides, is taken as kept by the next decision ``alpha = 0``.
+    ``raw_from [batch]``: the first position the query sees raw (a window): from there on
+    every token is held whole."""
     following = torch.cat([alpha[..., 1:], torch.zeros_like(alpha[..., :1])], dim=-1)
     if method == "dms":
-        return 1 - following
-    if method == "dmc":
-        return (1 - alpha) * (1 - following)
-    raise ValueError(f"method: expected dmc or dms, got {method!r}")
+        whole = 1 - following
+    elif method == "dmc":
+        whole = (1 - alpha) * (1 - following)
+    else:
+        raise ValueError(f"method: expected dmc or dms, got {method!r}")
+    if raw_from is not None:
+        positions = torch.arange(alpha.shape[-1], device=alpha.device)
+        whole = torch.where(positions >= raw_from[:, None, None], 1.0, whole)
+    return whole
 
 
 def token_kinds(example, length: int) -> torch.Tensor:
@@ -81,13 +91,16 @@ def decisions(model, tokens: torch.Tensor) -> list[torch.Tensor]:
     return recorded
 
 
-def measure(model, method: str, examples) -> list[dict]:
-    """Per layer: the share of heads x tokens held whole for each kind, over ``examples``."""
+def measure(model, method: str, examples, window: int = 0) -> list[dict]:
+    """Per layer: the share of heads x tokens held whole for each kind, over ``examples``;
+    ``window``: the tokens before the last prompt query that it sees raw (DMS's
+    ``dms_window``, DMC's ``merge_delay``; 0: none)."""
     tokens = torch.tensor([list(e.tokens) for e in examples])
     kinds = torch.stack([token_kinds(e, tokens.shape[1]) for e in examples])
+    raw_from = torch.tensor([e.prompt_len - 1 - window for e in examples]) if window else None
     rows = []
     for layer, alpha in enumerate(decisions(model, tokens)):
-        whole = held_whole(alpha, method)  # [batch, heads, seq]
+        whole = held_whole(alpha, method, raw_from)  # [batch, heads, seq]
         row = {"layer": layer}
         for index, kind in enumerate(KINDS):
             mask = (kinds == index)[:, None, :].expand_as(whole)
@@ -121,7 +134,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     stream = [t for doc in read_indexed_dataset(str(prefix)) for t in doc]
     examples = make_needle_examples(stream, args.length, args.needles, seed=args.seed)
-    rows = measure(loaded.model.eval(), loaded.dmc_config.method, examples)
+    config = loaded.dmc_config
+    window = config.dms_window if config.method == "dms" else config.merge_delay
+    rows = measure(loaded.model.eval(), config.method, examples, window)
     print("| layer | haystack | key | value | value / haystack | value, per head |")
     print("|---|---|---|---|---|---|")
     for r in rows:

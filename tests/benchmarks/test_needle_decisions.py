@@ -21,6 +21,10 @@ def test_held_whole_by_hand():
     assert bench.held_whole(alpha, "dmc").tolist() == [[[0, 0, 1, 0, 0, 0]]]
     # DMS: alpha_{t+1} evicts token t
     assert bench.held_whole(alpha, "dms").tolist() == [[[0, 1, 1, 0, 0, 1]]]
+    # a window: the query sees positions 4 and 5 (first example) or 2.. (second) raw
+    two = alpha.expand(2, 1, 6)
+    assert bench.held_whole(two, "dmc", torch.tensor([4, 2])).tolist() == [
+        [[0, 0, 1, 0, 1, 1]], [[0, 0, 1, 1, 1, 1]]]
     with pytest.raises(ValueError, match="method: expected dmc or dms"):
         bench.held_whole(alpha, "gqa")
 
@@ -49,3 +53,10 @@ def test_recorded_decisions_are_the_forwards(parallel_1x1, c, expected):
         assert row["value_per_head"] == [expected] * 2
     assert all("_compressed_attention" not in vars(layer.self_attention)
                for layer in model.decoder.layers)  # the recording is removed
+    if expected == 0.0:  # a raw window of 40 tokens: the value tokens it reaches are whole
+        windowed = bench.measure(model, "dmc", examples, window=40)
+        values = [range(e.needle_start + e.key_len, e.needle_start + e.key_len + e.value_len)
+                  for e in examples]
+        seen = sum(t >= e.prompt_len - 41 for e, span in zip(examples, values) for t in span)
+        assert windowed[0]["value"] == pytest.approx(seen / sum(map(len, values)))
+        assert 0 < seen < sum(map(len, values))
