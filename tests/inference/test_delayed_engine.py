@@ -11,7 +11,7 @@ import torch
 
 from dmc.inference import Engine, SamplingParams
 from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
-from test_engine import build, prompts, teacher_forced
+from test_engine import build, check_against_model, check_preemption, prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,34 +44,13 @@ def check_greedy(model, delay):
     engine = Engine(model, page_size=4, max_batch=3, chunk_size=5)
     assert isinstance(engine.cache, DelayedMergeCache) and engine.cache.ring_size == delay + 1
     results = engine.generate(prompt_list, SamplingParams(max_new_tokens=24))
-    for prompt, result in zip(prompt_list, results):
-        fed = prompt + result.tokens[:-1]  # the last generated token is never fed back
-        logp, _ = teacher_forced(model, fed)
-        steps = logp[len(prompt) - 1:]
-        assert steps.argmax(-1).tolist() == result.tokens
-        picked = steps.gather(-1, torch.tensor(result.tokens)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), picked,
-                                   atol=1e-4, rtol=0)
-        _, merged = teacher_forced(model, fed[:len(fed) - delay - 1])
-        assert torch.equal(result.compression.slots, merged + delay + 1)
+    check_against_model(model, results, prompt_list, dmc=True, delay=delay)
     assert min(r.compression.overall for r in results) > 1.3, "decisions should merge"
     assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
 
 
 def test_out_of_pages_preempts_and_restarts_with_the_same_output(parallel_1x1):
-    model = build_delayed(2, 3)
-    prompt_list = prompts((10, 12, 9))
-    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)
-    expected = Engine(model, page_size=4, max_batch=3, chunk_size=8).generate(
-        prompt_list, [params] * 3)
-    tight = Engine(model, page_size=4, max_batch=3, chunk_size=8, num_pages=20)
-    results = tight.generate(prompt_list, [params] * 3)
-    assert tight.stats.preemptions > 0 and results[0].preemptions == 0
-    for e, r in zip(expected, results):
-        assert r.tokens == e.tokens
-        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(e.logprobs),
-                                   atol=1e-5, rtol=0)
-    assert tight.cache.pages_in_use == 0 and tight.cache.free_pages == 20
+    check_preemption(build_delayed(2, 3), "auto", prompts((10, 12, 9)), 20)
 
 
 def test_the_byte_budget_and_the_accounting_hold_the_rings(parallel_1x1):

@@ -16,7 +16,7 @@ from dmc.megatron.dms_attention import DMSSelfAttention
 from dmc.megatron.model import build_gpt_model
 from dmc.megatron.runtime import DMCRuntime
 from dmc.ops import dmc_attention, log_keep_next, split_dms_channels, zero_dms_channel
-from test_engine import teacher_forced
+from test_engine import check_preemption, teacher_forced
 from tiny_models import VOCAB, build_tiny, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -140,19 +140,7 @@ def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups):
 
 
 def test_out_of_pages_preempts_and_restarts_with_the_same_output(parallel_1x1):
-    model, config = build(2), dms(2)
-    prompts = sequences((10, 12, 9), seed=4)
-    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)
-    expected = Engine(model, config, page_size=4, max_batch=3, chunk_size=8).generate(
-        prompts, [params] * 3)
-    tight = Engine(model, config, page_size=4, max_batch=3, chunk_size=8, num_pages=24)
-    results = tight.generate(prompts, [params] * 3)
-    assert tight.stats.preemptions > 0 and results[0].preemptions == 0
-    for e, r in zip(expected, results):
-        assert r.tokens == e.tokens
-        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(e.logprobs),
-                                   atol=1e-5, rtol=0)
-    assert tight.cache.pages_in_use == 0 and tight.cache.free_pages == 24
+    check_preemption(build(2), dms(2), sequences((10, 12, 9), seed=4), 24)
 
 
 def test_dms_refuses_a_policy_and_triton(parallel_1x1):

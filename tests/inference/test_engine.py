@@ -53,7 +53,10 @@ def teacher_forced(model, tokens):
     return torch.log_softmax(logits.double(), dim=-1).cpu(), kept
 
 
-def check_against_model(model, results, prompt_list, dmc):
+def check_against_model(model, results, prompt_list, dmc, delay=0):
+    """Each result's tokens and logprobs are the eval-mode forward's; its slots the forward's
+    kept slots (DMC; under ``merge_delay`` = ``delay``, Algorithm 1's over the tokens that left
+    the raw window plus the window's ``delay + 1``), or none compressed (vanilla)."""
     for prompt, result in zip(prompt_list, results):
         fed = prompt + result.tokens[:-1]  # the last generated token is never fed back
         logp, kept = teacher_forced(model, fed)
@@ -63,7 +66,10 @@ def check_against_model(model, results, prompt_list, dmc):
         torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), picked,
                                    atol=1e-4, rtol=0)
         assert result.compression.tokens == len(fed)
-        if dmc:
+        if dmc and delay:
+            _, merged = teacher_forced(model, fed[:len(fed) - delay - 1])
+            assert torch.equal(result.compression.slots, merged + delay + 1)
+        elif dmc:
             assert torch.equal(result.compression.slots, kept)  # same decisions, same slots
         else:
             assert result.compression.overall == 1.0
@@ -229,17 +235,21 @@ def test_stop_tokens_finish_sequences_independently(parallel_1x1):
 def test_out_of_pages_preempts_the_youngest_and_restarts_it(parallel_1x1, window, temperature,
                                                             pages):
     model, _ = build(2, window)
-    prompt_list = prompts((10, 12, 9))
-    params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5)
-    roomy = Engine(model, page_size=4, max_batch=3, chunk_size=8)
-    expected = roomy.generate(prompt_list, [params] * 3)
     # 2 layers x 2 heads x ceil(35 / 4) = 36 pages for one full vanilla sequence, about half
     # that under DMC at CR ~2: the three sequences do not fit together
-    tight = Engine(model, page_size=4, max_batch=3, chunk_size=8, num_pages=pages)
+    check_preemption(model, "auto", prompts((10, 12, 9)), pages, temperature)
+
+
+def check_preemption(model, dmc, prompt_list, pages, temperature=1.0):
+    """Three requests in a pool of ``pages``: some are preempted (never the oldest) and restart
+    with the output (tokens, logprobs) of an engine with room for all; every page returns."""
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5)
+    expected = Engine(model, dmc, page_size=4, max_batch=3, chunk_size=8).generate(
+        prompt_list, [params] * 3)
+    tight = Engine(model, dmc, page_size=4, max_batch=3, chunk_size=8, num_pages=pages)
     results = tight.generate(prompt_list, [params] * 3)
     assert tight.stats.preemptions > 0
     assert results[0].preemptions == 0  # the oldest request is never the one preempted
-    assert max(r.preemptions for r in results) > 0
     for e, r in zip(expected, results):
         assert r.tokens == e.tokens
         torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(e.logprobs),
