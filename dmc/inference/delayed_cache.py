@@ -14,8 +14,8 @@ Decode (:meth:`write`, batched over sequences and heads): token ``p - R`` leaves
 (appended or merged on the device, in the step ``begin_decode`` opened: the paged part of a
 deferred DMC write), its pre-RoPE key recovered by rotating back (RoPE is orthogonal: rotating
 by ``-t`` undoes rotating by ``t``, exact up to rounding in the cache dtype). On the CPU a
-compiled kernel does the whole write (:func:`~dmc.inference.kernels.native.native_delayed_write`,
-tested against the PyTorch path). Prefill is the
+compiled kernel does the whole write, in static steps too (the positions are host memory there:
+:func:`~dmc.inference.kernels.native.native_delayed_write`, tested against the PyTorch path). Prefill is the
 KV write's (:class:`~dmc.inference.kv_write_delayed.DelayedDMCKV`) over :meth:`raw_window` and
 :meth:`keep_window_tail`, with :meth:`window_decisions`.
 
@@ -84,10 +84,13 @@ class DelayedMergeCache(WindowRingCache):
             raise ValueError("DelayedMergeCache.write: decode writes are deferred (defer=True)")
         seqs, rows = self.allocator.rows(seq_slots)
         self.allocator.claim(seqs, layer)
-        if (not self.static_step and self.native_kernels and self.device.type == "cpu"
-                and native_delayed_write(self, layer, seqs, self.written[seqs, layer], k, v,
+        if (self.native_kernels and self.device.type == "cpu"
+                and native_delayed_write(self, layer, seqs,
+                                         torch.as_tensor(positions) if self.static_step
+                                         else self.written[seqs, layer], k, v,
                                          torch.as_tensor(alpha), torch.as_tensor(omega))):
-            self.written[seqs, layer] += 1
+            if not self.static_step:
+                self.written[seqs, layer] += 1
             return
         positions = torch.as_tensor(positions, device=self.device)
         leaving, at = self._leaving(layer, seqs, rows, positions)
