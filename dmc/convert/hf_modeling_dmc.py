@@ -343,17 +343,18 @@ class DMCAttention(CompressedAttention):
             accumulated = accumulated & real[:, None, None, :merged]
             raw = ((lag >= 0) & (lag <= self.delay) & real[:, None, None, :]) | (lag == 0)
             visible = torch.cat([accumulated, raw.expand(-1, self.kv_heads, -1, -1)], -1)
-            keys = [apply_rope(k.float(), positions[:, None], inv_freq), v.float()]
+            keys, values = apply_rope(k.float(), positions[:, None], inv_freq), v.float()
             if chunk is not None:
-                keys = [torch.cat([chunk.keys, keys[0]], 2), torch.cat([chunk.values, keys[1]], 2)]
+                keys = torch.cat([chunk.keys, keys], 2)
+                values = torch.cat([chunk.values, values], 2)
         else:
             visible = (ends[..., None, :] & (lag > 0)) | (lag == 0)
-            keys = [chunk.keys, chunk.values]
+            keys, values = chunk.keys, chunk.values
         scores = torch.einsum("bhgqd,bhkd->bhgqk",
                               q_rot.view(batch, self.kv_heads, self.group, n, -1),
-                              keys[0]) * self.scale
+                              keys) * self.scale
         scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-        context = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1), keys[1])
+        context = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1), values)
         if cache is not None and self.delay:
             cache.fill_delayed(chunk, ends, k, v, alpha, omega, positions, real)
         elif cache is not None:
