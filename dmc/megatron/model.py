@@ -93,9 +93,22 @@ def build_gpt_model(
         rope_scaling=rope_scaling_factor is not None,
         rope_scaling_factor=rope_scaling_factor or 8.0,
     )
+    _cast_parameters(model, config.params_dtype)
     if cuda_available():
         model = model.cuda()
     return model
+
+
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter in ``dtype``, as megatron's ``Float16Module`` leaves a bf16/fp16 model:
+    the local spec's RMSNorm (``torch.nn.RMSNorm``) ignores ``params_dtype`` and makes float32
+    weights, which megatron's bf16 optimizer keeps apart from the bf16 ones, and its sharded
+    state dict then maps optimizer states to the wrong parameters (seen on an H200: "Param id 10
+    does not match any model sharded param" at the first checkpoint). Buffers (the float64
+    compression counters) keep their dtype."""
+    for param in model.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def build_model(model: ModelConfig, dmc: DMCRuntime | None = None,
