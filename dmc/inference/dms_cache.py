@@ -118,7 +118,9 @@ class DMSPagedCache(WindowRingCache):
                 self._move_leaving(layer, *leaving)
             self.ring_k[state] = keys.to(self.dtype)
             self.ring_v[state] = values.to(self.dtype)
-            self.ring_evict[state] = False
+            # a device scalar: a Python False would be copied from the host (refused while
+            # a CUDA graph captures)
+            self.ring_evict[state] = torch.zeros((), dtype=torch.bool, device=self.device)
         if not self.static_step:
             self.written[seqs, layer] += 1
 
