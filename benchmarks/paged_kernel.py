@@ -36,12 +36,27 @@ def parse_args(argv=None):
     p.add_argument("--num-splits", type=int, default=None, help="split-K (default: heuristic)")
     p.add_argument("--cpu-reference", action="store_true",
                    help="without CUDA: also time the slot-by-slot PyTorch reference")
+    p.add_argument("--sweep", action="store_true",
+                   help="CUDA: also time every (block_n, num_warps, num_stages) of a small grid "
+                        "and print the fastest")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     return p.parse_args(argv)
 
 
 def make_inputs(args, device):
+    """q, K and V pages, block tables and lengths of ``args`` on ``device`` (made once per run and
+    device: the sweep times every tuning on the same inputs)."""
+    key = str(device)
+    if key not in _INPUTS:
+        _INPUTS[key] = _random_inputs(args, device)
+    return _INPUTS[key]
+
+
+_INPUTS: dict = {}
+
+
+def _random_inputs(args, device):
     gen = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     mean = args.length / args.cr
@@ -166,6 +181,29 @@ def make_small_inputs(args):
     return torch.zeros(1, args.q_heads, args.head_dim), pages, pages, tables, lengths, 1.0
 
 
+SWEEP = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8)
+         for stages in (2, 3, 4)]
+
+
+def sweep(args) -> dict:
+    """``{"sweep bN wW sS": result}`` of the Triton kernel under each tuning of ``SWEEP``
+    (the default's row is "triton"); prints the fastest."""
+    from dmc.inference.kernels.paged_decode import paged_decode
+
+    results = {}
+    for block_n, warps, stages in SWEEP:
+        def kernel(q, k, v, t, lengths, scale, max_length):
+            return paged_decode(q, k, v, t, lengths, scale, num_splits=args.num_splits,
+                                max_length=max_length, block_n=block_n, num_warps=warps,
+                                num_stages=stages)
+
+        results[f"sweep b{block_n} w{warps} s{stages}"] = measure(
+            args, torch.device("cuda"), kernel, time_cuda)
+    best = max(results, key=lambda name: results[name]["fraction_of_copy"])
+    print(f"fastest tuning: {best} ({results[best]['fraction_of_copy']:.3f} of copy)")
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if torch.cuda.is_available():
@@ -175,8 +213,10 @@ def main(argv=None) -> int:
             return paged_decode(q, k, v, t, lengths, scale, num_splits=args.num_splits,
                                 max_length=max_length)
 
-        result = measure(args, torch.device("cuda"), kernel, time_cuda)
-        report(args, {"triton": result}, torch.cuda.get_device_name())
+        results = {"triton": measure(args, torch.device("cuda"), kernel, time_cuda)}
+        if args.sweep:
+            results.update(sweep(args))
+        report(args, results, torch.cuda.get_device_name())
         return 0
     cpu = torch.device("cpu")
     results = {name: measure(args, cpu, kernel, time_cpu)

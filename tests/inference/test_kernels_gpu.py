@@ -18,21 +18,25 @@ DECODE_CASES = [  # batch, q_heads, kv_heads, head_dim, page_size, max_len, num_
 ]
 
 
+@pytest.mark.parametrize("query_fp32", [False, True], ids=["query-in-cache-dtype", "query-fp32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "batch,q_heads,kv_heads,head_dim,page_size,max_len,num_splits", DECODE_CASES
 )
 def test_triton_decode_on_cuda_matches_reference(dtype, batch, q_heads, kv_heads, head_dim,
-                                                 page_size, max_len, num_splits):
+                                                 page_size, max_len, num_splits, query_fp32):
+    """``query_fp32``: the engine's float32 rotated queries over a bf16/fp16 cache (the kernel
+    rounds them to the cache dtype for its tensor-core dots)."""
     gen = torch.Generator().manual_seed(batch * 1000 + max_len)
     lengths = torch.randint(1, max_len + 1, (batch, kv_heads), generator=gen)
     lengths[0, -1], lengths[-1, 0] = max_len, 1  # DMC-like ragged heads: longest and shortest
     paged = [t.cuda() for t in random_paged_kv(lengths, head_dim, page_size, dtype, gen)]
-    q = torch.randn(batch, q_heads, head_dim, generator=gen).to("cuda", dtype)
+    q = torch.randn(batch, q_heads, head_dim, generator=gen).to(
+        "cuda", torch.float32 if query_fp32 else dtype)
     scale = head_dim ** -0.5
     expected = paged_decode_reference(q, *paged, scale)
     out = run_paged_decode(q, *paged, scale, use_triton=True, num_splits=num_splits)
-    assert out.dtype == dtype and out.is_cuda
+    assert out.dtype == q.dtype and out.is_cuda
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
 
 

@@ -3,13 +3,18 @@
 
 One program per (sequence, KV head, split) serves the ``G = q_heads / kv_heads`` query heads of
 the group, so each cached K/V page is read once per group. Each split runs an online softmax
-(base 2) over its chunk of slots; with several splits a second kernel combines the partial
-maxima, sums and outputs. Everything is accumulated in float32. Import this module only after
-``TRITON_INTERPRET`` is settled (the dispatcher imports it lazily).
+(base 2) over its chunk of slots, the scores ``q K^T`` and the update ``P V`` as ``tl.dot`` on
+tensor cores (the group padded to 16 rows, the probabilities cast to the cache's dtype for
+``P V`` as FlashAttention does; float32 caches keep IEEE float32 products), the softmax state
+in float32; with several splits a second kernel combines the partial maxima, sums and outputs.
+Import this module only after ``TRITON_INTERPRET`` is settled (the dispatcher imports it lazily;
+the interpreter computes its dots in float32, which numpy lacks bf16 for).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
@@ -17,9 +22,11 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 _EMPTY = tl.constexpr(-1.0e30)  # running max before any slot: exp2(_EMPTY - m) == 0 for finite m
-_TARGET_PROGRAMS = 256  # about two waves on an H100 (132 SMs)
-_MIN_BLOCKS_PER_SPLIT = 4
+_WAVES = 4  # programs per multiprocessor the split heuristic aims at
+_MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 32
+_DOT_MIN = 16  # tl.dot needs every dimension >= 16
+BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 3  # README "Paged decode kernel": --sweep on an H200
 
 
 @triton.jit
@@ -30,7 +37,8 @@ def _decode_split_kernel(
     stride_tb, stride_th, stride_lb, stride_lh, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
     DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -46,7 +54,8 @@ def _decode_split_kernel(
     d_mask = d < DIM
     q_heads = kh * GROUP + g
     q = tl.load(q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale_log2
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(tl.float32) if UPCAST else q.to(k_pages.dtype.element_ty)  # the dot's operand type
     row_max = tl.full([GROUP_BLOCK], _EMPTY, tl.float32)
     row_sum = tl.zeros([GROUP_BLOCK], tl.float32)
     acc = tl.zeros([GROUP_BLOCK, DIM_BLOCK], tl.float32)
@@ -59,15 +68,19 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = k_pages + page[:, None] * stride_kp + offset[:, None] * stride_kt
         v_rows = v_pages + page[:, None] * stride_vp + offset[:, None] * stride_vt
-        keys = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        values = tl.load(v_rows + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)  # [GROUP_BLOCK, BLOCK_N]
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        keys = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0)
+        values = tl.load(v_rows + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            keys = keys.to(tl.float32)
+            values = values.to(tl.float32)
+        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale_log2
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))  # [GROUP_BLOCK, BLOCK_N]
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         probs = tl.exp2(scores - new_max[:, None])
         rescale = tl.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * values[None, :, :], axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values,
+                                              input_precision=PRECISION)
         row_max = new_max
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -106,17 +119,21 @@ def _decode_reduce_kernel(
     tl.store(out_row + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def default_num_splits(batch_kv_heads: int, max_length: int, block_n: int) -> int:
-    """Split a head's slots only when the (sequence, KV head) programs alone leave the GPU idle."""
+@functools.cache
+def _multiprocessors(device_index: int | None) -> int:
+    if device_index is None:  # the interpreter: a CPU tensor
+        return 1
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch_kv_heads: int, max_length: int, block_n: int,
+                       multiprocessors: int = 132) -> int:
+    """Split a head's slots only when the (sequence, KV head) programs alone leave the GPU
+    short of ``_WAVES`` programs per multiprocessor, each split at least
+    ``_MIN_BLOCKS_PER_SPLIT`` blocks of ``block_n`` slots."""
     blocks = math.ceil(max_length / block_n)
-    wanted = math.ceil(_TARGET_PROGRAMS / max(batch_kv_heads, 1))
+    wanted = math.ceil(_WAVES * multiprocessors / max(batch_kv_heads, 1))
     return max(1, min(blocks // _MIN_BLOCKS_PER_SPLIT, wanted, _MAX_SPLITS))
-
-
-def _block_n(group_block: int) -> int:
-    """Slots per loop step. With 8 warps and head_dim 128, ptxas (sm_90) reports no register
-    spills for groups of up to 8 query heads; larger blocks spill."""
-    return max(16, 64 // group_block)
 
 
 def paged_decode(
@@ -129,6 +146,9 @@ def paged_decode(
     *,
     num_splits: int | None = None,
     max_length: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Triton paged decode; arguments and result as
     :func:`~dmc.inference.kernels.reference.paged_decode_reference`. The page pools need a
@@ -139,16 +159,18 @@ def paged_decode(
             ``None`` picks :func:`default_num_splits`.
         max_length: an upper bound on ``lengths`` known to the caller (saves a device sync);
             sets the chunk of slots per split. ``None`` reads ``lengths.max()``.
+        block_n, num_warps, num_stages: slots per loop step (a power of two >= 16), warps per
+            program and software-pipelining stages of the loop's loads (tuning only).
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = block_tables.shape[1]
     group = q_heads // kv_heads
-    group_block = triton.next_power_of_2(group)
-    block_n = _block_n(group_block)
+    group_block = max(_DOT_MIN, triton.next_power_of_2(group))
     if max_length is None:
         max_length = int(lengths.max()) if lengths.numel() else 0
     if num_splits is None:
-        num_splits = default_num_splits(batch * kv_heads, max_length, block_n)
+        num_splits = default_num_splits(batch * kv_heads, max_length, block_n,
+                                        _multiprocessors(q.device.index if q.is_cuda else None))
     blocks_per_split = max(1, math.ceil(math.ceil(max_length / block_n) / num_splits))
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -160,7 +182,8 @@ def paged_decode(
         part_sum = torch.empty_like(part_max)
     else:
         part_out, part_max, part_sum = out, None, None
-    dim_block = triton.next_power_of_2(head_dim)
+    dim_block = max(_DOT_MIN, triton.next_power_of_2(head_dim))
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     _decode_split_kernel[(batch * kv_heads, num_splits)](
         q, k_pages, v_pages, block_tables, lengths, part_out, part_max, part_sum,
         scale * _LOG2E, blocks_per_split, num_splits,
@@ -168,12 +191,15 @@ def paged_decode(
         v_pages.stride(0), v_pages.stride(1), block_tables.stride(0), block_tables.stride(1),
         lengths.stride(0), lengths.stride(1), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, GROUP_BLOCK=group_block, DIM=head_dim, DIM_BLOCK=dim_block,
-        PAGE_SIZE=k_pages.shape[1], BLOCK_N=block_n, PARTIAL=partial, num_warps=8,
+        PAGE_SIZE=k_pages.shape[1], BLOCK_N=block_n, PARTIAL=partial,
+        UPCAST=interpreted and k_pages.dtype != torch.float32,
+        PRECISION="ieee" if interpreted or k_pages.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
     )
     if partial:
         _decode_reduce_kernel[(batch * q_heads,)](
             part_out, part_max, part_sum, out, num_splits, out.stride(0), out.stride(1),
-            Q_HEADS=q_heads, DIM=head_dim, DIM_BLOCK=dim_block,
+            Q_HEADS=q_heads, DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
             SPLIT_BLOCK=triton.next_power_of_2(num_splits),
         )
     return out
