@@ -131,6 +131,10 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", action="store_true",
                    help="decode-only steps replayed from a CUDA graph per batch size (eager on "
                         "the CPU); vanilla, GQA and DMC modes (policies and DMS run eagerly)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one decode step of each mode halfway through generation "
+                        "(torch.profiler; the step is left out of the timings) and print its "
+                        "busiest kernels")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     from dmc.megatron.compat import cuda_available
@@ -187,6 +191,7 @@ class Run:
         self.mode, self.engine, self.batch = mode, engine, batch
         self.results = []
         self.steps = []  # (seconds, decode tokens, prefill tokens, KV bytes, slots) per step
+        self.profiled = []  # the same of steps run under the profiler (not timed)
         for prompt in prompts:
             engine.add_request(prompt, params)
 
@@ -222,6 +227,12 @@ class Run:
 
     def _full(self, n: int) -> list[tuple]:
         return [s for s in self.steps if s[2] == 0 and s[1] == self.batch][-n:]
+
+
+def progress(message: str, started=time.perf_counter()) -> None:
+    """A line on stderr with the seconds since the start (so a run stopped by a time limit
+    still shows how far it got)."""
+    print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def prompts_for(args, n: int, seed: int) -> list[list[int]]:
@@ -302,13 +313,21 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
         row.update(batch=batch, num_pages=num_pages)
         rows[mode] = row
         runs.append(Run(mode, engine, batch, prompts_for(args, batch, args.seed + 2), params))
-    rounds = 0
+        progress(f"{mode.label}: probe CR {row['probe_cr']:.2f}, {row['pages_per_seq']} pages "
+                 f"per sequence, batch {batch}")
+    rounds, profiled_round = 0, args.gen_len // 2 if args.profile else -1
     while any(r.engine.has_unfinished() for r in runs):
         shift = rounds % len(runs)
         for run in runs[shift:] + runs[:shift]:
             if run.engine.has_unfinished():
-                run.step(args.cuda)
+                if rounds == profiled_round:
+                    profile_step(run, args.cuda)
+                else:
+                    run.step(args.cuda)
         rounds += 1
+        if rounds % 256 == 0:
+            progress(f"{rounds} interleaved rounds")
+    progress(f"timed run done after {rounds} rounds")
     for run in runs:
         row = rows[run.mode]
         failed = [r.error for r in run.results if r.error]
@@ -338,6 +357,23 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
                            ("median_step_tokens_per_s", "median_speedup_vs_vanilla")):
             row[ratio] = row[key] / vanilla[key] if vanilla and vanilla[key] else None
     return list(rows.values())
+
+
+def profile_step(run: Run, cuda: bool, kernels: int = 10) -> None:
+    """One step of ``run`` under torch.profiler: prints (stderr) its host time, the device time
+    of its kernels and the ``kernels`` busiest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run.step(cuda)
+    run.profiled.append(run.steps.pop())
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"profile of one {run.mode.label} step (batch {run.batch}): "
+          f"{run.profiled[-1][0] * 1e3:.2f} ms wall, kernels {device_us / 1e3:.2f} ms on the "
+          f"device\n{events.table(sort_by=sort, row_limit=kernels)}", file=sys.stderr, flush=True)
 
 
 def add_rooflines(args, runs: list[Run], rows: dict) -> None:

@@ -30,6 +30,13 @@
 # some steps only (of: gpu_tests decode_throughput paged_kernel train_step), e.g. one per call
 # where a command's time is limited; steps.tsv keeps the earlier calls' records (the summary
 # reads the newest of each step).
+#
+# For a leased machine whose minutes are counted: DMC_TIMEOUT_<step> (e.g. DMC_TIMEOUT_gpu_tests
+# =150) stops a step after that many seconds (exit 124 in the summary; the others still run);
+# DMC_CHECK_QUICK=1 shortens the protocols (decode: 512 generated tokens and the last 256 steps
+# instead of 2048 and 512; paged kernel: 20 iterations; train step: 1 warm-up + 4 steps);
+# DMC_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes (where xdist is installed),
+# which compile their FlexAttention and Triton kernels side by side.
 set -uo pipefail
 
 if [ "$#" -ne 1 ] || [ -z "$1" ]; then
@@ -57,9 +64,14 @@ done
 run() {
   local name=$1; shift
   case " install $SELECTED " in *" $name "*) ;; *) return 0 ;; esac
-  local start=$SECONDS
-  echo "== $name: $*"
-  "$@" > "$RESULTS/$name.log" 2>&1
+  local start=$SECONDS limit_var="DMC_TIMEOUT_$name"
+  local limit=${!limit_var:-}
+  echo "== $name: $*${limit:+ (at most $limit s)}"
+  if [ -n "$limit" ]; then
+    timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+  else
+    "$@" > "$RESULTS/$name.log" 2>&1
+  fi
   local status=$?
   printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >> "$STEPS"
   echo "   exit $status after $((SECONDS - start)) s (log: $RESULTS/$name.log)"
@@ -98,17 +110,28 @@ fi
 CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
 
 cd "$ROOT" || exit 1
+WORKERS=()
+if [ "${DMC_TEST_WORKERS:-1}" -gt 1 ] && "$PYTHON" -c "import xdist" 2>/dev/null; then
+  WORKERS=(-n "$DMC_TEST_WORKERS")
+fi
+QUICK_DECODE=() QUICK_KERNEL=() QUICK_TRAIN=()
+if [ "${DMC_CHECK_QUICK:-0}" = 1 ]; then
+  QUICK_DECODE=(--gen-len 512 --steady 256) QUICK_KERNEL=(--iters 20)
+  QUICK_TRAIN=(--steps 4 --warmup 1)
+fi
 # a test module that cannot be imported there (another extra missing) must not stop the GPU
 # tests: it is counted as an error in gpu_tests.xml and the summary
-run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rs \
+run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rs "${WORKERS[@]}" \
   --continue-on-collection-errors --junitxml "$RESULTS/gpu_tests.xml" tests
 
 if [ "$CUDA" = 1 ]; then
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs \
-    --out "$RESULTS/decode_throughput.json"
-  run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --out "$RESULTS/paged_kernel.json"
+    --profile "${QUICK_DECODE[@]}" --out "$RESULTS/decode_throughput.json"
+  run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep "${QUICK_KERNEL[@]}" \
+    --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
-    --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 --out "$RESULTS/train_step.json"
+    --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
+    --out "$RESULTS/train_step.json"
 else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
