@@ -168,8 +168,9 @@ class DMCConfig:
     merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
         (DMS's delayed eviction carried over to DMC; README "DMC with delayed merging"): a
         query sees its last d + 1 tokens as they are and the earlier ones through the merged
-        slots (:func:`dmc.ops.delayed_merge_bias`). Training and the eval-mode model only: the
-        inference engine and the Hugging Face export refuse it. ``to_dict`` leaves out 0.
+        slots (:func:`dmc.ops.delayed_merge_bias`). The paged engine serves it
+        (:class:`dmc.inference.delayed_cache.DelayedMergeCache`) and the Hugging Face export
+        carries it (``dmc_merge_delay``). ``to_dict`` leaves out 0.
     """
 
     window: int | None = 12

@@ -18,7 +18,12 @@ bench = load_benchmark("decode_throughput")
 def allocated_bytes(root, device: torch.device) -> int:
     """Bytes of every distinct tensor storage on ``device`` reachable from ``root`` through the
     attributes of ``dmc`` objects (the cache, its allocator, ...)."""
-    seen_objects, storages, total = set(), set(), 0
+    return sum(storage_sizes(root, device))
+
+
+def storage_sizes(root, device: torch.device) -> list[int]:
+    """The byte size of each distinct storage :func:`allocated_bytes` counts."""
+    seen_objects, storages, sizes = set(), set(), []
     pending = [root]
     while pending:
         obj = pending.pop()
@@ -30,10 +35,10 @@ def allocated_bytes(root, device: torch.device) -> int:
                 storage = value.untyped_storage()
                 if value.device == device and storage.data_ptr() not in storages:
                     storages.add(storage.data_ptr())
-                    total += storage.nbytes()
+                    sizes.append(storage.nbytes())
             elif type(value).__module__.startswith("dmc.") and hasattr(value, "__dict__"):
                 pending.append(value)
-    return total
+    return sizes
 
 
 @pytest.mark.parametrize("layers,kv_heads,head_dim,pages,page_size,seqs,window,dtype,max_len", [
@@ -94,8 +99,10 @@ def test_delayed_merge_budget_accounting_equals_the_bytes_the_cache_allocates(
 @pytest.mark.parametrize("window", [None, 12])
 def test_budget_accounting_on_cuda(window):
     """On CUDA the host copies of the block tables and lengths are not counted: the budget is
-    device memory, which the caching allocator reports (each block rounded up to 512 bytes)."""
-    device = torch.device("cuda")
+    device memory. The caching allocator's report exceeds it by its rounding only: each block
+    rounded up to 512 bytes, and a block over 1 MiB may keep a remainder under 1 MiB of the
+    cached segment it was cut from (seen on an H200: a 6 MiB ring in a 6.19 MiB block)."""
+    device = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(device)
     cache = PagedKVCache(4, 8, 128, 1000, page_size=16, max_seqs=32, window=window,
@@ -103,8 +110,10 @@ def test_budget_accounting_on_cuda(window):
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated(device) - before
     counted = bench.cache_allocation(4, 8, 128, 1000, 16, 32, window, torch.bfloat16, 4096)
-    assert counted["total"] == allocated_bytes(cache, device)
-    assert 0 <= grown - counted["total"] < 512 * 16
+    sizes = storage_sizes(cache, device)
+    assert counted["total"] == sum(sizes)
+    rounding = 512 * len(sizes) + 2**20 * sum(size > 2**20 for size in sizes)
+    assert 0 <= grown - counted["total"] < rounding
 
 
 @pytest.mark.parametrize("window", ["vanilla", 3])

@@ -27,8 +27,8 @@ def base(tiny_data, tmp_path_factory):
 
 
 def _trainer(tiny_data, run_dir, base, **extra):
-    overrides = tiny_overrides(tiny_data, run_dir, **STEPS, **{
-        "checkpoint.load_base": base, "optim.trainable": "decisions", **extra})
+    overrides = tiny_overrides(tiny_data, run_dir, **{
+        **STEPS, "checkpoint.load_base": base, "optim.trainable": "decisions", **extra})
     return Trainer(load_config([], overrides), "retrofit")
 
 
