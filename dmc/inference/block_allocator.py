@@ -35,6 +35,21 @@ class SeqRows(NamedTuple):
     device: torch.Tensor
 
 
+class TableEntries(NamedTuple):
+    """Block-table entries ``tables[seq, layer, head, column] = pages``, each a host ``[n]``
+    tensor (long; ``pages`` int32)."""
+
+    seq: torch.Tensor
+    layer: torch.Tensor
+    head: torch.Tensor
+    column: torch.Tensor
+    pages: torch.Tensor
+
+    @property
+    def index(self) -> tuple[torch.Tensor, ...]:
+        return self.seq, self.layer, self.head, self.column
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without a stream sync: ``non_blocking`` from pageable memory
     stages the bytes before returning, so the (temporary) source may change afterwards."""
@@ -89,7 +104,8 @@ class BlockAllocator:
         self.free_list = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is taken first
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._active = [False] * max_seqs
-        self.step: tuple[torch.Tensor, set] | None = None  # open decode step: seqs, layers done
+        # the open decode step: its seqs, the layers written, the pages reserved for it
+        self.step: tuple[torch.Tensor, set, TableEntries] | None = None
 
     @property
     def free_pages(self) -> int:
@@ -141,14 +157,15 @@ class BlockAllocator:
     def grow(self, seqs: torch.Tensor, layer: int, new_lengths: torch.Tensor) -> None:
         """Set the lengths of heads ``[seqs, layer, :]`` (``new_lengths [batch, kv_heads]``, never
         shorter), taking the pages they newly need; raises before any change when it cannot."""
-        self._take(seqs, layer, new_lengths)
+        self._publish_entries(self._take(seqs, layer, new_lengths))
         self.lengths[seqs, layer] = new_lengths.to(torch.int32)
-        self.publish(seqs, layer)
+        self._publish_lengths(seqs, layer)
 
-    def _take(self, seqs: torch.Tensor, layers, new_lengths: torch.Tensor) -> None:
+    def _take(self, seqs: torch.Tensor, layers, new_lengths: torch.Tensor) -> TableEntries:
         """Fill the table columns heads ``[seqs, layers, :]`` (``layers`` an index or a slice) of
         ``new_lengths`` need beyond their current lengths with free pages; raises
-        :class:`CacheFullError` before any change."""
+        :class:`CacheFullError` before any change. Returns the entries written (the same ops
+        whether there are any or not: a step's op count does not depend on its data)."""
         layer_ids = torch.arange(self.lengths.shape[1])[layers].reshape(-1)
         old = self.lengths[seqs][:, layer_ids].long()  # [batch, layers, kv]
         old_pages = pages_for(old, self.page_size)
@@ -164,26 +181,28 @@ class BlockAllocator:
             raise CacheFullError(
                 f"need {needed} pages, only {len(self.free_list)} free of {self.num_pages}"
             )
-        if needed:
-            b, layer, h = count.nonzero(as_tuple=True)
-            per_head = count[b, layer, h]
-            first_new = old_pages[b, layer, h] - (torch.cumsum(per_head, 0) - per_head)
-            columns = first_new.repeat_interleave(per_head) + torch.arange(needed)
-            taken = self.free_list[-needed:][::-1]
-            del self.free_list[-needed:]
-            index = [part.repeat_interleave(per_head) for part in (seqs[b], layer_ids[layer], h)]
-            self.tables[(*index, columns)] = torch.tensor(taken, dtype=torch.int32)
+        b, layer, h = count.nonzero(as_tuple=True)
+        per_head = count[b, layer, h]
+        first_new = old_pages[b, layer, h] - (torch.cumsum(per_head, 0) - per_head)
+        columns = first_new.repeat_interleave(per_head) + torch.arange(needed)
+        rest = len(self.free_list) - needed
+        taken, self.free_list[rest:] = self.free_list[rest:][::-1], []
+        index = [part.repeat_interleave(per_head) for part in (seqs[b], layer_ids[layer], h)]
+        entries = TableEntries(*index, columns, torch.tensor(taken, dtype=torch.int32))
+        self.tables[entries.index] = entries.pages
+        return entries
 
     def append_all(self, seqs: SeqRows) -> tuple[torch.Tensor, torch.Tensor]:
         """One more slot for every head of every layer of ``seqs`` (a vanilla decode step,
         whose every head appends): pages taken, lengths set and published in one go. Returns
         the host ``(page, offset)`` of each new slot, ``[batch, num_layers, kv_heads]`` long."""
         slots = self.lengths[seqs.host].long()
-        self._take(seqs.host, slice(None), slots + 1)
+        self._publish_entries(self._take(seqs.host, slice(None), slots + 1))
         self.lengths[seqs.host] = (slots + 1).to(torch.int32)
-        self.publish(seqs.host, slice(None))
-        table = self.tables[seqs.host]
-        pages = table.gather(-1, (slots // self.page_size).unsqueeze(-1)).squeeze(-1).long()
+        self._publish_lengths(seqs.host, slice(None))
+        layers, heads = (torch.arange(n) for n in slots.shape[1:])
+        pages = self.tables[seqs.host[:, None, None], layers[:, None], heads,
+                            slots // self.page_size].long()
         return pages, slots % self.page_size
 
     # ---------------------------------------------- a decode step decided on the device
@@ -195,9 +214,9 @@ class BlockAllocator:
         one slot ahead of the host ones, and each layer is written once (:meth:`claim`)."""
         if self.step is not None:
             raise RuntimeError("a decode step is open: settle it before reserving the next")
-        self._take(seqs, slice(None), self.lengths[seqs].long() + heads.long())
-        self.publish(seqs, slice(None))
-        self.step = (seqs, set())
+        reserved = self._take(seqs, slice(None), self.lengths[seqs].long() + heads.long())
+        self._publish_entries(reserved)
+        self.step = (seqs, set(), reserved)
 
     def claim(self, seqs: torch.Tensor, layer: int) -> None:
         """Check that a write of ``layer`` for ``seqs`` (host ``[batch]``) uses the pages of the
@@ -211,16 +230,24 @@ class BlockAllocator:
     def settle(self, carry: torch.Tensor | None = None) -> torch.Tensor | None:
         """Close the open step: read the device lengths of its sequences (every layer) back in
         one copy, together with ``carry`` (a float64 device tensor, returned on the host; None
-        without it), and give back the pages reserved for heads that did not append."""
+        without it), and give back the pages reserved for heads that did not append. Only
+        those table entries go back to the device (the lengths there are already these)."""
         if self.step is None:
             return None if carry is None else carry.cpu()
-        seqs, self.step = self.step[0], None
+        (seqs, _, reserved), self.step = self.step, None
         reached = self.device_lengths[to_device(seqs, self.device)]
         if carry is not None:
             host = torch.cat((reached.double().flatten(), carry.flatten())).cpu()
             count = reached.numel()
             reached, carry = host[:count].view(reached.shape), host[count:].view(carry.shape)
-        self.shrink(seqs, slice(None), reached.cpu().long())
+        self.lengths[seqs] = reached.cpu().to(torch.int32)
+        used = pages_for(self.lengths[reserved.index[:3]].long(), self.page_size)
+        unused = used <= reserved.column
+        self.free_list.extend(reserved.pages[unused].tolist())
+        dropped = TableEntries(*(i[unused] for i in reserved.index),
+                               torch.full((int(unused.sum()),), -1, dtype=torch.int32))
+        self.tables[dropped.index] = dropped.pages
+        self._publish_entries(dropped)
         return carry
 
     def shrink(self, seqs: torch.Tensor, layer, new_lengths: torch.Tensor) -> None:
@@ -248,6 +275,21 @@ class BlockAllocator:
         rows = to_device(seqs, self.device)
         self.device_tables[rows, layer] = to_device(self.tables[seqs, layer], self.device)
         self.device_lengths[rows, layer] = to_device(self.lengths[seqs, layer], self.device)
+
+    def _publish_lengths(self, seqs: torch.Tensor, layer) -> None:
+        """Copy the host lengths of ``[seqs, layer]`` to the device."""
+        if self.device_lengths is not self.lengths:
+            self.device_lengths[to_device(seqs, self.device), layer] = to_device(
+                self.lengths[seqs, layer], self.device)
+
+    def _publish_entries(self, entries: TableEntries) -> None:
+        """Copy the table entries ``entries`` (host) to the device in one transfer: a decode
+        step changes a few entries, while the rows of its heads are ``max_pages_per_head`` wide
+        (the gpu preset's DMC 8x batch of 263: 43 MB of rows, copied twice per step before)."""
+        if self.device_tables is self.tables or not len(entries.pages):
+            return
+        packed = to_device(torch.stack([*entries.index, entries.pages.long()]), self.device)
+        self.device_tables[tuple(packed[:4])] = packed[4].to(torch.int32)
 
 
 def rows_or_zeros(table: torch.Tensor, seq_slots: list) -> torch.Tensor:

@@ -23,8 +23,10 @@ NOT_COMPUTING = {
     "unflatten", "contiguous", "numel", "size", "dim", "stride", "item", "_local_scalar_dense",
     "is_nonzero", "result_type", "to", "empty", "empty_like", "empty_strided",
 }
-# measured 2026-11-24 (ops per layer): vanilla 27, DMC 42, DMS 65; 63, 55, 83 before the layers of
-# a step shared its RoPE tables, validated sequence rows and vanilla's page reservation.
+# measured 2026-11-26 (ops per layer): vanilla 27, DMC 42, DMS 46 (DMS 65 on 2026-11-24, when
+# settling a step ran a data-dependent number of ops that the 2- and 3-layer models differed in);
+# 63, 55, 83 before the layers of a step shared its RoPE tables, validated sequence rows and
+# vanilla's page reservation.
 OPS_PER_LAYER = {"vanilla": 30, "dmc": 46, "dms": 70}
 
 
