@@ -24,7 +24,8 @@ NOT_COMPUTING = {
     "is_nonzero", "result_type", "to", "empty", "empty_like", "empty_strided",
 }
 # measured 2026-11-26 (ops per layer): vanilla 27, DMC 42, DMS 46 (DMS 65 on 2026-11-24, when
-# settling a step ran a data-dependent number of ops that the 2- and 3-layer models differed in);
+# reserving a step's pages ran its ops only if some head needed a page, which in these steps the
+# 3-layer DMS model did and the 2-layer one did not);
 # 63, 55, 83 before the layers of a step shared its RoPE tables, validated sequence rows and
 # vanilla's page reservation.
 OPS_PER_LAYER = {"vanilla": 30, "dmc": 46, "dms": 70}
