@@ -99,15 +99,45 @@ def _windowed(k, v, alpha, omega, window):
     ``omega_{i-o} * prod_{l=i-o+1..i} alpha_l``; terms before the sequence start are zero.
     """
     decay = torch.ones_like(alpha)
-    z = torch.zeros_like(alpha)
-    k_num = torch.zeros_like(k)
-    v_num = torch.zeros_like(v)
+    coeffs = []
     for offset in range(window):
         if offset > 0:
             decay = decay * _shift(alpha, offset - 1)
-        coeff = decay * _shift(omega, offset)
-        z = z + coeff
-        k_num = k_num + coeff.unsqueeze(-1) * _shift(k, offset)
-        v_num = v_num + coeff.unsqueeze(-1) * _shift(v, offset)
-    inv_z = (1.0 / z).unsqueeze(-1)
-    return k_num * inv_z, v_num * inv_z
+        coeffs.append(decay * _shift(omega, offset))
+    coeff = torch.stack(coeffs, dim=-1)  # [batch, heads, seq, window]
+    inv_z = (1.0 / coeff.sum(-1)).unsqueeze(-1)
+    return WindowedSum.apply(k, coeff) * inv_z, WindowedSum.apply(v, coeff) * inv_z
+
+
+class WindowedSum(torch.autograd.Function):
+    """``out[..., i, :] = sum_o coeff[..., i, o] * x[..., i - o, :]`` over the offsets ``o`` of
+    ``coeff [batch, heads, seq, window]`` (``x [batch, heads, seq, dim]``, zero before the
+    start): the numerators of the window-grouped Eq. 9. Written out as ``window`` shifted
+    products, autograd would keep every shifted copy of ``x`` for the backward, ``window`` times
+    the keys' and values' memory per layer (the DMC train step's peak memory was 2.4x vanilla's
+    on an H200, 1B shape, seq 2048); this keeps ``x`` and ``coeff`` only and shifts again in the
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
+        out = x * coeff[..., :1]
+        for offset in range(1, coeff.shape[-1]):
+            out[..., offset:, :] += coeff[..., offset:, offset, None] * x[..., :-offset, :]
+        ctx.save_for_backward(x, coeff)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, coeff = ctx.saved_tensors
+        grad_x = grad_coeff = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad * coeff[..., :1]
+            for offset in range(1, coeff.shape[-1]):
+                grad_x[..., :-offset, :] += coeff[..., offset:, offset, None] * grad[..., offset:, :]
+        if ctx.needs_input_grad[1]:
+            grad_coeff = torch.zeros_like(coeff)
+            grad_coeff[..., 0] = (grad * x).sum(-1)
+            for offset in range(1, coeff.shape[-1]):
+                grad_coeff[..., offset:, offset] = (grad[..., offset:, :]
+                                                    * x[..., :-offset, :]).sum(-1)
+        return grad_x, grad_coeff
