@@ -85,6 +85,7 @@ from dmc.inference.ring_cache import WindowRingCache
 
 warnings.filterwarnings("ignore", module="megatron")
 
+STARTED = time.perf_counter()
 PRESETS = {
     "gpu": dict(layers=16, hidden=2048, heads=16, groups=16, ffn=5504, vocab=32000,
                 prompt_len=2048, gen_len=2048, steady=512, budget_mib=12 * 1024,
@@ -229,10 +230,10 @@ class Run:
         return [s for s in self.steps if s[2] == 0 and s[1] == self.batch][-n:]
 
 
-def progress(message: str, started=time.perf_counter()) -> None:
+def progress(message: str) -> None:
     """A line on stderr with the seconds since the start (so a run stopped by a time limit
     still shows how far it got)."""
-    print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+    print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def prompts_for(args, n: int, seed: int) -> list[list[int]]:

@@ -45,7 +45,6 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup):
             timings.append(time.perf_counter() - start)
     seconds = sorted(timings)[len(timings) // 2]
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    del optimizer
     return tokens.numel() / seconds, seconds, peak
 
 

@@ -181,9 +181,9 @@ def dms_alpha_logit(query: torch.Tensor, kv_heads: int, c: float = 5.0,
                     scale: float = 100.0) -> torch.Tensor:
     """``alpha_logit [batch, kv_heads, seq] = q_g[..., -1] * scale - c`` of the first query head
     ``g`` of each KV group (see :func:`split_dms_channels`), the query left as it is."""
-    group = query.shape[1] // len(dms_query_heads(query.shape[1], kv_heads))
+    dms_query_heads(query.shape[1], kv_heads)  # validates the grouping
     # a strided view, not an index list: no host-to-device copy (CUDA-graph capture refuses one)
-    return query[:, ::group, :, DECISION_CHANNEL] * scale - c
+    return query[:, ::query.shape[1] // kv_heads, :, DECISION_CHANNEL] * scale - c
 
 
 def zero_dms_channel(query: torch.Tensor, kv_heads: int, scale: float = 0.0) -> torch.Tensor:
