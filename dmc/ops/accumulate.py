@@ -122,7 +122,7 @@ class WindowedSum(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
         out = x * coeff[..., :1]
         for offset in range(1, coeff.shape[-1]):
-            out[..., offset:, :] += coeff[..., offset:, offset, None] * x[..., :-offset, :]
+            out[..., offset:, :].addcmul_(coeff[..., offset:, offset, None], x[..., :-offset, :])
         ctx.save_for_backward(x, coeff)
         return out
 
@@ -133,11 +133,12 @@ class WindowedSum(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad * coeff[..., :1]
             for offset in range(1, coeff.shape[-1]):
-                grad_x[..., :-offset, :] += coeff[..., offset:, offset, None] * grad[..., offset:, :]
+                grad_x[..., :-offset, :].addcmul_(coeff[..., offset:, offset, None],
+                                                  grad[..., offset:, :])
         if ctx.needs_input_grad[1]:
             grad_coeff = torch.zeros_like(coeff)
-            grad_coeff[..., 0] = (grad * x).sum(-1)
+            grad_coeff[..., 0] = torch.linalg.vecdot(grad, x)
             for offset in range(1, coeff.shape[-1]):
-                grad_coeff[..., offset:, offset] = (grad[..., offset:, :]
-                                                    * x[..., :-offset, :]).sum(-1)
+                grad_coeff[..., offset:, offset] = torch.linalg.vecdot(grad[..., offset:, :],
+                                                                       x[..., :-offset, :])
         return grad_x, grad_coeff

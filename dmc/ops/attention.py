@@ -1,9 +1,11 @@
 """Causal attention with the DMC additive mask (App. H), dense and fused.
 
 ``softmax(q k^T * scale + bias) v`` where ``bias[i, j] = log_keep[j]`` for j < i, 0 for j == i and
--inf for j > i (see :mod:`dmc.ops.mask`). The dense path builds the ``[batch, q_heads, seq, seq]``
-bias and is the CPU reference; the fused path uses FlexAttention with a ``score_mod`` that reads
-``log_keep[batch, kv_head, j]`` and a causal block mask, so no seq x seq tensor is materialised.
+-inf for j > i (see :mod:`dmc.ops.mask`). The dense path (:mod:`dmc.ops.dense_attention`, any
+device) computes the scores block by block of queries with the bias from the boolean masks of
+:func:`dmc.ops.mask.bias_masks`; the fused path uses FlexAttention with a ``score_mod`` that reads
+``log_keep[batch, kv_head, j]`` and a causal block mask. Neither keeps a seq x seq tensor for
+the backward.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import functools
 
 import torch
 
-from dmc.ops.mask import bias_from_log_keep, delayed_merge_bias
+from dmc.ops.dense_attention import mask_layout, masked_bias_attention
+from dmc.ops.mask import bias_masks, delayed_merge_masks
 
 BACKENDS = ("auto", "dense", "flex")
 
@@ -41,11 +44,12 @@ def dmc_attention(
         ``[batch, q_heads, seq, dim]`` in the dtype of ``query``.
     """
     scale, flex = _settings("dmc_attention", query, key, scale, backend)
+    seq = query.shape[2]
     if flex:
-        seq = query.shape[2]
         return _flex(query, key, value, log_keep, scale, _causal_block_mask(seq, str(query.device)),
                      lambda q_idx, kv_idx: q_idx - kv_idx > delay)
-    return _biased_attention(query, key, value, bias_from_log_keep(log_keep, delay=delay), scale)
+    return masked_bias_attention(query, key, value, log_keep,
+                                 _dense_layout(key.shape[2], seq, delay, str(query.device)), scale)
 
 
 def _settings(name: str, query, key, scale, backend) -> tuple[float, bool]:
@@ -92,24 +96,27 @@ def delayed_merge_attention(
     """
     scale, flex = _settings("delayed_merge_attention", query, key, scale, backend)
     keys, values = torch.cat([key_acc, key], dim=2), torch.cat([value_acc, value], dim=2)
+    seq = query.shape[2]
     if flex:
-        seq = query.shape[2]
         return _flex(query, keys, values, log_keep, scale,
                      _delayed_block_mask(seq, delay, str(query.device)),
                      lambda q_idx, kv_idx: (kv_idx < seq) & (q_idx - kv_idx > delay + 1))
-    return _biased_attention(query, keys, values, delayed_merge_bias(log_keep, delay), scale)
+    return masked_bias_attention(query, keys, values,
+                                 torch.cat([log_keep, torch.zeros_like(log_keep)], dim=-1),
+                                 _delayed_layout(seq, delay, str(query.device)), scale)
 
 
-def _biased_attention(query, key, value, bias, scale):
-    """``softmax(q k^T * scale + bias) v`` with a per-KV-head ``bias [batch, kv_heads, q, k]``."""
-    group = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(group, dim=1)
-    value = value.repeat_interleave(group, dim=1)
-    work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    bias = bias.repeat_interleave(group, dim=1).to(work)
-    scores = torch.matmul(query.to(work), key.to(work).transpose(-1, -2)) * scale + bias
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, value.to(work)).to(query.dtype)
+@functools.lru_cache(maxsize=32)
+def _dense_layout(keys: int, queries: int, delay: int, device: str):
+    """The layout of :func:`bias_masks`, one per shape shared by every layer (autograd keeps
+    its masks)."""
+    return mask_layout(*bias_masks(keys, queries, delay, torch.device(device)))
+
+
+@functools.lru_cache(maxsize=32)
+def _delayed_layout(seq: int, delay: int, device: str):
+    """The layout of :func:`delayed_merge_masks`, one per shape shared by every layer."""
+    return mask_layout(*delayed_merge_masks(seq, delay, torch.device(device)))
 
 
 @functools.lru_cache(maxsize=1)

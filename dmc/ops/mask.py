@@ -47,6 +47,40 @@ def log_keep_next_from_logits(scaled_logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([log_keep[..., 1:], log_keep.new_zeros(log_keep.shape[:-1] + (1,))], dim=-1)
 
 
+def bias_masks(seq: int, q_len: int | None = None, delay: int = 0,
+               device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The structure of :func:`bias_from_log_keep` as two boolean ``[q_len, seq]`` masks over
+    (query i, key j), the queries being the last ``q_len`` positions: ``weighted`` where the
+    score gets ``log_keep[j]`` (``i - j > delay``), ``visible`` where it is finite (j <= i)."""
+    if delay < 0:
+        raise ValueError(f"bias_from_log_keep: delay must be >= 0, got {delay}")
+    q_len = seq if q_len is None else q_len
+    lag = (torch.arange(seq - q_len, seq, device=device)[:, None]
+           - torch.arange(seq, device=device)[None, :])  # i - j
+    return lag > delay, lag >= 0
+
+
+def delayed_merge_masks(seq: int, delay: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`delayed_merge_bias`'s structure as boolean ``(weighted, visible)`` masks
+    ``[seq, 2 * seq]`` over ``[accumulated keys | raw keys]`` (see :func:`bias_masks`)."""
+    if delay < 1:
+        raise ValueError(f"delayed_merge_bias: delay must be >= 1, got {delay}")
+    weighted, _ = bias_masks(seq, delay=delay + 1, device=device)
+    lag = (torch.arange(seq, device=device)[:, None]
+           - torch.arange(seq, device=device)[None, :])  # i - j
+    merged, raw = lag > delay, (lag >= 0) & (lag <= delay)
+    return torch.cat([weighted, torch.zeros_like(raw)], dim=-1), torch.cat([merged, raw], dim=-1)
+
+
+def bias_from_masks(log_keep: torch.Tensor, weighted: torch.Tensor,
+                    visible: torch.Tensor) -> torch.Tensor:
+    """``log_keep [..., keys]`` expanded over the ``[queries, keys]`` masks of
+    :func:`bias_masks`: ``log_keep[j]`` where weighted, 0 where only visible, -inf elsewhere;
+    ``[..., queries, keys]``."""
+    bias = torch.where(weighted, log_keep.unsqueeze(-2), log_keep.new_zeros(()))
+    return bias.masked_fill(~visible, float("-inf"))
+
+
 def bias_from_log_keep(log_keep: torch.Tensor, q_len: int | None = None,
                        delay: int = 0) -> torch.Tensor:
     """Expands per-key ``log(1 - alpha_{j+1})`` into the dense causal bias.
@@ -61,15 +95,8 @@ def bias_from_log_keep(log_keep: torch.Tensor, q_len: int | None = None,
         ``[batch, heads, q_len, seq]``: ``log_keep[j]`` for ``i - j > delay``, 0 for
         ``0 <= i - j <= delay``, -inf for j > i.
     """
-    if delay < 0:
-        raise ValueError(f"bias_from_log_keep: delay must be >= 0, got {delay}")
-    seq = log_keep.shape[-1]
-    q_len = seq if q_len is None else q_len
-    q_pos = torch.arange(seq - q_len, seq, device=log_keep.device)[:, None]
-    k_pos = torch.arange(seq, device=log_keep.device)[None, :]
-    bias = log_keep.unsqueeze(-2).expand(*log_keep.shape[:-1], q_len, seq)
-    bias = torch.where(q_pos - k_pos <= delay, torch.zeros_like(bias), bias)
-    return bias.masked_fill(k_pos > q_pos, float("-inf"))
+    return bias_from_masks(log_keep, *bias_masks(log_keep.shape[-1], q_len, delay,
+                                                 log_keep.device))
 
 
 def delayed_merge_bias(log_keep: torch.Tensor, delay: int) -> torch.Tensor:
@@ -85,13 +112,8 @@ def delayed_merge_bias(log_keep: torch.Tensor, delay: int) -> torch.Tensor:
         for ``i - j <= d``. Raw key j (columns ``seq + j``): 0 for ``0 <= i - j <= d``, -inf
         otherwise.
     """
-    if delay < 1:
-        raise ValueError(f"delayed_merge_bias: delay must be >= 1, got {delay}")
-    positions = torch.arange(log_keep.shape[-1], device=log_keep.device)
-    lag = positions[:, None] - positions[None, :]  # [query i, key j]: i - j
-    merged = bias_from_log_keep(log_keep, delay=delay + 1).masked_fill(lag <= delay, float("-inf"))
-    raw = torch.zeros_like(merged).masked_fill((lag < 0) | (lag > delay), float("-inf"))
-    return torch.cat([merged, raw], dim=-1)
+    masks = delayed_merge_masks(log_keep.shape[-1], delay, log_keep.device)
+    return bias_from_masks(torch.cat([log_keep, torch.zeros_like(log_keep)], dim=-1), *masks)
 
 
 def dmc_attention_bias(alpha: torch.Tensor) -> torch.Tensor:

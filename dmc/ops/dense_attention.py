@@ -1,0 +1,157 @@
+"""Attention under a bias that is ``log_keep[j]``, 0 or -inf per (query, key): the dense path of
+DMC's additive mask (App. H of the DMC paper), DMS's delayed eviction and delayed merging.
+
+``softmax(q k^T * scale + bias) v`` with ``bias[i, j] = log_keep[j]`` where ``weighted[i, j]``,
+0 where only ``visible[i, j]``, -inf elsewhere (:func:`dmc.ops.mask.bias_from_masks`), computed
+one block of queries at a time over the keys that block can see, the probabilities recomputed in
+the backward from each row's log-sum-exp (as FlashAttention does): what autograd keeps is the
+inputs, the output and one float per query row, not the ``[batch, heads, seq, seq]`` scores. The
+gradient of ``log_keep`` is the score gradient summed over the weighted entries of its column,
+``d log_keep[j] = sum_{i: weighted[i, j]} dS[i, j]`` with ``dS = P * (dP - rowsum(dO * O))``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+QUERY_BLOCK = 128  # query rows per block (CPU: as fast as keeping the probabilities, 2026-11-26)
+
+
+class MaskLayout(NamedTuple):
+    """The masks of :func:`masked_bias_attention` and their key spans per query block
+    (:func:`mask_layout`); build once per shape and reuse."""
+
+    weighted: torch.Tensor  # bool [queries, keys]: the score gets log_keep[j]
+    visible: torch.Tensor  # bool [queries, keys]: the score is finite (weighted within it)
+    spans: list[tuple[int, int, int, int, int]]
+
+
+def mask_layout(weighted: torch.Tensor, visible: torch.Tensor) -> MaskLayout:
+    """The :class:`MaskLayout` of boolean ``weighted`` and ``visible`` ``[queries, keys]``
+    masks (``weighted`` within ``visible``; every query sees at least one key)."""
+    if weighted.shape != visible.shape or weighted.dim() != 2:
+        raise ValueError(f"mask_layout: weighted and visible must be the same [queries, keys], "
+                         f"got {tuple(weighted.shape)} and {tuple(visible.shape)}")
+    return MaskLayout(weighted, visible, _key_spans(weighted, visible))
+
+
+def masked_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          log_keep: torch.Tensor, layout: MaskLayout,
+                          scale: float) -> torch.Tensor:
+    """Attention with the bias of :func:`dmc.ops.mask.bias_from_masks`, GQA-aware, in float32
+    (float64 inputs stay float64).
+
+    Args:
+        query: ``[batch, q_heads, queries, dim]``.
+        key, value: ``[batch, kv_heads, keys, dim]``.
+        log_keep: ``[batch, kv_heads, keys]`` (may hold -inf).
+        layout: :func:`mask_layout` of the ``[queries, keys]`` masks.
+        scale: softmax scale.
+
+    Returns:
+        ``[batch, q_heads, queries, dim]`` in the dtype of ``query``.
+    """
+    return _MaskedBiasAttention.apply(query, key, value, log_keep, layout.weighted,
+                                      layout.visible, layout.spans, scale)
+
+
+def _key_spans(weighted: torch.Tensor, visible: torch.Tensor) -> list[tuple[int, ...]]:
+    """``(first query, end query, first key, first masked key, end key)`` of each block of
+    :data:`QUERY_BLOCK` queries (one host read): the block sees keys ``[first key, end key)``,
+    of which ``[first key, first masked key)`` are weighted for every query of the block (there
+    the bias is ``log_keep`` alone, no mask needed)."""
+    queries, keys = visible.shape
+    blocks = -(-queries // QUERY_BLOCK)
+    columns = torch.arange(keys, device=visible.device)
+    pad = (0, blocks * QUERY_BLOCK - queries)
+
+    def per_block(values, fill, reduce):
+        return reduce(torch.nn.functional.pad(values, pad, value=fill).view(blocks, -1), dim=1)
+
+    first = per_block(torch.where(visible, columns, keys).amin(dim=1), keys, torch.amin)
+    unweighted = per_block(torch.where(weighted, keys, columns).amin(dim=1), keys, torch.amin)
+    last = per_block(torch.where(visible, columns, -1).amax(dim=1), -1, torch.amax)
+    bounds = torch.stack([first, torch.maximum(first, unweighted), last + 1], dim=1).tolist()
+    return [(b * QUERY_BLOCK, min(queries, (b + 1) * QUERY_BLOCK), *cols)
+            for b, cols in enumerate(bounds)]
+
+
+def _block_scores(q, key, log_keep, weighted, visible, span):
+    """Scaled scores plus bias of one query block, ``[batch, kv_heads, group * rows, cols]``
+    (``q [batch, kv_heads, group, queries, dim]``): ``log_keep`` added over the block's
+    weighted columns, the masks applied to the rest only."""
+    a, e, lo, mid, hi = span
+    batch, kv_heads, group, _, dim = q.shape
+    rows = q[:, :, :, a:e].reshape(batch, kv_heads, group * (e - a), dim)
+    scores = torch.matmul(rows, key[:, :, lo:hi].transpose(-1, -2))
+    scores[..., :mid - lo].add_(log_keep[:, :, None, lo:mid])
+    rest = scores[..., mid - lo:].view(batch, kv_heads, group, e - a, hi - mid)
+    rest.add_(torch.where(weighted[a:e, mid:hi], log_keep[:, :, None, None, mid:hi], 0.0))
+    rest.masked_fill_(~visible[a:e, mid:hi], float("-inf"))
+    return scores
+
+
+def _blocks(x, span):
+    """Rows ``span`` of ``x [batch, kv_heads, group, queries, n]`` as ``[batch, kv_heads,
+    group * rows, n]``."""
+    a, e = span[:2]
+    return x[:, :, :, a:e].reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+
+
+class _MaskedBiasAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, log_keep, weighted, visible, spans, scale):
+        batch, q_heads, queries, dim = query.shape
+        kv_heads = key.shape[1]
+        if q_heads % kv_heads:
+            raise ValueError(f"masked_bias_attention: q_heads={q_heads} is not a multiple of "
+                             f"kv_heads={kv_heads}")
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        q = (query.to(work) * scale).reshape(batch, kv_heads, q_heads // kv_heads, queries, dim)
+        k, v, lk = key.to(work), value.to(work), log_keep.to(work)
+        out = q.new_empty(q.shape)
+        lse = q.new_empty(q.shape[:-1] + (1,))
+        for span in spans:
+            a, e, lo, _, hi = span
+            scores = _block_scores(q, k, lk, weighted, visible, span)
+            top = scores.amax(dim=-1, keepdim=True)
+            total = scores.sub_(top).exp_().sum(dim=-1, keepdim=True)
+            out[:, :, :, a:e] = (torch.matmul(scores, v[:, :, lo:hi]) / total).view(
+                out[:, :, :, a:e].shape)
+            lse[:, :, :, a:e] = (top + total.log()).view(lse[:, :, :, a:e].shape)
+        ctx.save_for_backward(query, key, value, log_keep, out, lse, weighted, visible)
+        ctx.spans, ctx.scale = spans, scale
+        return out.view(batch, q_heads, queries, dim).to(query.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        query, key, value, log_keep, out, lse, weighted, visible = ctx.saved_tensors
+        work = out.dtype
+        batch, kv_heads, group, queries, dim = out.shape
+        q = (query.to(work) * ctx.scale).reshape(out.shape)
+        k, v, lk = key.to(work), value.to(work), log_keep.to(work)
+        d_out = grad_out.to(work).reshape(out.shape)
+        delta = (d_out * out).sum(dim=-1, keepdim=True)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        d_log_keep = torch.zeros_like(lk)
+        for span in ctx.spans:
+            a, e, lo, mid, hi = span
+            probs = _block_scores(q, k, lk, weighted, visible, span).sub_(
+                _blocks(lse, span)).exp_()
+            d_out_block = _blocks(d_out, span)
+            d_scores = torch.matmul(d_out_block, v[:, :, lo:hi].transpose(-1, -2))
+            d_scores.sub_(_blocks(delta, span)).mul_(probs)
+            dv[:, :, lo:hi] += torch.matmul(probs.transpose(-1, -2), d_out_block)
+            dq[:, :, :, a:e] = torch.matmul(d_scores, k[:, :, lo:hi]).view(
+                dq[:, :, :, a:e].shape)
+            dk[:, :, lo:hi] += torch.matmul(d_scores.transpose(-1, -2), _blocks(q, span))
+            d_log_keep[:, :, lo:mid] += d_scores[..., :mid - lo].sum(dim=2)
+            rest = d_scores[..., mid - lo:].view(batch, kv_heads, group, e - a, hi - mid)
+            d_log_keep[:, :, mid:hi] += rest.masked_fill_(~weighted[a:e, mid:hi], 0).sum(
+                dim=(2, 3))
+        dq = dq.mul_(ctx.scale).view(query.shape)
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+                d_log_keep.to(log_keep.dtype), None, None, None, None)

@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from dmc.ops import dense_attention
+from dmc.ops.dense_attention import mask_layout, masked_bias_attention
+from dmc.ops.mask import bias_from_masks, bias_masks, delayed_merge_masks
+
+
+def _reference(query, key, value, log_keep, weighted, visible, scale):
+    """Float64 softmax(q k^T * scale + bias) v with the whole bias built, through autograd."""
+    group = query.shape[1] // key.shape[1]
+    bias = bias_from_masks(log_keep.double(), weighted, visible).repeat_interleave(group, 1)
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = query.double() @ key.double().transpose(-1, -2) * scale + bias
+    return scores.softmax(-1) @ value.double()
+
+
+def _inputs(batch, q_heads, kv_heads, queries, keys, dim, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(batch, q_heads, queries, dim, generator=g, dtype=dtype),
+               torch.randn(batch, kv_heads, keys, dim, generator=g, dtype=dtype),
+               torch.randn(batch, kv_heads, keys, dim, generator=g, dtype=dtype),
+               -3 * torch.rand(batch, kv_heads, keys, generator=g, dtype=dtype)]
+    tensors[3][tensors[3] < -2.7] = float("-inf")  # alpha_{j+1} = 1: a merged-away slot
+    return [t.requires_grad_() for t in tensors]
+
+
+MASKS = {
+    "dmc": lambda seq: bias_masks(seq),
+    "dms window 5": lambda seq: bias_masks(seq, delay=5),
+    "delayed merge 3": lambda seq: delayed_merge_masks(seq, 3),
+    "last queries": lambda seq: bias_masks(seq, q_len=seq // 2 + 3),
+}
+
+
+@pytest.mark.parametrize("masks", MASKS, ids=list(MASKS))
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (6, 2)])
+def test_equals_float64_reference_over_several_blocks(masks, q_heads, kv_heads):
+    weighted, visible = MASKS[masks](300)  # 300 queries: three blocks of 128
+    inputs = _inputs(2, q_heads, kv_heads, visible.shape[0], visible.shape[1], 16, seed=3)
+    out = masked_bias_attention(*inputs, mask_layout(weighted, visible), 0.3)
+    expected = _reference(*inputs, weighted, visible, 0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(expected, inputs, grad)
+    for name, a, b in zip(("query", "key", "value", "log_keep"), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("masks", MASKS, ids=list(MASKS))
+def test_gradcheck_with_small_blocks(masks, monkeypatch):
+    monkeypatch.setattr(dense_attention, "QUERY_BLOCK", 6)
+    weighted, visible = MASKS[masks](20)
+    q, k, v, log_keep = _inputs(1, 4, 2, visible.shape[0], visible.shape[1], 4, seed=5)
+    log_keep = log_keep.detach().clamp_min(-2.5).requires_grad_()  # finite for finite differences
+    layout = mask_layout(weighted, visible)
+    assert len(layout.spans) >= 3  # several blocks
+    assert torch.autograd.gradcheck(
+        lambda *x: masked_bias_attention(*x, layout, 0.5), (q, k, v, log_keep))
+
+
+def test_float32_inputs_keep_their_dtype_and_match():
+    weighted, visible = bias_masks(200, delay=0)
+    inputs = _inputs(1, 4, 2, 200, 200, 8, seed=7, dtype=torch.float32)
+    out = masked_bias_attention(*inputs, mask_layout(weighted, visible), 0.35)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(*inputs, weighted, visible, 0.35),
+                               rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert all(t.grad.dtype == torch.float32 for t in inputs)
+
+
+def test_autograd_keeps_no_seq_by_seq_tensor():
+    """What the backward keeps besides the two boolean [queries, keys] masks (shared by every
+    batch row, head and layer) grows with the sequence, not its square: 1024 queries of 2 heads
+    of 16 channels keep less than a quarter of one [1, 2, 1024, 1024] float32 score tensor."""
+    weighted, visible = bias_masks(1024)
+    inputs = _inputs(1, 2, 2, 1024, 1024, 16, seed=9, dtype=torch.float32)
+    kept = []
+
+    def pack(tensor):
+        if tensor.dtype != torch.bool:
+            kept.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        masked_bias_attention(*inputs, mask_layout(weighted, visible), 0.25)
+    assert sum(kept) < 2 * 1024 * 1024 * 4 / 4
