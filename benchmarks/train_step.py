@@ -5,7 +5,9 @@ own attention, "dmc-dense" and "dmc-flex" to train mode (Gumbel decisions, windo
 accumulation, CR loss) with the attention of :func:`dmc.ops.dmc_attention` computed through the
 dense additive bias or FlexAttention (``--backends``; default both on CUDA, dense on the CPU,
 where FlexAttention has no backward). Step time is the median of ``--steps`` after
-``--warmup``; peak memory is the CUDA allocator's peak over those steps (none on the CPU).
+``--warmup``; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
+"saved" is what autograd keeps for the backward of one step (the bytes of the distinct storages
+packed by ``saved_tensors_hooks``, parameters left out: the activation memory, on any device).
 Prints a table and writes JSON.
 
     python benchmarks/train_step.py --layers 4 --hidden 256 --heads 8 --seq 256 --batch 8
@@ -21,6 +23,25 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
+
+
+def saved_activation_bytes(model, runtime, mode, tokens, positions) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of one forward,
+    parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    runtime.start_step(0, mode, target_cr=2.0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
+    del loss
+    return sum(storages.values())
 
 
 def measure(model, runtime, mode, tokens, positions, steps, warmup):
@@ -92,20 +113,25 @@ def main(argv=None) -> int:
             runtime.config.attention_backend = backend
         tok_s, seconds, peak = measure(model, runtime, mode, tokens, positions, args.steps,
                                        args.warmup)
-        rows[name] = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak}
+        saved = saved_activation_bytes(model, runtime, mode, tokens, positions)
+        rows[name] = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak,
+                      "saved_bytes": saved}
     base = rows["vanilla"]
     for row in rows.values():
         row["time_vs_vanilla"] = row["step_s"] / base["step_s"]
         row["memory_vs_vanilla"] = (row["peak_bytes"] / base["peak_bytes"]
                                     if row["peak_bytes"] else None)
+        row["saved_vs_vanilla"] = row["saved_bytes"] / base["saved_bytes"]
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{'attention':<10} {'tokens/s':>12} {'step (s)':>10} {'x vanilla time':>15} "
-          f"{'peak GiB':>9} {'x vanilla mem':>14}   device: {device_name}")
+          f"{'peak GiB':>9} {'x vanilla mem':>14} {'saved GiB':>10} {'x vanilla':>10}   "
+          f"device: {device_name}")
     for name, row in rows.items():
         peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.2f}"
         mem = "-" if row["memory_vs_vanilla"] is None else f"{row['memory_vs_vanilla']:.3f}"
         print(f"{name:<10} {row['tokens_per_s']:>12.0f} {row['step_s']:>10.3f} "
-              f"{row['time_vs_vanilla']:>15.3f} {peak:>9} {mem:>14}")
+              f"{row['time_vs_vanilla']:>15.3f} {peak:>9} {mem:>14} "
+              f"{row['saved_bytes'] / 2**30:>10.3f} {row['saved_vs_vanilla']:>10.3f}")
     result = {"config": vars(args), "device": device_name, "results": rows}
     from pathlib import Path
 

@@ -105,8 +105,8 @@ def _windowed(k, v, alpha, omega, window):
             decay = decay * _shift(alpha, offset - 1)
         coeffs.append(decay * _shift(omega, offset))
     coeff = torch.stack(coeffs, dim=-1)  # [batch, heads, seq, window]
-    inv_z = (1.0 / coeff.sum(-1)).unsqueeze(-1)
-    return WindowedSum.apply(k, coeff) * inv_z, WindowedSum.apply(v, coeff) * inv_z
+    coeff = coeff / coeff.sum(-1, keepdim=True)  # divided by z_i: weights summing to 1
+    return WindowedSum.apply(k, coeff), WindowedSum.apply(v, coeff)
 
 
 class WindowedSum(torch.autograd.Function):
