@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from dmc.ops import dense_attention
 from dmc.ops.dense_attention import mask_layout, masked_bias_attention
 from dmc.ops.mask import bias_from_masks, bias_masks, delayed_merge_masks
 
@@ -50,12 +49,11 @@ def test_equals_float64_reference_over_several_blocks(masks, q_heads, kv_heads):
 
 
 @pytest.mark.parametrize("masks", MASKS, ids=list(MASKS))
-def test_gradcheck_with_small_blocks(masks, monkeypatch):
-    monkeypatch.setattr(dense_attention, "QUERY_BLOCK", 6)
+def test_gradcheck_with_small_blocks(masks):
     weighted, visible = MASKS[masks](20)
     q, k, v, log_keep = _inputs(1, 4, 2, visible.shape[0], visible.shape[1], 4, seed=5)
     log_keep = log_keep.detach().clamp_min(-2.5).requires_grad_()  # finite for finite differences
-    layout = mask_layout(weighted, visible)
+    layout = mask_layout(weighted, visible, query_block=6)
     assert len(layout.spans) >= 3  # several blocks
     assert torch.autograd.gradcheck(
         lambda *x: masked_bias_attention(*x, layout, 0.5), (q, k, v, log_keep))
