@@ -25,7 +25,8 @@ def forward_backward(backend, q, k, v, logits, grad_out):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_heads,kv_heads,seq", [(4, 4, 256), (8, 2, 384), (6, 1, 200), (4, 2, 1100)])
+@pytest.mark.parametrize("q_heads,kv_heads,seq",
+                         [(4, 4, 256), (8, 2, 384), (6, 1, 200), (4, 2, 1100)])
 def test_flex_forward_and_backward_match_dense(dtype, q_heads, kv_heads, seq):
     gen = torch.Generator().manual_seed(q_heads * 10 + seq)
     batch, dim = 2, 64
