@@ -57,7 +57,8 @@ def summarise(results: Path) -> dict:
     if train:
         summary["figures"]["train_step"] = [
             {"attention": name, "time_vs_vanilla": row["time_vs_vanilla"],
-             "memory_vs_vanilla": row["memory_vs_vanilla"]}
+             "memory_vs_vanilla": row["memory_vs_vanilla"],
+             "saved_vs_vanilla": row.get("saved_vs_vanilla")}
             for name, row in train["results"].items() if name != "vanilla"]
     return summary
 
@@ -80,9 +81,10 @@ def as_text(summary: dict) -> str:
         lines.append(f"paged kernel ({k['path']}): {k['kernel_GBps']:.1f} GB/s, "
                      f"{k['fraction_of_copy']:.3f} of copy ({k['copy_GBps']:.1f} GB/s)")
     for t in figures.get("train_step", []):
-        memory = t["memory_vs_vanilla"]
+        memory, saved = t["memory_vs_vanilla"], t.get("saved_vs_vanilla")
         lines.append(f"train step {t['attention']}: x{t['time_vs_vanilla']:.3f} vanilla time"
-                     + ("" if memory is None else f", x{memory:.3f} vanilla peak memory"))
+                     + ("" if memory is None else f", x{memory:.3f} vanilla peak memory")
+                     + ("" if saved is None else f", x{saved:.3f} vanilla activations kept"))
     lines.append("goals (H100): " + "; ".join(f"{k} {v}" for k, v in summary["goals"].items()))
     return "\n".join(lines)
 

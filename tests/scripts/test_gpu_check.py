@@ -34,7 +34,8 @@ def test_summary_of_a_results_folder(tmp_path):
         "pytorch": {"kernel_GBps": 4.0, "copy_GBps": 20.0, "fraction_of_copy": 0.2}}}))
     (tmp_path / "train_step.json").write_text(json.dumps({"results": {
         "vanilla": {"step_s": 1.0, "time_vs_vanilla": 1.0, "memory_vs_vanilla": 1.0},
-        "dmc-dense": {"step_s": 1.2, "time_vs_vanilla": 1.2, "memory_vs_vanilla": 1.5},
+        "dmc-dense": {"step_s": 1.2, "time_vs_vanilla": 1.2, "memory_vs_vanilla": 1.5,
+                      "saved_vs_vanilla": 1.25},
         "dmc-flex": {"step_s": 1.1, "time_vs_vanilla": 1.1, "memory_vs_vanilla": None}}}))
     done = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
                           text=True)
@@ -47,7 +48,8 @@ def test_summary_of_a_results_folder(tmp_path):
     assert [t["attention"] for t in summary["figures"]["train_step"]] == ["dmc-dense", "dmc-flex"]
     text = (tmp_path / "summary.txt").read_text()
     assert "x3.00 vanilla" in text and "paged kernel (compiled): 9.5 GB/s, 0.475 of copy" in text
-    assert "train step dmc-dense: x1.200 vanilla time, x1.500 vanilla peak memory" in text
+    assert ("train step dmc-dense: x1.200 vanilla time, x1.500 vanilla peak memory, x1.250 "
+            "vanilla activations kept") in text
     assert "train step dmc-flex: x1.100 vanilla time\n" in text
     assert [k["path"] for k in summary["figures"]["paged_kernel"]] == ["compiled", "pytorch"]
     assert subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "none")],
