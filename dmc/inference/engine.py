@@ -246,23 +246,26 @@ class Engine:
         if not segments:
             return
         started = time.perf_counter()
+        rows, drawn = [], None  # logits to sample from; or the tokens a graph drew
         if (self.graphs is not None and not plan.prefill
                 and self.kv.static_ready([s.slot for s in plan.decode])):  # forward, sampling
-            logits, drawn = [], self.graphs.decode(plan.decode)
+            drawn = self.graphs.decode(plan.decode)
         else:
-            logits, drawn = self.runner.forward(segments), None
-        sampled, rows = list(plan.decode), logits[:len(plan.decode)]
-        for (seq, n), row in zip(plan.prefill, logits[len(plan.decode):]):
+            logits = self.runner.forward(segments)  # a row per segment
+            rows = [logits[:len(plan.decode)]] if plan.decode else []
+        sampled = list(plan.decode)
+        for row, (seq, n) in enumerate(plan.prefill, start=len(plan.decode)):
             seq.cached += n
             self.stats.prefill_tokens += n
             if seq.cached == seq.num_tokens:
                 self.scheduler.prefilled(seq)
                 sampled.append(seq)
-                rows.append(row)
+                rows.append(logits[row:row + 1])
         for seq in plan.decode:
             seq.cached += 1
         if rows:
-            drawn = sample_on_device(torch.cat(rows), [s.params for s in sampled],
+            drawn = sample_on_device(rows[0] if len(rows) == 1 else torch.cat(rows),
+                                     [s.params for s in sampled],
                                      [s.seed for s in sampled],
                                      [len(s.generated) for s in sampled])
         drawn = self.cache.settle(carry=drawn)

@@ -52,20 +52,21 @@ class ModelRunner:
         self.layers = list(model.decoder.layers)
         self.device = next(model.parameters()).device
 
-    def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """One forward over ``segments`` (distinct sequences). Returns each segment's logits,
-        ``[n, vocab]`` (``all_logits``) or ``[1, vocab]``."""
-        decode = [s for s in segments if s.decode]
-        prefill = [s for s in segments if not s.decode]
-        ordered = decode + prefill  # rows: the decode tokens, then each chunk
-        ids = to_device(torch.tensor([t for s in ordered for t in s.tokens]), self.device)
-        positions = to_device(torch.tensor([s.start + i for s in ordered
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """One forward over ``segments`` (distinct sequences; the decode tokens first). Returns
+        the logits of the rows wanted, segment after segment: every token's of an
+        ``all_logits`` segment, the last token's of the others; ``[rows, vocab]``."""
+        rows = sum(s.decode for s in segments)
+        if not all(s.decode for s in segments[:rows]):
+            raise ValueError("ModelRunner.forward: decode segments must come first")
+        decode, prefill = segments[:rows], segments[rows:]
+        ids = to_device(torch.tensor([t for s in segments for t in s.tokens]), self.device)
+        positions = to_device(torch.tensor([s.start + i for s in segments
                                             for i in range(len(s.tokens))]), self.device)
         for seg in prefill:
             if seg.start == 0:
                 self.kv.policy.reset(seg.slot)
         x = self.model.embedding(input_ids=ids[None], position_ids=positions[None])
-        rows = len(decode)
         decode_slots, decode_positions = [s.slot for s in decode], positions[:rows]
         if decode:
             self.kv.begin_decode(decode_slots, decode_positions)
@@ -89,7 +90,7 @@ class ModelRunner:
         for seg in prefill:
             self.kv.policy.evict([seg.slot], [seg.start + len(seg.tokens)], decode=False,
                                  prompt_end=seg.prompt_end)
-        return self._segment_logits(x, ordered)
+        return self._segment_logits(x, segments)
 
     def decode_forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The device work of a forward of decode tokens only, after the host work of
@@ -116,16 +117,17 @@ class ModelRunner:
             query = append_adapter_logits(query, attention.decision_logits(hidden))
         return query, key, value
 
-    def _segment_logits(self, x: torch.Tensor, ordered: list[Segment]) -> list[torch.Tensor]:
-        """Final norm and output layer on the rows whose logits are wanted."""
-        picked, sizes, row = [], [], 0
-        for seg in ordered:
+    def _segment_logits(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Final norm and output layer on the rows whose logits are wanted (all of them when
+        every segment is one token, as in a decode step)."""
+        if all(len(seg.tokens) == 1 for seg in segments):
+            return self._logits(x)
+        picked, row = [], 0
+        for seg in segments:
             n = len(seg.tokens)
-            wanted = range(row, row + n) if seg.all_logits else [row + n - 1]
-            picked.extend(wanted)
-            sizes.append(len(wanted))
+            picked.extend(range(row, row + n) if seg.all_logits else [row + n - 1])
             row += n
-        return list(self._logits(x[to_device(torch.tensor(picked), x.device)]).split(sizes))
+        return self._logits(x[to_device(torch.tensor(picked), x.device)])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output layer: ``x [rows, 1, hidden]`` -> ``[rows, vocab]``."""

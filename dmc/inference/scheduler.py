@@ -100,8 +100,12 @@ class Scheduler:
         self.running.sort(key=lambda s: s.request_id)
         decoding = [s for s in self.running if s.decoding]
         budget = self.step_tokens - len(decoding)
-        decode_pages = dict(zip(map(id, decoding),
-                                worst_new_pages(self.cache, [s.slot for s in decoding], 1)))
+        needs = worst_new_pages(self.cache, [s.slot for s in decoding], 1)
+        if len(decoding) == len(self.running) and sum(needs) <= self.cache.free_pages:
+            plan.decode = decoding  # all decode and all fit: what the loop below would find
+            self._admit(plan, budget, sum(needs))
+            return plan
+        decode_pages = dict(zip(map(id, decoding), needs))
         reserved, i = 0, 0
         while i < len(self.running):
             seq = self.running[i]

@@ -81,14 +81,14 @@ def score_batch(engine: Engine, sequences, return_logits: bool = False,
                 chunk = scorer.tokens[start:min(start + engine.chunk_size, scorer.prefilled)]
                 segment = Segment(slots[-1], chunk, start, all_logits=True,
                                   prompt_end=start + len(chunk) == scorer.prefilled)
-                [logits] = engine.runner.forward([segment])
+                logits = engine.runner.forward([segment])
                 scorer.consume(start, logits)
         position = min(s.prefilled for s in scorers)
         while active := [(s, slot) for s, slot in zip(scorers, slots)
                          if s.prefilled <= position < len(s.tokens)]:
             logits = engine.runner.forward([Segment(slot, [s.tokens[position]], position,
                                                     decode=True) for s, slot in active])
-            for (scorer, _), row in zip(active, logits):
+            for (scorer, _), row in zip(active, logits.split(1)):
                 scorer.consume(position, row)
             position += 1
         return [scorer.result(engine.compression(slot, len(scorer.tokens)),

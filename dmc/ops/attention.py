@@ -36,8 +36,9 @@ def dmc_attention(
         key, value: ``[batch, kv_heads, seq, dim]`` (partially accumulated, key post-RoPE).
         log_keep: ``[batch, kv_heads, seq]``, ``log(1 - alpha_{j+1})`` per key position.
         scale: softmax scale, default ``dim ** -0.5``.
-        backend: ``"dense"`` (reference, any device), ``"flex"`` (FlexAttention; compiled on
-            CUDA, eager forward elsewhere), or ``"auto"`` (flex on CUDA, dense otherwise).
+        backend: ``"dense"`` (:mod:`dmc.ops.dense_attention`, any device), ``"flex"``
+            (FlexAttention; compiled on CUDA, eager forward elsewhere), or ``"auto"`` (flex on
+            CUDA, dense otherwise).
         delay: key j is weighted by ``log_keep[j]`` only for queries ``i - j > delay``.
 
     Returns:

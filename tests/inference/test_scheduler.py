@@ -120,3 +120,14 @@ def test_a_sequence_counts_and_ends_its_tokens_without_building_them():
         if new is not None:
             seq.generated.append(new)
         assert (seq.num_tokens, seq.last_token) == (len(seq.tokens), seq.tokens[-1])
+
+
+def test_the_runner_takes_decode_segments_first():
+    """ModelRunner.forward returns its logits row by row in the order of the segments, the
+    decode tokens first (the order the scheduler plans): any other order is refused."""
+    from dmc.inference.model_runner import Segment
+
+    model, _ = build_tiny(2, 3, -1.0, max_seq=32)
+    engine = Engine(model, page_size=4, max_batch=2, chunk_size=8)
+    with pytest.raises(ValueError, match="decode segments must come first"):
+        engine.runner.forward([Segment(0, [1, 2], 0), Segment(1, [3], 5, decode=True)])
