@@ -89,9 +89,8 @@ def _block_scores(q, key, log_keep, weighted, visible, span):
     (``q [batch, kv_heads, group, queries, dim]``): ``log_keep`` added over the block's
     weighted columns, the masks applied to the rest only."""
     a, e, lo, mid, hi = span
-    batch, kv_heads, group, _, dim = q.shape
-    rows = q[:, :, :, a:e].reshape(batch, kv_heads, group * (e - a), dim)
-    scores = torch.matmul(rows, key[:, :, lo:hi].transpose(-1, -2))
+    batch, kv_heads, group = q.shape[:3]
+    scores = torch.matmul(_blocks(q, span), key[:, :, lo:hi].transpose(-1, -2))
     scores[..., :mid - lo].add_(log_keep[:, :, None, lo:mid])
     rest = scores[..., mid - lo:].view(batch, kv_heads, group, e - a, hi - mid)
     rest.add_(torch.where(weighted[a:e, mid:hi], log_keep[:, :, None, None, mid:hi], 0.0))
