@@ -71,8 +71,7 @@ class Engine:
         batch_prefill: False runs every prefill chunk and the decode tokens of a step as separate
             forwards (one sequence at a time; same outputs, for comparison).
         cache_dtype: dtype of the page pools; default: the model's parameter dtype.
-        use_triton: kernel choice (None: Triton on CUDA, PyTorch on CPU; DMS runs PyTorch on
-            every device and refuses True).
+        use_triton: kernel choice (None: Triton on CUDA, PyTorch on CPU).
         seed: base seed of requests that set none (request ``i`` uses ``seed + i``).
         policy: a training-free KV policy from :func:`dmc.policies.get_policy` (vanilla or GQA
             models only): it evicts after a forward when its schedule says so (after the prompt's

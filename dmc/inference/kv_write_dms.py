@@ -51,9 +51,6 @@ class DMSKV(KVWrite):
 
     def __init__(self, config: DMCConfig, *args):
         super().__init__(*args)
-        if self.use_triton:
-            raise ValueError("Engine: use_triton=True is not supported with dmc.method='dms' "
-                             "(DMS decode runs its PyTorch path on every device)")
         self.config = config
         self.adapter = config.dms_decision == "adapter"
 

@@ -26,6 +26,7 @@ import torch
 
 from .block_allocator import rows_or_zeros, to_device
 from .cache import PagedKVCache
+from .kernels import resolve_use_triton
 from .kernels.dms_decode import dms_decode_attention, dms_decode_attention_cpu
 
 
@@ -123,16 +124,17 @@ class WindowRingCache(PagedKVCache):
                   use_triton: bool | None = None, num_splits: int | None = None,
                   max_length: int | None = None) -> torch.Tensor:
         """Decode attention of ``q [batch, q_heads, head_dim]`` over each head's paged slots
-        and filled ring rows (PyTorch on every device: ``use_triton`` and ``num_splits`` are
-        not used; ``max_length`` bounds the paged lengths on a GPU). Returns ``[batch, q_heads,
-        head_dim]``."""
+        and filled ring rows: on the CPU the compiled kernel (or PyTorch), elsewhere
+        :func:`dms_decode_attention` (``use_triton``: None = Triton on CUDA; ``num_splits`` tunes
+        it; ``max_length`` bounds the paged lengths). Returns ``[batch, q_heads, head_dim]``."""
         seqs, rows = self.allocator.rows(seq_slots)
         scale = self.head_dim**-0.5 if scale is None else scale
         if self.static_step:  # every ring full (begin_decode checked): nothing from the host
             ring = torch.full_like(rows, self.ring_size)
         else:
             ring = to_device(self.ring_occupancy(seq_slots, layer), self.device)
-        if self.device.type == "cpu":  # the host lengths are the device's: exact
+        triton = resolve_use_triton(self.device, use_triton)
+        if self.device.type == "cpu" and not triton:  # the host lengths are the device's: exact
             pools = (self.ring_k.flatten(0, 1), self.ring_v.flatten(0, 1))  # views
             return dms_decode_attention_cpu(
                 q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
@@ -143,7 +145,7 @@ class WindowRingCache(PagedKVCache):
         return dms_decode_attention(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer], bound, self.ring_k[rows, layer], self.ring_v[rows, layer],
-            ring, scale,
+            ring, scale, use_triton=triton, num_splits=num_splits,
         )
 
     # --------------------------------------------------------------- prefill

@@ -1,5 +1,7 @@
-"""DMS decode attention: the padded-gather path (any device) and the CPU path (batched paged
-kernel merged with the ring by log-sum-exp) against a float64 loop over (sequence, query head)."""
+"""DMS decode attention: the padded-gather path (any device), the Triton path (the paged kernel
+with the ring folded into its reduce step; the interpreter on the CPU) and the CPU path (batched
+paged kernel merged with the ring by log-sum-exp) against a float64 loop over (sequence, query
+head)."""
 import pytest
 import torch
 
@@ -65,3 +67,20 @@ def test_every_path_equals_the_float64_loop(q_heads, kv_heads, ring, native):
     batched = dms_decode_attention_cpu(q, k_pages, v_pages, tables, lengths.int(), pool_k,
                                        pool_v, torch.argsort(order), count, 0.3, native=native)
     torch.testing.assert_close(batched.double(), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2)])
+def test_triton_path_equals_the_float64_loop(q_heads, kv_heads, num_splits):
+    """The Triton paged kernel over the survivors, the ring's softmax state as one more split
+    of its reduce step; ring rows past the filled ones hold NaN and are never used."""
+    q, k_pages, v_pages, tables, lengths, ring_k, ring_v, count = _case(3, q_heads, kv_heads, 5,
+                                                                        seed=2)
+    want = _reference(q, k_pages, v_pages, tables, lengths, ring_k, ring_v, count, 0.3)
+    for b, n in enumerate(count.tolist()):
+        ring_k[b, :, n:] = float("nan")
+        ring_v[b, :, n:] = float("nan")
+    got = dms_decode_attention(q, k_pages, v_pages, tables, lengths.int(),
+                               int(lengths.max()) + 2, ring_k, ring_v, count, 0.3,
+                               use_triton=True, num_splits=num_splits)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)

@@ -118,11 +118,15 @@ def test_teacher_forced_scores_equal_the_eval_mode_forward(parallel_1x1, groups,
     assert engine.cache.pages_in_use == 0
 
 
-@pytest.mark.parametrize("groups", [4, 2])
-def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups):
+@pytest.mark.parametrize("groups,use_triton", [(4, None), (2, None), (2, True)],
+                         ids=["mha", "gqa", "gqa-triton"])
+def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups, use_triton):
+    """``use_triton=True`` (the interpreter on the CPU): the Triton paged kernel with the
+    window ring folded into its reduce step, CUDA's default path."""
     model, config = build(groups, seed=1), dms(3)
     prompts = sequences((13, 21, 7), seed=1)
-    engine = Engine(model, config, page_size=4, max_batch=3, chunk_size=5)
+    engine = Engine(model, config, page_size=4, max_batch=3, chunk_size=5,
+                    use_triton=use_triton)
     results = engine.generate(prompts, SamplingParams(max_new_tokens=24))
     for prompt, result in zip(prompts, results):
         fed = prompt + result.tokens[:-1]  # the last generated token is never fed back
@@ -143,15 +147,12 @@ def test_out_of_pages_preempts_and_restarts_with_the_same_output(parallel_1x1):
     check_preemption(build(2), dms(2), sequences((10, 12, 9), seed=4), 24)
 
 
-def test_dms_refuses_a_policy_and_triton(parallel_1x1):
+def test_dms_refuses_a_policy(parallel_1x1):
     from dmc.policies import get_policy
 
-    model = build(2)
     with pytest.raises(ValueError, match="dmc.method='dms'"):
-        Engine(model, dms(3), page_size=4, max_batch=1,
+        Engine(build(2), dms(3), page_size=4, max_batch=1,
                policy=get_policy("h2o", compression_ratio=2.0))
-    with pytest.raises(ValueError, match="use_triton=True"):
-        Engine(model, dms(3), page_size=4, max_batch=1, use_triton=True)
 
 
 @pytest.mark.gpu

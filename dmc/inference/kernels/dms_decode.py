@@ -6,9 +6,11 @@ Every key a DMS decode query may see is either a survivor in the pages (a token 
 window and was kept: visible for good) or one of the last ``w + 1`` tokens in the ring (visible
 whatever its decision), so the query attends both under one softmax, with no other mask.
 
-Two paths, equal to fp32 tolerance (tested): :func:`dms_decode_attention` gathers every head's
-pages up to a host bound on the lengths (``max_length``) and masks by the device lengths, so a
-decode step reads no length back from the device (any device: the GPU path). On the CPU, where the
+Two paths, equal to fp32 tolerance (tested): :func:`dms_decode_attention` reads no length back
+from the device (any device: the GPU path), either through the Triton paged kernel, which reads
+the pages in place and folds the ring's softmax state into its reduce step (CUDA's default), or
+by gathering every head's pages up to a host bound on the lengths (``max_length``) and masking by
+the device lengths. On the CPU, where the
 host lengths are exact, :func:`dms_decode_attention_cpu` runs the compiled CPU kernel over the
 pages and then the ring, both read in place (:mod:`~dmc.inference.kernels.native`), or where it
 does not apply the batched PyTorch path over the pages
@@ -16,6 +18,8 @@ does not apply the batched PyTorch path over the pages
 merged with the ring's softmax by their log-sum-exps.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -34,8 +38,14 @@ def dms_decode_attention(
     ring_v: torch.Tensor,
     ring_count: torch.Tensor,
     scale: float,
+    *,
+    use_triton: bool = False,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over its head's paged slots and filled ring rows, GQA.
+    ``use_triton``: the Triton paged kernel reads the pages in place and its reduce step folds
+    in the ring's softmax state (:func:`_ring_partial`); else PyTorch, over a gathered copy
+    of every head's pages up to ``max_length``.
 
     Args:
         q: ``[batch, q_heads, head_dim]``; query head ``i`` reads KV head ``i // G``.
@@ -50,6 +60,12 @@ def dms_decode_attention(
     Returns:
         ``[batch, q_heads, head_dim]`` in the dtype of ``q``; computed in float32.
     """
+    if use_triton:
+        from .paged_decode import paged_decode
+
+        return paged_decode(q, k_pages, v_pages, block_tables, lengths, scale,
+                            num_splits=num_splits, max_length=max_length,
+                            extra=_ring_partial(q, ring_k, ring_v, ring_count, scale))
     batch, q_heads, head_dim = q.shape
     kv_heads, page_size, ring = block_tables.shape[1], k_pages.shape[1], ring_k.shape[2]
     pages = -(-max_length // page_size)
@@ -67,6 +83,24 @@ def dms_decode_attention(
     probs = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, values)
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
+
+
+def _ring_partial(q, ring_k, ring_v, ring_count, scale):
+    """The ring's softmax state in the Triton kernel's base-2 units: ``(max [batch, q_heads]``
+    of the filled rows' scores ``q.k * scale * log2(e)``, ``sum`` of ``exp2(score - max)``,
+    ``out [batch, q_heads, head_dim]`` the values weighted so``)``, float32."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, rows = ring_k.shape[1], ring_k.shape[2]
+    qg = q.float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    scores = torch.einsum("bhgd,bhnd->bhgn", qg, ring_k.float()) * (scale * math.log2(math.e))
+    filled = torch.arange(rows, device=q.device) < ring_count.to(q.device).long()[:, None]
+    scores = scores.masked_fill(~filled[:, None, None], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)  # finite: the ring always holds a key
+    weights = torch.exp2(scores - top)
+    values = ring_v.float().masked_fill(~filled[:, None, :, None], 0.0)  # unfilled: any bits
+    out = torch.einsum("bhgn,bhnd->bhgd", weights, values)
+    return (top.reshape(batch, q_heads), weights.sum(dim=-1).reshape(batch, q_heads),
+            out.reshape(batch, q_heads, head_dim))
 
 
 def dms_decode_attention_cpu(

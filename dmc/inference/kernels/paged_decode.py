@@ -6,7 +6,8 @@ the group, so each cached K/V page is read once per group. Each split runs an on
 (base 2) over its chunk of slots, the scores ``q K^T`` and the update ``P V`` as ``tl.dot`` on
 tensor cores (the group padded to 16 rows, the probabilities cast to the cache's dtype for
 ``P V`` as FlashAttention does; float32 caches keep IEEE float32 products), the softmax state
-in float32; with several splits a second kernel combines the partial maxima, sums and outputs.
+in float32; with several splits a second kernel combines the partial maxima, sums and outputs
+(and an ``extra`` partial state from keys outside the pages, as a DMS window ring).
 Import this module only after ``TRITON_INTERPRET`` is settled (the dispatcher imports it lazily;
 the interpreter computes its dots in float32, which numpy lacks bf16 for).
 """
@@ -32,7 +33,7 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 3  # README "Paged decode kernel": --sw
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_pages, v_pages, tables, lengths, out_ptr, part_max, part_sum,
-    scale_log2, blocks_per_split, num_splits,
+    scale_log2, blocks_per_split, parts,
     stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt,
     stride_tb, stride_th, stride_lb, stride_lh, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
@@ -85,8 +86,8 @@ def _decode_split_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if PARTIAL:
-        # max, sum: [batch, q_heads, splits]; unnormalised out: [batch, q_heads, splits, DIM]
-        row = (b * KV_HEADS * GROUP + q_heads) * num_splits + split
+        # max, sum: [batch, q_heads, parts]; unnormalised out: [batch, q_heads, parts, DIM]
+        row = (b * KV_HEADS * GROUP + q_heads) * parts + split
         tl.store(part_max + row, row_max, mask=g_mask)
         tl.store(part_sum + row, row_sum, mask=g_mask)
         tl.store(out_ptr + row[:, None] * DIM + d[None, :], acc, mask=out_mask)
@@ -98,17 +99,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out, part_max, part_sum, out_ptr, num_splits, stride_ob, stride_oh,
+    part_out, part_max, part_sum, out_ptr, parts, stride_ob, stride_oh,
     Q_HEADS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)  # flat (batch, q_head)
     s = tl.arange(0, SPLIT_BLOCK)
     d = tl.arange(0, DIM_BLOCK)
-    s_mask = s < num_splits
+    s_mask = s < parts
     d_mask = d < DIM
-    maxima = tl.load(part_max + pid * num_splits + s, mask=s_mask, other=_EMPTY)
-    sums = tl.load(part_sum + pid * num_splits + s, mask=s_mask, other=0.0)
-    outs = tl.load(part_out + (pid * num_splits + s)[:, None] * DIM + d[None, :],
+    maxima = tl.load(part_max + pid * parts + s, mask=s_mask, other=_EMPTY)
+    sums = tl.load(part_sum + pid * parts + s, mask=s_mask, other=0.0)
+    outs = tl.load(part_out + (pid * parts + s)[:, None] * DIM + d[None, :],
                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     weights = tl.exp2(maxima - tl.max(maxima, axis=0))
     total = tl.sum(weights * sums, axis=0)
@@ -149,6 +150,7 @@ def paged_decode(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton paged decode; arguments and result as
     :func:`~dmc.inference.kernels.reference.paged_decode_reference`. The page pools need a
@@ -161,6 +163,12 @@ def paged_decode(
             sets the chunk of slots per split. ``None`` reads ``lengths.max()``.
         block_n, num_warps, num_stages: slots per loop step (a power of two >= 16), warps per
             program and software-pipelining stages of the loop's loads (tuning only).
+        extra: keys outside the pages, as one more split's partial softmax state (float32):
+            ``(max [batch, q_heads]`` of their scores times ``scale * log2(e)``, ``sum
+            [batch, q_heads]`` of ``exp2(score - max)``, ``out [batch, q_heads, head_dim]`` the
+            values weighted so, unnormalised``)``, combined with the pages' splits by the
+            reduce kernel (:func:`~dmc.inference.kernels.dms_decode.dms_decode_attention`'s
+            window ring).
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = block_tables.shape[1]
@@ -175,18 +183,21 @@ def paged_decode(
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
-    partial = num_splits > 1
+    partial = num_splits > 1 or extra is not None
+    parts = num_splits + (extra is not None)  # the extra state is the last part
     if partial:
-        part_max = q.new_empty(batch, q_heads, num_splits, dtype=torch.float32)
-        part_out = q.new_empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32)
+        part_max = q.new_empty(batch, q_heads, parts, dtype=torch.float32)
+        part_out = q.new_empty(batch, q_heads, parts, head_dim, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
+        if extra is not None:
+            part_max[..., -1], part_sum[..., -1], part_out[..., -1, :] = extra
     else:
         part_out, part_max, part_sum = out, None, None
     dim_block = max(_DOT_MIN, triton.next_power_of_2(head_dim))
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     _decode_split_kernel[(batch * kv_heads, num_splits)](
         q, k_pages, v_pages, block_tables, lengths, part_out, part_max, part_sum,
-        scale * _LOG2E, blocks_per_split, num_splits,
+        scale * _LOG2E, blocks_per_split, parts,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
         v_pages.stride(0), v_pages.stride(1), block_tables.stride(0), block_tables.stride(1),
         lengths.stride(0), lengths.stride(1), out.stride(0), out.stride(1),
@@ -198,8 +209,8 @@ def paged_decode(
     )
     if partial:
         _decode_reduce_kernel[(batch * q_heads,)](
-            part_out, part_max, part_sum, out, num_splits, out.stride(0), out.stride(1),
+            part_out, part_max, part_sum, out, parts, out.stride(0), out.stride(1),
             Q_HEADS=q_heads, DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
-            SPLIT_BLOCK=triton.next_power_of_2(num_splits),
+            SPLIT_BLOCK=triton.next_power_of_2(parts),
         )
     return out
