@@ -47,3 +47,25 @@ def test_triton_write_on_cuda_matches_reference(window, dtype):
                                     head_dim=128, page_size=16)
     assert all(c.k_pages.is_cuda for c in caches)
     assert_same_caches(*caches, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_dms_triton_decode_on_cuda_matches_the_gathering_path(dtype, num_splits):
+    """DMS / delayed-merging decode: the Triton paged kernel with the window ring folded into its
+    reduce step against the PyTorch path that gathers every head's pages, both on the GPU."""
+    from dmc.inference.kernels.dms_decode import dms_decode_attention
+
+    gen = torch.Generator().manual_seed(11)
+    batch, q_heads, kv_heads, head_dim, ring, max_len = 6, 32, 8, 128, 33, 3000
+    lengths = torch.randint(0, max_len + 1, (batch, kv_heads), generator=gen)
+    lengths[0, 0], lengths[-1, -1] = 0, max_len  # a head of the ring alone; the longest
+    paged = [t.cuda() for t in random_paged_kv(lengths, head_dim, 16, dtype, gen)]
+    ring_k, ring_v = (torch.randn(batch, kv_heads, ring, head_dim, generator=gen).to("cuda", dtype)
+                      for _ in range(2))
+    count = torch.randint(1, ring + 1, (batch,), generator=gen).cuda()
+    q = torch.randn(batch, q_heads, head_dim, generator=gen).to("cuda", torch.float32)
+    args = (q, *paged[:3], paged[3], max_len, ring_k, ring_v, count, head_dim ** -0.5)
+    want = dms_decode_attention(*args)
+    got = dms_decode_attention(*args, use_triton=True, num_splits=num_splits)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
