@@ -89,7 +89,7 @@ STARTED = time.perf_counter()
 PRESETS = {
     "gpu": dict(layers=16, hidden=2048, heads=16, groups=16, ffn=5504, vocab=32000,
                 prompt_len=2048, gen_len=2048, steady=512, budget_mib=12 * 1024,
-                modes="vanilla,dmc:2,dmc:4,dmc:8", dtype="bfloat16", probe=4),
+                modes="vanilla,dmc:2,dmc:4,dmc:8,dms:4", dtype="bfloat16", probe=4),
     "cpu": dict(layers=2, hidden=256, heads=4, groups=4, ffn=512, vocab=512,
                 prompt_len=256, gen_len=64, steady=32, budget_mib=8, modes="vanilla,dmc:2,dmc:4",
                 dtype="float32", probe=2),
