@@ -59,7 +59,7 @@ def partial_accumulate(
     if window is None:
         k_acc, v_acc = _exact_scan(k.to(work), v.to(work), alpha, omega)
     else:
-        k_acc, v_acc = _windowed(k.to(work), v.to(work), alpha, omega, min(window, seq))
+        k_acc, v_acc = _windowed(k, v, alpha, omega, min(window, seq))
     return k_acc.to(k.dtype), v_acc.to(v.dtype)
 
 
@@ -116,25 +116,29 @@ class WindowedSum(torch.autograd.Function):
     products, autograd would keep every shifted copy of ``x`` for the backward, ``window`` times
     the keys' and values' memory per layer (the DMC train step's peak memory was 2.4x vanilla's
     on an H200, 1B shape, seq 2048); this keeps ``x`` and ``coeff`` only and shifts again in the
-    backward."""
+    backward. The sums run in the dtype of ``coeff`` (float32 for bf16 keys and values, which
+    are kept as they come: half the bytes of a float32 copy)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, coeff)
+        x = x.to(coeff.dtype)
         out = x * coeff[..., :1]
         for offset in range(1, coeff.shape[-1]):
             out[..., offset:, :].addcmul_(coeff[..., offset:, offset, None], x[..., :-offset, :])
-        ctx.save_for_backward(x, coeff)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        x, coeff = ctx.saved_tensors
+        x_in, coeff = ctx.saved_tensors
+        x, grad = x_in.to(coeff.dtype), grad.to(coeff.dtype)
         grad_x = grad_coeff = None
         if ctx.needs_input_grad[0]:
             grad_x = grad * coeff[..., :1]
             for offset in range(1, coeff.shape[-1]):
                 grad_x[..., :-offset, :].addcmul_(coeff[..., offset:, offset, None],
                                                   grad[..., offset:, :])
+            grad_x = grad_x.to(x_in.dtype)
         if ctx.needs_input_grad[1]:
             grad_coeff = torch.zeros_like(coeff)
             grad_coeff[..., 0] = torch.linalg.vecdot(grad, x)

@@ -5,7 +5,8 @@ DMC's additive mask (App. H of the DMC paper), DMS's delayed eviction and delaye
 0 where only ``visible[i, j]``, -inf elsewhere (:func:`dmc.ops.mask.bias_from_masks`), computed
 one block of queries at a time over the keys that block can see, the probabilities recomputed in
 the backward from each row's log-sum-exp (as FlashAttention does): what autograd keeps is the
-inputs, the output and one float per query row, not the ``[batch, heads, seq, seq]`` scores. The
+inputs, the output (in the queries' dtype, as returned) and one float per query row, not the
+``[batch, heads, seq, seq]`` scores. The
 gradient of ``log_keep`` is the score gradient summed over the weighted entries of its column,
 ``d log_keep[j] = sum_{i: weighted[i, j]} dS[i, j]`` with ``dS = P * (dP - rowsum(dO * O))``.
 """
@@ -126,16 +127,18 @@ class _MaskedBiasAttention(torch.autograd.Function):
             out[:, :, :, a:e] = (torch.matmul(scores, v[:, :, lo:hi]) / total).view(
                 out[:, :, :, a:e].shape)
             lse[:, :, :, a:e] = (top + total.log()).view(lse[:, :, :, a:e].shape)
-        ctx.save_for_backward(query, key, value, log_keep, out, lse, weighted, visible)
+        result = out.view(batch, q_heads, queries, dim).to(query.dtype)
+        ctx.save_for_backward(query, key, value, log_keep, result, lse, weighted, visible)
         ctx.spans, ctx.scale = spans, scale
-        return out.view(batch, q_heads, queries, dim).to(query.dtype)
+        return result
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        query, key, value, log_keep, out, lse, weighted, visible = ctx.saved_tensors
-        work = out.dtype
-        batch, kv_heads, group, queries, dim = out.shape
+        query, key, value, log_keep, result, lse, weighted, visible = ctx.saved_tensors
+        work = lse.dtype
+        batch, kv_heads, group = lse.shape[:3]
+        out = result.to(work).view(batch, kv_heads, group, *result.shape[2:])
         q = (query.to(work) * ctx.scale).reshape(out.shape)
         k, v, lk = key.to(work), value.to(work), log_keep.to(work)
         d_out = grad_out.to(work).reshape(out.shape)

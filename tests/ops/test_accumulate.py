@@ -131,3 +131,26 @@ def test_window_does_not_multiply_the_memory_kept_for_backward():
     it kept ~12x)."""
     keys_and_values = 2 * 256 * 64 * 4 * 2
     assert saved_for_backward(12) < 1.5 * keys_and_values
+
+
+def test_bf16_keys_and_values_are_summed_in_float32_and_kept_as_they_come():
+    """bf16 k, v: the window-grouped sums equal float32 ones on the same rounded inputs, the
+    gradients come back in bf16, and autograd keeps k and v in bf16 (not float32 copies)."""
+    gen = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(1, 2, 64, 16, generator=gen).bfloat16().requires_grad_()
+            for _ in range(2))
+    alpha, omega = torch.rand(1, 2, 64, generator=gen), torch.rand(1, 2, 64, generator=gen) + 0.1
+    k_acc, v_acc = partial_accumulate(k, v, alpha, omega, window=12)
+    k32, v32 = (t.detach().float().requires_grad_() for t in (k, v))
+    k_want, v_want = partial_accumulate(k32, v32, alpha, omega, window=12)
+    assert k_acc.dtype == torch.bfloat16
+    torch.testing.assert_close(k_acc.float(), k_want.bfloat16().float())
+    torch.testing.assert_close(v_acc.float(), v_want.bfloat16().float())
+    (k_acc.float().sum() + v_acc.float().sum()).backward()
+    (k_want.sum() + v_want.sum()).backward()
+    assert k.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(k.grad.float(), k32.grad.bfloat16().float())
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        partial_accumulate(k, v, alpha, omega, window=12)
+    assert not any(t.dtype == torch.float32 and t.shape == k.shape for t in kept)

@@ -59,15 +59,23 @@ def test_gradcheck_with_small_blocks(masks):
         lambda *x: masked_bias_attention(*x, layout, 0.5), (q, k, v, log_keep))
 
 
-def test_float32_inputs_keep_their_dtype_and_match():
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_inputs_keep_their_dtype_and_match(dtype, tolerance):
+    """float32 or bf16 queries, keys and values (computed in float32 either way): the output
+    and every gradient in the inputs' dtypes, equal to float64 on the same rounded inputs."""
     weighted, visible = bias_masks(200, delay=0)
     inputs = _inputs(1, 4, 2, 200, 200, 8, seed=7, dtype=torch.float32)
+    inputs[:3] = [t.detach().to(dtype).requires_grad_() for t in inputs[:3]]
     out = masked_bias_attention(*inputs, mask_layout(weighted, visible), 0.35)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), _reference(*inputs, weighted, visible, 0.35),
-                               rtol=1e-5, atol=1e-5)
-    out.sum().backward()
-    assert all(t.grad.dtype == torch.float32 for t in inputs)
+    assert out.dtype == dtype
+    expected = _reference(*inputs, weighted, visible, 0.35)
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    grad = torch.randn_like(expected)
+    got = torch.autograd.grad(out, inputs, grad.to(dtype))
+    want = torch.autograd.grad(expected, inputs, grad)
+    for tensor, a, b in zip(inputs, got, want):
+        assert a.dtype == tensor.dtype
+        torch.testing.assert_close(a.double(), b.double(), rtol=tolerance, atol=tolerance)
 
 
 def test_autograd_keeps_no_seq_by_seq_tensor():
