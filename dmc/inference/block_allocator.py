@@ -270,11 +270,10 @@ class BlockAllocator:
 
     def publish(self, seqs: torch.Tensor, layer) -> None:
         """Copy the host block tables and lengths of ``[seqs, layer]`` to the device."""
-        if self.device_tables is self.tables:
-            return
-        rows = to_device(seqs, self.device)
-        self.device_tables[rows, layer] = to_device(self.tables[seqs, layer], self.device)
-        self.device_lengths[rows, layer] = to_device(self.lengths[seqs, layer], self.device)
+        if self.device_tables is not self.tables:
+            self.device_tables[to_device(seqs, self.device), layer] = to_device(
+                self.tables[seqs, layer], self.device)
+        self._publish_lengths(seqs, layer)
 
     def _publish_lengths(self, seqs: torch.Tensor, layer) -> None:
         """Copy the host lengths of ``[seqs, layer]`` to the device."""
