@@ -112,7 +112,8 @@ def _windowed(k, v, alpha, omega, window):
 class WindowedSum(torch.autograd.Function):
     """``out[..., i, :] = sum_o coeff[..., i, o] * x[..., i - o, :]`` over the offsets ``o`` of
     ``coeff [batch, heads, seq, window]`` (``x [batch, heads, seq, dim]``, zero before the
-    start): the numerators of the window-grouped Eq. 9. Written out as ``window`` shifted
+    start): the window-grouped Eq. 9 with ``coeff`` its weights divided by z_i (or, with raw
+    weights, its numerators). Written out as ``window`` shifted
     products, autograd would keep every shifted copy of ``x`` for the backward, ``window`` times
     the keys' and values' memory per layer (the DMC train step's peak memory was 2.4x vanilla's
     on an H200, 1B shape, seq 2048); this keeps ``x`` and ``coeff`` only and shifts again in the

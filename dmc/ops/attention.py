@@ -14,7 +14,7 @@ import functools
 import torch
 
 from dmc.ops.dense_attention import mask_layout, masked_bias_attention
-from dmc.ops.mask import bias_masks, delayed_merge_masks
+from dmc.ops.mask import bias_masks, delayed_log_keep, delayed_merge_masks
 
 BACKENDS = ("auto", "dense", "flex")
 
@@ -102,8 +102,7 @@ def delayed_merge_attention(
         return _flex(query, keys, values, log_keep, scale,
                      _delayed_block_mask(seq, delay, str(query.device)),
                      lambda q_idx, kv_idx: (kv_idx < seq) & (q_idx - kv_idx > delay + 1))
-    return masked_bias_attention(query, keys, values,
-                                 torch.cat([log_keep, torch.zeros_like(log_keep)], dim=-1),
+    return masked_bias_attention(query, keys, values, delayed_log_keep(log_keep),
                                  _delayed_layout(seq, delay, str(query.device)), scale)
 
 

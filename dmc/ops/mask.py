@@ -65,11 +65,17 @@ def delayed_merge_masks(seq: int, delay: int, device=None) -> tuple[torch.Tensor
     ``[seq, 2 * seq]`` over ``[accumulated keys | raw keys]`` (see :func:`bias_masks`)."""
     if delay < 1:
         raise ValueError(f"delayed_merge_bias: delay must be >= 1, got {delay}")
-    weighted, _ = bias_masks(seq, delay=delay + 1, device=device)
     lag = (torch.arange(seq, device=device)[:, None]
            - torch.arange(seq, device=device)[None, :])  # i - j
-    merged, raw = lag > delay, (lag >= 0) & (lag <= delay)
-    return torch.cat([weighted, torch.zeros_like(raw)], dim=-1), torch.cat([merged, raw], dim=-1)
+    raw = (lag >= 0) & (lag <= delay)
+    return (torch.cat([lag > delay + 1, torch.zeros_like(raw)], dim=-1),
+            torch.cat([lag > delay, raw], dim=-1))
+
+
+def delayed_log_keep(log_keep: torch.Tensor) -> torch.Tensor:
+    """``log_keep [..., seq]`` over the ``[accumulated | raw]`` keys of
+    :func:`delayed_merge_masks`: 0 for the raw keys, which no query weights; ``[..., 2 * seq]``."""
+    return torch.cat([log_keep, torch.zeros_like(log_keep)], dim=-1)
 
 
 def bias_from_masks(log_keep: torch.Tensor, weighted: torch.Tensor,
@@ -113,7 +119,7 @@ def delayed_merge_bias(log_keep: torch.Tensor, delay: int) -> torch.Tensor:
         otherwise.
     """
     masks = delayed_merge_masks(log_keep.shape[-1], delay, log_keep.device)
-    return bias_from_masks(torch.cat([log_keep, torch.zeros_like(log_keep)], dim=-1), *masks)
+    return bias_from_masks(delayed_log_keep(log_keep), *masks)
 
 
 def dmc_attention_bias(alpha: torch.Tensor) -> torch.Tensor:
