@@ -103,7 +103,7 @@ class Scheduler:
         needs = worst_new_pages(self.cache, [s.slot for s in decoding], 1)
         if len(decoding) == len(self.running) and sum(needs) <= self.cache.free_pages:
             plan.decode = decoding  # all decode and all fit: what the loop below would find
-            self._admit(plan, budget, sum(needs))
+            self._admit(plan, budget, reserved=sum(needs))
             return plan
         decode_pages = dict(zip(map(id, decoding), needs))
         reserved, i = 0, 0

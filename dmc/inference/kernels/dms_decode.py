@@ -129,22 +129,14 @@ def dms_decode_attention_cpu(
                                               scale, ring=ring)
     if compiled:
         return compiled[0].to(q.dtype)
-    batch, q_heads, head_dim = q.shape
-    ring_k, ring_v = ring_k[ring_index], ring_v[ring_index]
-    kv_heads, rows = ring_k.shape[1], ring_k.shape[2]
     paged, paged_lse = paged_decode_batched(q, k_pages, v_pages, block_tables, host_lengths,
                                             scale, host_lengths=host_lengths, return_lse=True,
                                             native=native)
-    qg = q.float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim) * scale
-    scores = torch.einsum("bhgd,bhnd->bhgn", qg, ring_k.float())
-    filled = torch.arange(rows, device=q.device) < ring_count.to(q.device).long()[:, None]
-    scores.masked_fill_(~filled[:, None, None], float("-inf"))
-    ring_lse = torch.logsumexp(scores, dim=-1)  # [batch, kv, group]
-    ring_v = ring_v.float().masked_fill(~filled[:, None, :, None], 0.0)
-    ring_out = torch.einsum("bhgn,bhnd->bhgd", torch.exp(scores - ring_lse[..., None]), ring_v)
-    ring_lse = ring_lse.reshape(batch, q_heads)
+    ring_top, ring_sum, ring_out = _ring_partial(q, ring_k[ring_index], ring_v[ring_index],
+                                                 ring_count, scale)
+    ring_lse = (ring_top + torch.log2(ring_sum)) * math.log(2)  # base 2 -> natural log
     top = torch.maximum(paged_lse, ring_lse)
     w_paged = torch.exp(paged_lse - top)[..., None]  # 0 for a head with no survivor
     w_ring = torch.exp(ring_lse - top)[..., None]
-    out = (paged.float() * w_paged + ring_out.reshape(batch, q_heads, head_dim) * w_ring)
+    out = paged.float() * w_paged + ring_out / ring_sum[..., None] * w_ring
     return (out / (w_paged + w_ring)).to(q.dtype)
