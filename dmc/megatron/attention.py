@@ -32,12 +32,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from dmc.megatron.cr_loss import attach_cr_loss, attach_head_balance_loss
 from dmc.megatron.runtime import DMCRuntime
 from dmc.ops import (
+    decision_logits,
     delayed_merge_attention,
     dmc_attention,
     logistic_noise,
     partial_accumulate,
     scale_decision_channel,
-    split_decision_channels,
     straight_through_round,
     zero_decision_channel,
 )
@@ -152,19 +152,25 @@ class DMCSelfAttention(SelfAttention):
         """DMC attention of ``train`` and ``eval`` mode: ``hidden_states [seq, batch, hidden] ->
         (context [batch, q_heads, seq, dim], alpha [batch, kv_heads, seq])`` (this rank's heads).
 
-        Decision channels split off and zeroed (Sec. 3.1), window-grouped partial accumulation
-        of pre-RoPE keys and values (Eq. 9), RoPE, then the additive log(1 - alpha) mask."""
+        Decision channels read (Sec. 3.1), window-grouped partial accumulation of pre-RoPE keys
+        and values (Eq. 9), the decision channels zeroed, RoPE, then the additive
+        log(1 - alpha) mask. The keys are accumulated with their decision channel, zeroed
+        afterwards (each channel's sum is its own, so the others are those of zeroed keys):
+        what Eq. 9's backward keeps is then a view of the projection's output, which the
+        values' sums keep anyway, not a zeroed copy of the keys."""
         cfg = self.dmc.config
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        channels = split_decision_channels(to_bhsd(query), to_bhsd(key), cfg.c, cfg.omega_offset)
-        alpha, log_keep = self._decisions(channels.alpha_logit)
-        key_acc, value_acc = partial_accumulate(
-            channels.key, to_bhsd(value), alpha, channels.omega, cfg.window
-        )
+        alpha_logit, omega = decision_logits(to_bhsd(query), to_bhsd(key), cfg.c,
+                                             cfg.omega_offset)
+        alpha, log_keep = self._decisions(alpha_logit)
+        key_acc, value_acc = partial_accumulate(to_bhsd(key), to_bhsd(value), alpha, omega,
+                                                cfg.window)
+        query = zero_decision_channel(query)
         if cfg.merge_delay:
-            return self._delayed_merge_attention(channels, key_acc, value_acc, to_bhsd(value),
+            return self._delayed_merge_attention(query, key, key_acc, value_acc, to_bhsd(value),
                                                  log_keep, rotary_pos_emb), alpha
-        query, key_acc = self._rotate(to_sbhd(channels.query), to_sbhd(key_acc), rotary_pos_emb)
+        query, key_acc = self._rotate(query, zero_decision_channel(to_sbhd(key_acc)),
+                                      rotary_pos_emb)
         context = dmc_attention(
             to_bhsd(zero_decision_channel(query)),
             to_bhsd(zero_decision_channel(key_acc)),
@@ -175,13 +181,14 @@ class DMCSelfAttention(SelfAttention):
         )
         return context, alpha
 
-    def _delayed_merge_attention(self, channels, key_acc, value_acc, value, log_keep,
+    def _delayed_merge_attention(self, query, key, key_acc, value_acc, value, log_keep,
                                  rotary_pos_emb):
-        """``dmc.merge_delay`` d >= 1: the accumulated and the raw keys, both rotated at their
-        own positions, under :func:`dmc.ops.delayed_merge_attention`."""
+        """``dmc.merge_delay`` d >= 1: the accumulated and the raw keys (``key [seq, batch,
+        kv_heads, dim]``), their decision channels zeroed, both rotated at their own positions,
+        under :func:`dmc.ops.delayed_merge_attention` (``query`` zeroed already)."""
         batch = key_acc.shape[0]
-        keys = torch.cat([to_sbhd(key_acc), to_sbhd(channels.key)], dim=1)  # [seq, 2b, h, d]
-        query, keys = self._rotate(to_sbhd(channels.query), keys, rotary_pos_emb)
+        keys = zero_decision_channel(torch.cat([to_sbhd(key_acc), key], dim=1))  # [seq, 2b, h, d]
+        query, keys = self._rotate(query, keys, rotary_pos_emb)
         keys = to_bhsd(zero_decision_channel(keys))
         return delayed_merge_attention(
             to_bhsd(zero_decision_channel(query)), keys[:batch], value_acc, keys[batch:], value,

@@ -4,6 +4,7 @@ from dmc.ops.attention import delayed_merge_attention, dmc_attention
 from dmc.ops.decisions import (
     DecisionChannels,
     DMSChannels,
+    decision_logits,
     dms_alpha_logit,
     dms_query_heads,
     gumbel_sigmoid,
@@ -41,6 +42,7 @@ __all__ = [
     "DMSChannels",
     "bias_from_log_keep",
     "compression_loss",
+    "decision_logits",
     "delayed_merge_attention",
     "delayed_merge_bias",
     "dmc_attention",

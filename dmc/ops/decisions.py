@@ -115,26 +115,34 @@ def split_decision_channels(
         :class:`DecisionChannels`. Under GQA the importance logit is the mean of the group's
         query channels; the decision is per KV head.
     """
-    batch, q_heads, seq, dim = query.shape
-    kv_heads = key.shape[1]
-    if key.shape[0] != batch or key.shape[2] != seq or key.shape[3] != dim:
-        raise ValueError(
-            f"split_decision_channels: key shape {tuple(key.shape)} does not match query shape "
-            f"{tuple(query.shape)} (expected [batch, kv_heads, seq, dim])"
-        )
-    if q_heads % kv_heads:
-        raise ValueError(
-            f"split_decision_channels: q_heads={q_heads} is not a multiple of kv_heads={kv_heads}"
-        )
-    group = q_heads // kv_heads
-    alpha_logit = key[..., DECISION_CHANNEL] - c
-    omega_logit = query[..., DECISION_CHANNEL].reshape(batch, kv_heads, group, seq).mean(dim=2)
+    alpha_logit, omega = decision_logits(query, key, c, omega_offset)
     return DecisionChannels(
         query=zero_decision_channel(query),
         key=zero_decision_channel(key),
         alpha_logit=alpha_logit,
-        omega=importance(omega_logit, c, omega_offset),
+        omega=omega,
     )
+
+
+def decision_logits(query: torch.Tensor, key: torch.Tensor, c: float = 5.0,
+                    omega_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(alpha_logit, omega)`` of :func:`split_decision_channels`, each ``[batch, kv_heads,
+    seq]``, read from ``query [batch, q_heads, seq, dim]`` and ``key [batch, kv_heads, seq,
+    dim]`` without copying them with the channels zeroed."""
+    batch, q_heads, seq, dim = query.shape
+    kv_heads = key.shape[1]
+    if key.shape[0] != batch or key.shape[2] != seq or key.shape[3] != dim:
+        raise ValueError(
+            f"decision channels: key shape {tuple(key.shape)} does not match query shape "
+            f"{tuple(query.shape)} (expected [batch, kv_heads, seq, dim])"
+        )
+    if q_heads % kv_heads:
+        raise ValueError(
+            f"decision channels: q_heads={q_heads} is not a multiple of kv_heads={kv_heads}"
+        )
+    omega_logit = query[..., DECISION_CHANNEL].reshape(
+        batch, kv_heads, q_heads // kv_heads, seq).mean(dim=2)
+    return key[..., DECISION_CHANNEL] - c, importance(omega_logit, c, omega_offset)
 
 
 class DMSChannels(NamedTuple):

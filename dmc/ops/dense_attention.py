@@ -57,7 +57,8 @@ def masked_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         scale: softmax scale.
 
     Returns:
-        ``[batch, q_heads, queries, dim]`` in the dtype of ``query``.
+        ``[batch, q_heads, queries, dim]`` in the dtype of ``query``, laid out in memory as
+        ``[queries, batch, q_heads, dim]`` (megatron's order).
     """
     return _MaskedBiasAttention.apply(query, key, value, log_keep, layout.weighted,
                                       layout.visible, layout.spans, scale)
@@ -117,7 +118,10 @@ class _MaskedBiasAttention(torch.autograd.Function):
         work = torch.float64 if query.dtype == torch.float64 else torch.float32
         q = (query.to(work) * scale).reshape(batch, kv_heads, q_heads // kv_heads, queries, dim)
         k, v, lk = key.to(work), value.to(work), log_keep.to(work)
-        out = q.new_empty(q.shape)
+        # [seq, batch, heads, dim] in memory, as megatron's output projection reads it: its
+        # input is then a view of what the backward keeps here, not a second copy
+        out = q.new_empty((queries, batch, kv_heads, q_heads // kv_heads, dim)).permute(
+            1, 2, 3, 0, 4)
         lse = q.new_empty(q.shape[:-1] + (1,))
         for span in spans:
             a, e, lo, _, hi = span

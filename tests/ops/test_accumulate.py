@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dmc.ops import partial_accumulate
-from dmc.ops.accumulate import WindowedSum
+from dmc.ops.accumulate import WindowedSum, WindowWeights, window_weights
 from dmc.ops.reference import compressed_cache_reference, partial_accumulate_reference
 
 
@@ -107,11 +107,25 @@ def test_windowed_sum_gradients_float64():
     torch.testing.assert_close(WindowedSum.apply(x, coeff), shifted)
 
 
-def saved_for_backward(window: int) -> int:
+def test_window_weights_gradients_float64():
+    """The weights' backward (products recomputed from alpha and omega) against autograd
+    through :func:`window_weights` and gradcheck."""
+    gen = torch.Generator().manual_seed(6)
+    alpha = torch.rand(2, 3, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    omega = (torch.rand(2, 3, 11, generator=gen, dtype=torch.float64) + 0.1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, o: WindowWeights.apply(a, o, 4), (alpha, omega))
+    grad = torch.randn(2, 3, 11, 4, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(WindowWeights.apply(alpha, omega, 4), (alpha, omega), grad)
+    want = torch.autograd.grad(window_weights(alpha, omega, 4), (alpha, omega), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def saved_for_backward(window: int, dim: int = 64) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one window-grouped
-    accumulation of 256 keys and values of 64 channels (2 heads)."""
+    accumulation of 256 keys and values of ``dim`` channels (2 heads)."""
     gen = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(1, 2, 256, 64, generator=gen, requires_grad=True) for _ in range(2))
+    k, v = (torch.randn(1, 2, 256, dim, generator=gen, requires_grad=True) for _ in range(2))
     alpha = torch.rand(1, 2, 256, generator=gen, requires_grad=True)
     omega = (torch.rand(1, 2, 256, generator=gen) + 0.1).requires_grad_()
     storages = {}
@@ -121,7 +135,8 @@ def saved_for_backward(window: int) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        partial_accumulate(k, v, alpha, omega, window=window)
+        outputs = partial_accumulate(k, v, alpha, omega, window=window)
+    del outputs  # kept alive until every storage is counted: freed ones could be reused
     return sum(storages.values())
 
 
@@ -131,6 +146,15 @@ def test_window_does_not_multiply_the_memory_kept_for_backward():
     it kept ~12x)."""
     keys_and_values = 2 * 256 * 64 * 4 * 2
     assert saved_for_backward(12) < 1.5 * keys_and_values
+
+
+def test_window_weights_keep_only_their_inputs_and_output():
+    """Besides the keys and values, the backward keeps the weights ``[1, 2, 256, 12]`` and two
+    ``[1, 2, 256]`` tensors (alpha with its first entry zeroed, omega), not the ~2 x 12 partial
+    products of the weights (at 4 channels those would weigh twice the keys and values)."""
+    per_head_token = 2 * 256 * 4
+    kept = saved_for_backward(12, dim=4) - 2 * 4 * per_head_token
+    assert kept <= (12 + 2) * per_head_token
 
 
 def test_bf16_keys_and_values_are_summed_in_float32_and_kept_as_they_come():

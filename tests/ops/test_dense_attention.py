@@ -78,6 +78,16 @@ def test_inputs_keep_their_dtype_and_match(dtype, tolerance):
         torch.testing.assert_close(a.double(), b.double(), rtol=tolerance, atol=tolerance)
 
 
+def test_output_is_laid_out_as_megatron_reads_it():
+    """The output ``[batch, heads, queries, dim]`` is ``[queries, batch, heads, dim]`` in
+    memory: megatron's output projection takes it as a view, so the backward keeps one copy."""
+    weighted, visible = bias_masks(40)
+    inputs = _inputs(2, 4, 2, 40, 40, 8, seed=2, dtype=torch.float32)
+    out = masked_bias_attention(*inputs, mask_layout(weighted, visible, query_block=16), 0.25)
+    assert out.shape == (2, 4, 40, 8)
+    assert out.permute(2, 0, 1, 3).is_contiguous()
+
+
 def test_autograd_keeps_no_seq_by_seq_tensor():
     """What the backward keeps besides the two boolean [queries, keys] masks (shared by every
     batch row, head and layer) grows with the sequence, not its square: 1024 queries of 2 heads
