@@ -241,8 +241,7 @@ class Engine:
         """One forward of ``plan``; samples for the decode tokens and the finished prefills.
         The sampled tokens come back to the host with the lengths of the deferred cache writes
         in one copy: on a GPU the only wait for the device in a decode step."""
-        segments = plan.segments()
-        if not segments:
+        if not (plan.decode or plan.prefill):
             return
         started = time.perf_counter()
         rows, drawn = [], None  # logits to sample from; or the tokens a graph drew
@@ -250,7 +249,7 @@ class Engine:
                 and self.kv.static_ready([s.slot for s in plan.decode])):  # forward, sampling
             drawn = self.graphs.decode(plan.decode)
         else:
-            logits = self.runner.forward(segments)  # a row per segment
+            logits = self.runner.forward(plan.segments())  # a row per segment
             rows = [logits[:len(plan.decode)]] if plan.decode else []
         sampled = list(plan.decode)
         for row, (seq, n) in enumerate(plan.prefill, start=len(plan.decode)):
