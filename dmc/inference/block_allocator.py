@@ -57,8 +57,28 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def pages_for(lengths: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Pages heads of ``lengths`` slots own: ``ceil(lengths / page_size)``."""
+    """Pages heads of ``lengths`` (integer) slots own: ``ceil(lengths / page_size)``; a shift
+    when ``page_size`` is a power of two (integer division is 4-6x slower on the CPU, where a
+    decode step computes this over every (sequence, layer, KV head))."""
+    if page_size & (page_size - 1) == 0:
+        return (lengths + (page_size - 1)) >> (page_size.bit_length() - 1)
     return torch.div(lengths + page_size - 1, page_size, rounding_mode="floor")
+
+
+def at_page_boundary(lengths: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Whether heads of ``lengths`` (integer) slots need a new page for their next slot:
+    ``lengths % page_size == 0`` (a mask when ``page_size`` is a power of two)."""
+    if page_size & (page_size - 1) == 0:
+        return (lengths & (page_size - 1)) == 0
+    return lengths % page_size == 0
+
+
+def page_and_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``divmod(slots, page_size)`` of slot indices: the block-table column and the offset in
+    its page (a shift and a mask when ``page_size`` is a power of two)."""
+    if page_size & (page_size - 1) == 0:
+        return slots >> (page_size.bit_length() - 1), slots & (page_size - 1)
+    return torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
 
 
 def default_num_pages(max_batch: int, max_seq_len: int, page_size: int, heads: int,
@@ -101,7 +121,10 @@ class BlockAllocator:
         self.lengths = torch.zeros(heads, dtype=torch.int32)
         self.device_tables = self.tables.to(device)  # same tensor on CPU
         self.device_lengths = self.lengths.to(device)
-        self.free_list = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is taken first
+        # the free pages as a stack (a tensor: a decode step takes and gives back thousands of
+        # pages, which a Python list converts one by one); page 0 on top, taken first
+        self._free = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32)
+        self._free_count = num_pages
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._active = [False] * max_seqs
         # the open decode step: its seqs, the layers written, the pages reserved for it
@@ -109,11 +132,16 @@ class BlockAllocator:
 
     @property
     def free_pages(self) -> int:
-        return len(self.free_list)
+        return self._free_count
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self.free_list)
+        return self.num_pages - self._free_count
+
+    @property
+    def free_list(self) -> list[int]:
+        """The free page ids, the next to be taken last."""
+        return self._free[:self._free_count].tolist()
 
     def add_sequence(self) -> int:
         """Claim a free sequence slot (all heads empty) and return its id."""
@@ -127,7 +155,7 @@ class BlockAllocator:
         """Return every page of ``seq_slot`` to the free list and release the slot."""
         self.seq_index([seq_slot])
         owned = self.tables[seq_slot]
-        self.free_list.extend(owned[owned >= 0].tolist())
+        self._give_back(owned[owned >= 0])
         owned.fill_(-1)
         self.lengths[seq_slot] = 0
         self.publish(torch.tensor([seq_slot]), slice(None))
@@ -171,39 +199,71 @@ class BlockAllocator:
         old_pages = pages_for(old, self.page_size)
         new_pages = pages_for(new_lengths.reshape(old.shape), self.page_size)
         if (new_pages > self.max_pages_per_head).any():
-            raise CacheFullError(
-                f"a head would hold {int(new_lengths.max())} slots, more than "
-                f"{self.max_pages_per_head} pages of {self.page_size} (max_seq_len)"
-            )
+            raise self._too_long(int(new_lengths.max()))
         count = new_pages - old_pages
-        needed = int(count.sum())
-        if needed > len(self.free_list):
-            raise CacheFullError(
-                f"need {needed} pages, only {len(self.free_list)} free of {self.num_pages}"
-            )
         b, layer, h = count.nonzero(as_tuple=True)
         per_head = count[b, layer, h]
         first_new = old_pages[b, layer, h] - (torch.cumsum(per_head, 0) - per_head)
-        columns = first_new.repeat_interleave(per_head) + torch.arange(needed)
-        rest = len(self.free_list) - needed
-        taken, self.free_list[rest:] = self.free_list[rest:][::-1], []
+        columns = first_new.repeat_interleave(per_head) + torch.arange(int(per_head.sum()))
         index = [part.repeat_interleave(per_head) for part in (seqs[b], layer_ids[layer], h)]
-        entries = TableEntries(*index, columns, torch.tensor(taken, dtype=torch.int32))
+        return self._fill(*index, columns)
+
+    def _take_next(self, seqs: torch.Tensor, heads: torch.Tensor) -> TableEntries:
+        """:meth:`_take` for one more slot in the heads marked in ``heads [batch, layers, kv]``
+        (host bool), each at a page boundary: its next page, in the column its length fills
+        up to (a decode step's case, without the general case's passes over every head)."""
+        b, layer, h = heads.nonzero(as_tuple=True)
+        seq = seqs[b]
+        held = self.lengths[seq, layer, h].long()
+        if not bool(at_page_boundary(held, self.page_size).all()):
+            raise ValueError("reserve_step: a marked head is not at a page boundary")
+        columns = pages_for(held, self.page_size)
+        if (columns >= self.max_pages_per_head).any():
+            raise self._too_long(int(held.max()) + 1)
+        return self._fill(seq, layer, h, columns)
+
+    def _fill(self, seq, layer, head, columns) -> TableEntries:
+        """Free pages into ``tables[seq, layer, head, columns]`` (host long ``[n]`` each);
+        raises :class:`CacheFullError` before any change when fewer than ``n`` are free."""
+        needed, free = len(columns), self._free_count
+        if needed > free:
+            raise CacheFullError(f"need {needed} pages, only {free} free of {self.num_pages}")
+        self._free_count = free - needed
+        taken = self._free[free - needed:free].flip(0)  # a copy, top of the stack first
+        entries = TableEntries(seq, layer, head, columns, taken)
         self.tables[entries.index] = entries.pages
         return entries
+
+    def _give_back(self, pages: torch.Tensor) -> None:
+        """Push the page ids ``pages`` (host int32 ``[n]``) onto the free stack."""
+        count = self._free_count
+        self._free[count:count + len(pages)] = pages
+        self._free_count = count + len(pages)
+
+    def _too_long(self, slots: int) -> CacheFullError:
+        return CacheFullError(
+            f"a head would hold {slots} slots, more than {self.max_pages_per_head} pages of "
+            f"{self.page_size} (max_seq_len)"
+        )
 
     def append_all(self, seqs: SeqRows) -> tuple[torch.Tensor, torch.Tensor]:
         """One more slot for every head of every layer of ``seqs`` (a vanilla decode step,
         whose every head appends): pages taken, lengths set and published in one go. Returns
         the host ``(page, offset)`` of each new slot, ``[batch, num_layers, kv_heads]`` long."""
-        slots = self.lengths[seqs.host].long()
-        self._publish_entries(self._take(seqs.host, slice(None), slots + 1))
-        self.lengths[seqs.host] = (slots + 1).to(torch.int32)
+        slots = self.lengths[seqs.host]
+        self._publish_entries(self._take_next(seqs.host, at_page_boundary(slots, self.page_size)))
+        self.lengths[seqs.host] = slots + 1
         self._publish_lengths(seqs.host, slice(None))
         layers, heads = (torch.arange(n) for n in slots.shape[1:])
-        pages = self.tables[seqs.host[:, None, None], layers[:, None], heads,
-                            slots // self.page_size].long()
-        return pages, slots % self.page_size
+        return self._pages_of(seqs.host[:, None, None], layers[:, None], heads, slots.long())
+
+    def _pages_of(self, seqs, layers, heads, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host long ``(page, offset)`` of slot ``slots`` of heads ``(seqs, layers, heads)``
+        (long tensors broadcasting to one shape), read through one flat index."""
+        column, offset = page_and_offset(slots, self.page_size)
+        _, num_layers, num_heads, width = self.tables.shape
+        flat = ((seqs * num_layers + layers) * num_heads + heads) * width + column
+        return self.tables.view(-1)[flat].long(), offset
 
     # ---------------------------------------------- a decode step decided on the device
     def reserve_step(self, seqs: torch.Tensor, heads: torch.Tensor) -> None:
@@ -214,7 +274,7 @@ class BlockAllocator:
         one slot ahead of the host ones, and each layer is written once (:meth:`claim`)."""
         if self.step is not None:
             raise RuntimeError("a decode step is open: settle it before reserving the next")
-        reserved = self._take(seqs, slice(None), self.lengths[seqs].long() + heads.long())
+        reserved = self._take_next(seqs, heads)
         self._publish_entries(reserved)
         self.step = (seqs, set(), reserved)
 
@@ -243,7 +303,7 @@ class BlockAllocator:
         self.lengths[seqs] = reached.cpu().to(torch.int32)
         used = pages_for(self.lengths[reserved.index[:3]].long(), self.page_size)
         unused = used <= reserved.column
-        self.free_list.extend(reserved.pages[unused].tolist())
+        self._give_back(reserved.pages[unused])
         dropped = TableEntries(*(i[unused] for i in reserved.index),
                                torch.full((int(unused.sum()),), -1, dtype=torch.int32))
         self.tables[dropped.index] = dropped.pages
@@ -256,7 +316,7 @@ class BlockAllocator:
         columns = torch.arange(self.max_pages_per_head)
         table = self.tables[seqs, layer]
         drop = (columns >= pages_for(new_lengths, self.page_size)[..., None]) & (table >= 0)
-        self.free_list.extend(table[drop].tolist())
+        self._give_back(table[drop])
         table[drop] = -1
         self.tables[seqs, layer] = table
         self.lengths[seqs, layer] = new_lengths.to(torch.int32)
@@ -265,8 +325,8 @@ class BlockAllocator:
     def locate(self, seqs, layer: int, heads, slots) -> tuple[torch.Tensor, torch.Tensor]:
         """Device ``(page, offset)`` of slot ``slots`` of heads ``(seqs, layer, heads)`` (host
         long tensors of one shape)."""
-        pages = self.tables[seqs, layer, heads, slots // self.page_size].long()
-        return to_device(pages, self.device), to_device(slots % self.page_size, self.device)
+        pages, offsets = self._pages_of(seqs, layer, heads, slots)
+        return to_device(pages, self.device), to_device(offsets, self.device)
 
     def publish(self, seqs: torch.Tensor, layer) -> None:
         """Copy the host block tables and lengths of ``[seqs, layer]`` to the device."""
@@ -293,8 +353,11 @@ class BlockAllocator:
 
 def rows_or_zeros(table: torch.Tensor, seq_slots: list) -> torch.Tensor:
     """``table[seq_slots]`` (host, first dimension a sequence slot) with zeros for ``None``."""
-    out = torch.zeros((len(seq_slots),) + table.shape[1:], dtype=table.dtype)
     held = [i for i, slot in enumerate(seq_slots) if slot is not None]
+    if len(held) == len(seq_slots):  # a decode batch: one gather
+        return table[torch.tensor(seq_slots, dtype=torch.long)]
+    out = torch.zeros((len(seq_slots),) + table.shape[1:], dtype=table.dtype)
     if held:
-        out[held] = table[[seq_slots[i] for i in held]]
+        rows = torch.tensor([seq_slots[i] for i in held], dtype=torch.long)
+        out[torch.tensor(held, dtype=torch.long)] = table[rows]
     return out

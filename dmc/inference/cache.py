@@ -31,7 +31,7 @@ import torch
 
 from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
-from .block_allocator import BlockAllocator, SeqRows, pages_for, to_device
+from .block_allocator import BlockAllocator, SeqRows, at_page_boundary, pages_for, to_device
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
 
 
@@ -223,7 +223,7 @@ class PagedKVCache:
 
     def _step_heads(self, seqs: torch.Tensor) -> torch.Tensor:
         """``[batch, num_layers, kv_heads]`` host bool: heads whose next slot needs a page."""
-        return self.allocator.lengths[seqs] % self.page_size == 0
+        return at_page_boundary(self.allocator.lengths[seqs], self.page_size)
 
     def _settle_for(self, seq_slots) -> None:
         """Settle when the open decode step holds any of ``seq_slots`` (their host lengths lag);

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_allocator import rows_or_zeros, to_device
+from .block_allocator import at_page_boundary, rows_or_zeros, to_device
 from .cache import PagedKVCache
 from .kernels import resolve_use_triton
 from .kernels.dms_decode import dms_decode_attention, dms_decode_attention_cpu
@@ -101,7 +101,7 @@ class WindowRingCache(PagedKVCache):
         """Heads whose next paged slot needs a page: a token leaves their full ring this step
         and their slots fill whole pages (``[batch, num_layers, kv_heads]`` host bool)."""
         leaving = (self.written[seqs] >= self.ring_size)[..., None]
-        return leaving & (self.allocator.lengths[seqs] % self.page_size == 0)
+        return leaving & at_page_boundary(self.allocator.lengths[seqs], self.page_size)
 
     def _leaving(self, layer: int, seqs: torch.Tensor, rows: torch.Tensor,
                  positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -217,7 +217,7 @@ def worst_new_pages(cache: PagedKVCache, seq_slots: list, tokens: int) -> list[i
     ``tokens`` more tokens, every head growing by ``cache.paged_growth``; one batched
     computation (a whole decode batch is reserved with it)."""
     cache.settle()
-    held = rows_or_zeros(cache.allocator.lengths, seq_slots).long()
-    grown = held + cache.paged_growth(seq_slots, tokens)
+    held = rows_or_zeros(cache.allocator.lengths, seq_slots)
+    grown = held + cache.paged_growth(seq_slots, tokens)  # long
     new = pages_for(grown, cache.page_size) - pages_for(held, cache.page_size)
     return new.sum((1, 2)).tolist()
