@@ -191,14 +191,15 @@ class Run:
     def __init__(self, mode: Mode, engine, batch: int, prompts, params):
         self.mode, self.engine, self.batch = mode, engine, batch
         self.results = []
-        self.steps = []  # (seconds, decode tokens, prefill tokens, KV bytes, slots) per step
+        # (seconds, decode tokens, prefill tokens, KV bytes, slots, device seconds) per step
+        self.steps = []
         self.profiled = []  # the same of steps run under the profiler (not timed)
         for prompt in prompts:
             engine.add_request(prompt, params)
 
     def step(self, cuda: bool) -> None:
         stats = self.engine.stats
-        before = (stats.decode_tokens, stats.prefill_tokens)
+        before = (stats.decode_tokens, stats.prefill_tokens, stats.decode_device_seconds)
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -212,7 +213,8 @@ class Run:
             slots += int(cache.written.clamp(max=cache.ring_size).sum()) * cache.num_kv_heads
         self.steps.append((seconds, stats.decode_tokens - before[0],
                            stats.prefill_tokens - before[1],
-                           cache.pages_in_use * cache.page_bytes, slots))
+                           cache.pages_in_use * cache.page_bytes, slots,
+                           stats.decode_device_seconds - before[2]))
 
     def steady(self, n: int) -> tuple[int, int, float, float]:
         """The last ``n`` steps that decoded the full batch and prefilled nothing: (steps,
@@ -221,9 +223,16 @@ class Run:
         median = sorted(s[0] for s in full)[len(full) // 2] if full else 0.0
         return len(full), sum(s[1] for s in full), sum(s[0] for s in full), median
 
+    def host_seconds(self, n: int) -> float:
+        """The median over those steps of the step's time not spent on the device's work
+        (:class:`~dmc.inference.device_span.DeviceSpan`): scheduling, page reservation, the
+        step's inputs, reading the tokens back, bookkeeping."""
+        host = sorted(s[0] - s[5] for s in self._full(n))
+        return host[len(host) // 2] if host else 0.0
+
     def steady_cache(self, n: int) -> tuple[float, float]:
         """Mean K/V page bytes and cached slots the cache held after those steps."""
-        full = self._full(n) or [(0, 0, 0, 0, 0)]
+        full = self._full(n) or [(0, 0, 0, 0, 0, 0)]
         return (sum(s[3] for s in full) / len(full), sum(s[4] for s in full) / len(full))
 
     def _full(self, n: int) -> list[tuple]:
@@ -343,6 +352,7 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
             steady_steps=steps, steady_tokens=tokens, steady_seconds=seconds,
             tokens_per_s=tokens / seconds if seconds else 0.0,
             median_step_tokens_per_s=run.batch / median if median else 0.0,
+            median_host_seconds=run.host_seconds(args.steady),
             all_decode_tokens_per_s=stats.decode_tokens / max(stats.decode_seconds, 1e-9),
             prefill_tokens_per_s=stats.prefill_tokens / max(stats.prefill_seconds, 1e-9),
             wall_seconds=sum(s[0] for s in run.steps), preemptions=stats.preemptions,
@@ -405,8 +415,8 @@ def table(rows) -> str:
     """The rows as text: tok/s over the steady steps and from their median step time, each as a
     multiple of vanilla's."""
     header = ("mode", "measured CR", "pages/seq", "batch", "budget used", "steady steps",
-              "tok/s", "x vanilla", "median tok/s", "x vanilla", "preempt", "MiB/step",
-              "GB/s", "roofline")
+              "tok/s", "x vanilla", "median tok/s", "x vanilla", "host ms/step", "preempt",
+              "MiB/step", "GB/s", "roofline")
     lines = [" | ".join(f"{h:>12}" for h in header)]
     for r in rows:
         def ratio(key):
@@ -416,7 +426,8 @@ def table(rows) -> str:
                  f"{r['memory']['total'] / 2**20:.2f} MiB", str(r["steady_steps"]),
                  f"{r['tokens_per_s']:.1f}", ratio("speedup_vs_vanilla"),
                  f"{r['median_step_tokens_per_s']:.1f}", ratio("median_speedup_vs_vanilla"),
-                 str(r["preemptions"]), f"{r['step_bytes']['total'] / 2**20:.1f}",
+                 f"{r['median_host_seconds'] * 1e3:.2f}", str(r["preemptions"]),
+                 f"{r['step_bytes']['total'] / 2**20:.1f}",
                  f"{r['roofline']['achieved_bytes_per_s'] / 1e9:.2f}",
                  f"{r['roofline']['fraction']:.3f} {r['roofline']['bound'][:3]}")
         lines.append(" | ".join(f"{c:>12}" for c in cells))

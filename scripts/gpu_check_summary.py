@@ -46,8 +46,9 @@ def summarise(results: Path) -> dict:
     decode = read_json(results / "decode_throughput.json")
     if decode:
         summary["figures"]["decode"] = [
-            {k: row[k] for k in ("mode", "measured_cr", "batch", "tokens_per_s",
-                                 "speedup_vs_vanilla")} for row in decode["rows"]]
+            {**{k: row[k] for k in ("mode", "measured_cr", "batch", "tokens_per_s",
+                                    "speedup_vs_vanilla")},
+             "median_host_seconds": row.get("median_host_seconds")} for row in decode["rows"]]
     kernel = read_json(results / "paged_kernel.json")
     if kernel:
         summary["figures"]["paged_kernel"] = [
@@ -73,10 +74,11 @@ def as_text(summary: dict) -> str:
                      f"{counts['errors']} errors, {counts['skipped']} skipped or xfailed")
     figures = summary["figures"]
     for row in figures.get("decode", []):
-        speedup = row["speedup_vs_vanilla"]
+        speedup, host = row["speedup_vs_vanilla"], row.get("median_host_seconds")
         lines.append(f"decode {row['mode']:<16} CR {row['measured_cr']:5.2f}  batch "
                      f"{row['batch']:>4}  {row['tokens_per_s']:10.1f} tok/s  "
-                     + ("" if speedup is None else f"x{speedup:.2f} vanilla"))
+                     + ("" if speedup is None else f"x{speedup:.2f} vanilla")
+                     + ("" if host is None else f"  host {host * 1e3:.2f} ms/step"))
     for k in figures.get("paged_kernel", []):
         lines.append(f"paged kernel ({k['path']}): {k['kernel_GBps']:.1f} GB/s, "
                      f"{k['fraction_of_copy']:.3f} of copy ({k['copy_GBps']:.1f} GB/s)")

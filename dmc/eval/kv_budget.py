@@ -26,7 +26,9 @@ def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_page
     ids per (sequence slot, layer, KV head)), ``lengths`` (int32 per head), ``dmc_state``
     (float32 ring of ``window`` pre-RoPE keys and values, or the running mean, their weights,
     and the int32 token count, per head; a DMS cache, built with ``window=None``, allocates the
-    one-row form too), ``rope`` (the float32 frequencies); ``total`` sums them.
+    one-row form too), ``rope`` (the float32 frequencies), ``free_pages`` (the allocator's
+    int32 stack of free page ids, host memory, counted only when ``device`` is the CPU);
+    ``total`` sums them.
 
     With ``dms_window`` (a DMS cache; ``window`` must then be None) also ``dms_ring``: per head
     the window ring of ``dms_window + 1`` keys, values and eviction flags (:func:`ring_bytes`),
@@ -53,8 +55,9 @@ def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_page
         out["dms_ring"] = heads * ring_bytes(dms_window, head_dim, element)
     if merge_delay is not None:
         out["delay_ring"] = heads * delayed_ring_bytes(merge_delay, head_dim, element)
+    on_host = torch.device(device).type == "cpu"
+    out["free_pages"] = num_pages * INT32 if on_host else 0
     if dms_window is not None or merge_delay is not None:
-        on_host = torch.device(device).type == "cpu"
         out["ring_positions"] = max_seqs * num_layers * INT64 if on_host else 0
     out["total"] = sum(out.values())
     return out
@@ -71,7 +74,8 @@ def fit_batch(budget: int, pages_per_seq: int, state_per_seq: int, shape: dict,
         return cache_allocation(num_pages=0, max_seqs=batch, **shape)["total"] \
             + batch * state_per_seq
 
-    page = cache_allocation(num_pages=1, max_seqs=0, **shape)["pages"]
+    page = (cache_allocation(num_pages=1, max_seqs=0, **shape)["total"]  # K, V, a free-list id
+            - cache_allocation(num_pages=0, max_seqs=0, **shape)["total"])
     batch = 0
     while fixed(batch + 1) + ((batch + 1) * pages_per_seq + headroom_pages) * page <= budget:
         batch += 1

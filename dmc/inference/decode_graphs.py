@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from dmc.inference.device_span import DeviceSpan
 from dmc.inference.model_runner import ModelRunner
 from dmc.inference.sampling import SamplingColumns, needs_filter, sample_static
 
@@ -74,12 +75,13 @@ class DecodeGraphs:
     def captured(self) -> list[tuple[int, bool]]:
         return sorted(self.graphs)
 
-    def decode(self, seqs: list) -> torch.Tensor:
+    def decode(self, seqs: list, span: DeviceSpan | None = None) -> torch.Tensor:
         """One token for each sequence (:class:`~dmc.inference.sequence.Sequence`, holding a
         cache slot, its newest token not cached yet): ``[2, batch]`` float64 on the device, the
         sampled tokens and their log-probabilities (see
         :func:`~dmc.inference.sampling.sample_on_device`). Valid until the next call (a graph's
-        output is overwritten by its next replay)."""
+        output is overwritten by its next replay). ``span`` begins when the device work is
+        launched, after the host work (the caller ends it)."""
         batch, filtering = len(seqs), needs_filter([s.params for s in seqs])
         key = (batch, filtering)
         buffers = self._buffers(batch)
@@ -92,6 +94,8 @@ class DecodeGraphs:
             static.copy_(given, non_blocking=True)
         self.kv.begin_decode([s.slot for s in seqs], buffers.positions, buffers,
                              self.max_length)
+        if span is not None:
+            span.begin()
         if not self.capture:
             return self._device_work(buffers, filtering)
         if key not in self.warm:

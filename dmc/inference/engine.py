@@ -25,6 +25,7 @@ from dmc.inference.block_allocator import default_num_pages, pages_for
 from dmc.inference.cache import PagedKVCache
 from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
+from dmc.inference.device_span import DeviceSpan
 from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
 from dmc.inference.kv_write import make_kv_write, make_policy
 from dmc.inference.loading import load_inference_state, load_model, load_plain
@@ -243,12 +244,13 @@ class Engine:
         in one copy: on a GPU the only wait for the device in a decode step."""
         if not (plan.decode or plan.prefill):
             return
-        started = time.perf_counter()
+        started, span = time.perf_counter(), DeviceSpan(self.device)
         rows, drawn = [], None  # logits to sample from; or the tokens a graph drew
         if (self.graphs is not None and not plan.prefill
                 and self.kv.static_ready([s.slot for s in plan.decode])):  # forward, sampling
-            drawn = self.graphs.decode(plan.decode)
+            drawn = self.graphs.decode(plan.decode, span)
         else:
+            span.begin()
             logits = self.runner.forward(plan.segments())  # a row per segment
             rows = [logits[:len(plan.decode)]] if plan.decode else []
         sampled = list(plan.decode)
@@ -266,6 +268,7 @@ class Engine:
                                      [s.params for s in sampled],
                                      [s.seed for s in sampled],
                                      [len(s.generated) for s in sampled])
+        span.end()
         drawn = self.cache.settle(carry=drawn)
         if drawn is None:
             self._sync()  # nothing read back: wait for the device before timing
@@ -274,6 +277,7 @@ class Engine:
             self.stats.prefill_seconds += elapsed
         else:
             self.stats.decode_seconds += elapsed
+            self.stats.decode_device_seconds += span.seconds()
             self.stats.decode_steps += 1
             self.stats.decode_tokens += len(plan.decode)
         self._note_usage()

@@ -183,13 +183,19 @@ class Sequence:
 class EngineStats:
     """Counters since the last :meth:`Engine.reset_stats`. Seconds of forwards (with their
     sampling and the read of the tokens) holding a prefill chunk go to ``prefill_seconds``;
-    ``decode_*`` count forwards of decode tokens only."""
+    ``decode_*`` count forwards of decode tokens only. ``decode_device_seconds``: of
+    ``decode_seconds``, the device's (:class:`~dmc.inference.device_span.DeviceSpan`) from the
+    launch of the forward to the end of sampling; the rest is host work. With
+    ``cuda_graphs=True`` the launch comes after the step's host work (page reservation, the
+    static inputs); an eager forward does that work inside itself, where it counts as the
+    device's."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    decode_device_seconds: float = 0.0
     generated_tokens: int = 0
     preemptions: int = 0
     peak_running: int = 0

@@ -109,7 +109,8 @@ def test_budget_accounting_on_cuda(window):
                          dtype=torch.bfloat16, device=device, max_seq_len=4096)
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated(device) - before
-    counted = bench.cache_allocation(4, 8, 128, 1000, 16, 32, window, torch.bfloat16, 4096)
+    counted = bench.cache_allocation(4, 8, 128, 1000, 16, 32, window, torch.bfloat16, 4096,
+                                     device="cuda")
     sizes = storage_sizes(cache, device)
     assert counted["total"] == sum(sizes)
     rounding = 512 * len(sizes) + 2**20 * sum(size > 2**20 for size in sizes)

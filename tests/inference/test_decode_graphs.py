@@ -50,6 +50,8 @@ def test_static_decode_steps_equal_the_ordinary_forward(parallel_1x1, groups, wi
     if window == "vanilla":
         assert static_engine.stats.preemptions > 0, "the pool should run out of pages"
     assert static_engine.cache.pages_in_use == 0
+    for engine in (eager_engine, static_engine):  # the device's share of the decode steps
+        assert 0 < engine.stats.decode_device_seconds < engine.stats.decode_seconds
     if temperature == 0.0:
         check_against_model(model, static, prompts((13, 21, 7, 9)), dmc=runtime is not None)
 
