@@ -8,16 +8,22 @@ where FlexAttention has no backward). Step time is the median of ``--steps`` aft
 ``--warmup``; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
 "saved" is what autograd keeps for the backward of one step (the bytes of the distinct storages
 packed by ``saved_tensors_hooks``, parameters left out: the activation memory, on any device).
-Prints a table and writes JSON.
+``--kept-only`` measures that alone (one forward per mode, no timed steps: a large shape on the
+CPU); ``--by-site N`` also prints, per mode, the N call sites (innermost ``dmc`` or megatron
+frame) whose saved storages weigh most. Prints a table and writes JSON.
 
     python benchmarks/train_step.py --layers 4 --hidden 256 --heads 8 --seq 256 --batch 8
+    python benchmarks/train_step.py --layers 2 --hidden 2048 --heads 16 --ffn 5632 \
+        --vocab 32000 --seq 2048 --batch 1 --dtype bfloat16 --kept-only --by-site 8
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import json
 import time
+import traceback
 import warnings
 
 import torch
@@ -25,23 +31,37 @@ import torch
 warnings.filterwarnings("ignore")
 
 
-def saved_activation_bytes(model, runtime, mode, tokens, positions) -> int:
+def saved_activation_bytes(model, runtime, mode, tokens, positions,
+                           sites: collections.Counter | None = None) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one forward,
-    parameters excluded."""
+    parameters excluded; with ``sites``, each storage's bytes also counted under the call site
+    that first saved it (``file:line`` of the innermost ``dmc`` or megatron frame)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in params and storage.data_ptr() not in storages:
             storages[storage.data_ptr()] = storage.nbytes()
+            if sites is not None:
+                sites[saving_site(tensor)] += storage.nbytes()
         return tensor
 
     runtime.start_step(0, mode, target_cr=2.0)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(tokens, positions, None, labels=tokens).float().mean()
-    del loss
+    del loss  # kept until here: a freed storage's address could be reused and merged
     return sum(storages.values())
+
+
+def saving_site(tensor: torch.Tensor) -> str:
+    """``file:line [shape] dtype`` of the innermost ``dmc`` or megatron frame saving ``tensor``
+    (the CPU shim ``dmc/megatron/compat.py`` skipped)."""
+    frames = [f for f in traceback.extract_stack()[:-2]
+              if ("/dmc/" in f.filename or "megatron/core" in f.filename)
+              and not f.filename.endswith("compat.py")]
+    where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+    return f"{where} {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def measure(model, runtime, mode, tokens, positions, steps, warmup):
@@ -84,8 +104,16 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--backends", help="comma separated DMC attention backends of "
                         "dense, flex (default: dense,flex on CUDA, dense on the CPU)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="parameters' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    parser.add_argument("--kept-only", action="store_true",
+                        help="measure the activations kept for the backward only (no timed steps)")
+    parser.add_argument("--by-site", type=int, default=0, metavar="N",
+                        help="print the N call sites whose saved storages weigh most, per mode")
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
     args = parser.parse_args(argv)
+    if args.by_site < 0:
+        parser.error(f"--by-site: must be >= 0, got {args.by_site}")
     args.backends = args.backends or ("dense,flex" if torch.cuda.is_available() else "dense")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - {"dense", "flex"}:
@@ -98,7 +126,7 @@ def main(argv=None) -> int:
     from dmc.megatron.runtime import DMCConfig, DMCRuntime
 
     initialize_parallel(1, 1, seed=0)
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    dtype = getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32"))
     config = llama_transformer_config(args.layers, args.hidden, args.heads, args.ffn,
                                       num_query_groups=args.groups, params_dtype=dtype)
     runtime = DMCRuntime(DMCConfig(window=args.window))
@@ -111,14 +139,20 @@ def main(argv=None) -> int:
             ("train", f"dmc-{b}", b) for b in backends]:
         if backend:
             runtime.config.attention_backend = backend
-        tok_s, seconds, peak = measure(model, runtime, mode, tokens, positions, args.steps,
-                                       args.warmup)
-        saved = saved_activation_bytes(model, runtime, mode, tokens, positions)
+        tok_s, seconds, peak = (None, None, None) if args.kept_only else measure(
+            model, runtime, mode, tokens, positions, args.steps, args.warmup)
+        sites = collections.Counter() if args.by_site else None
+        saved = saved_activation_bytes(model, runtime, mode, tokens, positions, sites)
         rows[name] = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak,
                       "saved_bytes": saved}
+        if sites is not None:
+            rows[name]["saved_by_site"] = dict(sites.most_common(args.by_site))
+            print(f"{name}: the {args.by_site} call sites whose saved storages weigh most")
+            for site, size in sites.most_common(args.by_site):
+                print(f"  {size / 2**20:10.2f} MiB  {site}")
     base = rows["vanilla"]
     for row in rows.values():
-        row["time_vs_vanilla"] = row["step_s"] / base["step_s"]
+        row["time_vs_vanilla"] = row["step_s"] / base["step_s"] if row["step_s"] else None
         row["memory_vs_vanilla"] = (row["peak_bytes"] / base["peak_bytes"]
                                     if row["peak_bytes"] else None)
         row["saved_vs_vanilla"] = row["saved_bytes"] / base["saved_bytes"]
@@ -126,11 +160,14 @@ def main(argv=None) -> int:
     print(f"{'attention':<10} {'tokens/s':>12} {'step (s)':>10} {'x vanilla time':>15} "
           f"{'peak GiB':>9} {'x vanilla mem':>14} {'saved GiB':>10} {'x vanilla':>10}   "
           f"device: {device_name}")
+    def cell(value, form):
+        return "-" if value is None else format(value, form)
+
     for name, row in rows.items():
-        peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.2f}"
-        mem = "-" if row["memory_vs_vanilla"] is None else f"{row['memory_vs_vanilla']:.3f}"
-        print(f"{name:<10} {row['tokens_per_s']:>12.0f} {row['step_s']:>10.3f} "
-              f"{row['time_vs_vanilla']:>15.3f} {peak:>9} {mem:>14} "
+        peak = None if row["peak_bytes"] is None else row["peak_bytes"] / 2**30
+        print(f"{name:<10} {cell(row['tokens_per_s'], '.0f'):>12} {cell(row['step_s'], '.3f'):>10} "
+              f"{cell(row['time_vs_vanilla'], '.3f'):>15} {cell(peak, '.2f'):>9} "
+              f"{cell(row['memory_vs_vanilla'], '.3f'):>14} "
               f"{row['saved_bytes'] / 2**30:>10.3f} {row['saved_vs_vanilla']:>10.3f}")
     result = {"config": vars(args), "device": device_name, "results": rows}
     from pathlib import Path

@@ -1,0 +1,35 @@
+"""benchmarks/train_step.py: the activations kept alone (no timed steps), by call site, in a
+chosen dtype; bad flags exit 2 naming them."""
+import json
+
+import pytest
+
+from conftest import load_benchmark
+
+bench = load_benchmark("train_step")
+TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64",
+        "--seq", "32", "--batch", "1", "--window", "4"]
+
+
+def test_kept_only_by_site_in_bf16(tmp_path, capsys):
+    out = tmp_path / "kept.json"
+    assert bench.main(TINY + ["--dtype", "bfloat16", "--kept-only", "--by-site", "3",
+                              "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    for row in rows.values():
+        assert row["step_s"] is None and row["time_vs_vanilla"] is None
+        assert 0 < sum(row["saved_by_site"].values()) <= row["saved_bytes"]
+        assert len(row["saved_by_site"]) == 3
+    assert any("bfloat16" in site for site in rows["dmc-dense"]["saved_by_site"])
+    assert any(site.startswith(("dense_attention.py", "accumulate.py"))
+               for site in rows["dmc-dense"]["saved_by_site"])
+    assert rows["dmc-dense"]["saved_vs_vanilla"] > 1.0
+    assert "call sites whose saved storages weigh most" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,named", [(["--by-site", "-1"], "--by-site"),
+                                         (["--dtype", "half"], "--dtype")])
+def test_bad_flags_exit_2_naming_them(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(TINY + flags)
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
