@@ -160,6 +160,7 @@ def main(argv=None) -> int:
     print(f"{'attention':<10} {'tokens/s':>12} {'step (s)':>10} {'x vanilla time':>15} "
           f"{'peak GiB':>9} {'x vanilla mem':>14} {'saved GiB':>10} {'x vanilla':>10}   "
           f"device: {device_name}")
+
     def cell(value, form):
         return "-" if value is None else format(value, form)
 
