@@ -295,12 +295,15 @@ class BlockAllocator:
         if self.step is None:
             return None if carry is None else carry.cpu()
         (seqs, _, reserved), self.step = self.step, None
-        reached = self.device_lengths[to_device(seqs, self.device)]
-        if carry is not None:
-            host = torch.cat((reached.double().flatten(), carry.flatten())).cpu()
-            count = reached.numel()
-            reached, carry = host[:count].view(reached.shape), host[count:].view(carry.shape)
-        self.lengths[seqs] = reached.cpu().to(torch.int32)
+        if self.device_lengths is self.lengths:  # the CPU: the writes went to these lengths
+            carry = None if carry is None else carry.cpu()
+        else:
+            reached = self.device_lengths[to_device(seqs, self.device)]
+            if carry is not None:
+                host = torch.cat((reached.double().flatten(), carry.flatten())).cpu()
+                count = reached.numel()
+                reached, carry = host[:count].view(reached.shape), host[count:].view(carry.shape)
+            self.lengths[seqs] = reached.cpu().to(torch.int32)
         used = pages_for(self.lengths[reserved.index[:3]].long(), self.page_size)
         unused = used <= reserved.column
         self._give_back(reserved.pages[unused])
