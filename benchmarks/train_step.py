@@ -4,7 +4,10 @@ Every run uses the same GPTModel (DMC layer spec); "vanilla" switches the layers
 own attention, "dmc-dense" and "dmc-flex" to train mode (Gumbel decisions, window-grouped
 accumulation, CR loss) with the attention of :func:`dmc.ops.dmc_attention` computed through the
 dense additive bias or FlexAttention (``--backends``; default both on CUDA, dense on the CPU,
-where FlexAttention has no backward). Step time is the median of ``--steps`` after
+where FlexAttention has no backward), and Eq. 9's window sums through ``--accumulate`` (default
+the fused Triton kernels, then the PyTorch path for comparison, on CUDA; PyTorch on the CPU;
+rows ``dmc-<backend>`` for the first, ``dmc-<backend>+<accumulate>-sums`` for the others).
+Step time is the median of ``--steps`` after
 ``--warmup``; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
 "saved" is what autograd keeps for the backward of one step (the bytes of the distinct storages
 packed by ``saved_tensors_hooks``, parameters left out: the activation memory, on any device).
@@ -104,6 +107,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--backends", help="comma separated DMC attention backends of "
                         "dense, flex (default: dense,flex on CUDA, dense on the CPU)")
+    parser.add_argument("--accumulate", help="comma separated backends of Eq. 9's window sums "
+                        "(dmc.accumulate_backend: torch, triton; default triton,torch on CUDA, "
+                        "torch on the CPU)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help="parameters' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--kept-only", action="store_true",
@@ -120,6 +126,14 @@ def main(argv=None) -> int:
         parser.error(f"--backends: accepted dense, flex (comma separated), got {args.backends!r}")
     if "flex" in backends and not torch.cuda.is_available():
         parser.error("--backends: flex needs CUDA (FlexAttention has no backward on the CPU)")
+    args.accumulate = args.accumulate or ("triton,torch" if torch.cuda.is_available()
+                                          else "torch")
+    sums = [a.strip() for a in args.accumulate.split(",") if a.strip()]
+    if not sums or set(sums) - {"torch", "triton"}:
+        parser.error(f"--accumulate: accepted torch, triton (comma separated), got "
+                     f"{args.accumulate!r}")
+    if "triton" in sums and not torch.cuda.is_available():
+        parser.error("--accumulate: triton needs CUDA here (the Triton interpreter is for tests)")
 
     from dmc.megatron.model import build_gpt_model, llama_transformer_config
     from dmc.megatron.parallel import initialize_parallel
@@ -135,10 +149,12 @@ def main(argv=None) -> int:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     positions = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
     rows = {}
-    for mode, name, backend in [("vanilla", "vanilla", None)] + [
-            ("train", f"dmc-{b}", b) for b in backends]:
+    for mode, name, backend, accumulate in [("vanilla", "vanilla", None, None)] + [
+            ("train", f"dmc-{b}" + ("" if a == sums[0] else f"+{a}-sums"), b, a)
+            for b in backends for a in sums]:
         if backend:
             runtime.config.attention_backend = backend
+            runtime.config.accumulate_backend = accumulate
         tok_s, seconds, peak = (None, None, None) if args.kept_only else measure(
             model, runtime, mode, tokens, positions, args.steps, args.warmup)
         sites = collections.Counter() if args.by_site else None

@@ -19,6 +19,7 @@ DMS_ONLY = ("method", "dms_window", "dms_logit_scale", "dms_decision")  # a DMC 
 PRIORS = ("global", "local")  # dmc.ops.PRIORS, spelled out to keep torch unimported
 CR_LOSS_GRADS = ("model", "decisions")
 ATTENTION_BACKENDS = ("auto", "dense", "flex")
+ACCUMULATE_BACKENDS = ("auto", "torch", "triton")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 # ModelConfig fields that to_dict leaves out at these (default) values
 OPTIONAL_MODEL_FIELDS = {"params_dtype": None, "qk_layernorm": False, "kv_channels": None}
@@ -165,6 +166,11 @@ class DMCConfig:
         (see :func:`dmc.ops.importance`), 0 is the paper's.
     attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense" or "flex": how the
         training attention is computed, not part of the model (``to_dict`` leaves it out).
+    accumulate_backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton": how
+        the training forward computes Eq. 9's window-grouped sums (the PyTorch path
+        :func:`dmc.ops.accumulate.windowed_sums`, or the fused kernels of
+        :mod:`dmc.megatron.window_sum_kernels`; "triton" on the CPU needs
+        ``TRITON_INTERPRET=1``); not part of the model (``to_dict`` leaves it out).
     merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
         (DMS's delayed eviction carried over to DMC; README "DMC with delayed merging"): a
         query sees its last d + 1 tokens as they are and the earlier ones through the merged
@@ -184,6 +190,7 @@ class DMCConfig:
     cr_loss_grad: str = "model"
     omega_offset: float = 0.0
     attention_backend: str = "auto"
+    accumulate_backend: str = "auto"
     method: str = "dmc"
     dms_window: int = 512
     dms_logit_scale: float = 100.0
@@ -224,6 +231,7 @@ class DMCConfig:
             raise ConfigError(f"dmc.cr_loss_grad: 'decisions' needs dmc.method: dmc, got "
                               f"{self.method!r}")
         for name, choices in (("prior", PRIORS), ("attention_backend", ATTENTION_BACKENDS),
+                              ("accumulate_backend", ACCUMULATE_BACKENDS),
                               ("cr_loss_grad", CR_LOSS_GRADS)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"dmc.{name}: {getattr(self, name)!r} is not one of "
@@ -234,8 +242,8 @@ class DMCConfig:
         A DMC model's dict leaves out the DMS fields (and ``method``), so it reads as it did
         before DMS existed, and a DMS model's leaves out ``dms_decision`` at "query", so it
         reads as before that field existed; :meth:`from_dict` restores the defaults."""
-        skip = {"attention_backend", "head_cr_cap", "head_balance_weight", "cr_loss_grad"} | (
-            set() if self.method == "dms" else set(DMS_ONLY))
+        skip = {"attention_backend", "accumulate_backend", "head_cr_cap", "head_balance_weight",
+                "cr_loss_grad"} | (set() if self.method == "dms" else set(DMS_ONLY))
         if self.dms_decision == "query":
             skip.add("dms_decision")
         if not self.merge_delay:

@@ -34,6 +34,7 @@ def partial_accumulate(
     alpha: torch.Tensor,
     omega: torch.Tensor,
     window: int | None = None,
+    sums=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted running means of keys and values inside merge segments (Eq. 9).
 
@@ -44,6 +45,10 @@ def partial_accumulate(
         omega: ``[batch, heads, seq]`` importance weights > 0.
         window: ``None`` for the exact scan; ``w >= 1`` keeps the last ``w`` terms (the current
             token included).
+        sums: how the window-grouped sums are computed, ``(k, v, coeff) -> (k_sum, v_sum)``
+            with ``coeff [batch, heads, seq, window]`` the weights of :func:`window_weights`:
+            :func:`windowed_sums` (the default) or a kernel of the same semantics
+            (:mod:`dmc.megatron.window_sum_kernels` on CUDA).
 
     Returns:
         ``(k_acc, v_acc)``, each ``[batch, heads, seq, dim]`` in the dtype of ``k``; the sums are
@@ -60,7 +65,8 @@ def partial_accumulate(
     if window is None:
         k_acc, v_acc = _exact_scan(k.to(work), v.to(work), alpha, omega)
     else:
-        k_acc, v_acc = _windowed(k, v, alpha, omega, min(window, seq))
+        coeff = WindowWeights.apply(alpha, omega, min(window, seq))
+        k_acc, v_acc = (sums or windowed_sums)(k, v, coeff)
     return k_acc.to(k.dtype), v_acc.to(v.dtype)
 
 
@@ -83,9 +89,10 @@ def _exact_scan(k, v, alpha, omega):
     return torch.stack(k_steps, dim=2), torch.stack(v_steps, dim=2)
 
 
-def _windowed(k, v, alpha, omega, window):
-    """Window-grouped form: ``window`` shifted terms, each parallel over the sequence."""
-    coeff = WindowWeights.apply(alpha, omega, window)
+def windowed_sums(k: torch.Tensor, v: torch.Tensor,
+                  coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window-grouped form of Eq. 9 for keys and values: :class:`WindowedSum` of each under
+    ``coeff`` (``window`` shifted terms, each parallel over the sequence)."""
     return WindowedSum.apply(k, coeff), WindowedSum.apply(v, coeff)
 
 

@@ -3,6 +3,7 @@ chosen dtype; bad flags exit 2 naming them."""
 import json
 
 import pytest
+import torch
 
 from conftest import load_benchmark
 
@@ -28,7 +29,12 @@ def test_kept_only_by_site_in_bf16(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,named", [(["--by-site", "-1"], "--by-site"),
-                                         (["--dtype", "half"], "--dtype")])
+                                         (["--dtype", "half"], "--dtype"),
+                                         (["--accumulate", "cuda"], "--accumulate"),
+                                         pytest.param(["--accumulate", "triton"], "--accumulate",
+                                                      marks=pytest.mark.skipif(
+                                                          torch.cuda.is_available(),
+                                                          reason="CPU only"))])
 def test_bad_flags_exit_2_naming_them(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(TINY + flags)

@@ -1,0 +1,153 @@
+"""Eq. 9's window-grouped sums of keys and values in one Triton kernel (forward and backward).
+
+:class:`dmc.ops.accumulate.WindowedSum` (the PyTorch path, which stays the oracle) writes
+``out[i] = sum_o coeff[i, o] x[i - o]`` as ``window`` shifted products over the whole
+``[batch, heads, seq, dim]`` tensor: the forward makes a float32 copy of ``x`` and then reads and
+writes the float32 output once per offset (about 130 bytes moved per element at window 12), the
+backward as much again for ``grad_x`` plus a pass over ``grad`` and ``x`` per offset for
+``grad_coeff``, and the keys and values each pay it. On a GPU that is memory traffic, not math:
+at the 1B shape of the GPU kit (16 layers, batch 4, seq 2048, 16 heads of 128) about 190 GB per
+train step. Here one program holds a block of positions of one (batch, head) and
+loops over the offsets in registers, so each input is read from DRAM about once (the shifted
+re-reads hit the cache) and each output written once; keys and values share one launch and
+their common ``coeff`` (whose gradient sums both).
+
+``x``, ``grad`` in any strides and dtype (bf16 / fp16 / fp32); ``coeff [batch, heads, seq,
+window]`` float32, contiguous; sums and outputs float32, ``grad_x`` in the dtype of ``x``.
+Import this module only after ``TRITON_INTERPRET`` is settled (``TRITON_INTERPRET=1`` runs it
+on CPU tensors: the tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# elements of one [positions, channels] tile: the forward holds 4 such tiles in registers, the
+# backward 12 (both inputs' gradients and accumulators, the shifted tiles), spread over
+# NUM_WARPS * 32 threads: 64 and 96 float32 registers a thread with 8 warps (not tuned on a GPU)
+FORWARD_TILE, BACKWARD_TILE, NUM_WARPS, MAX_BLOCK_T = 4096, 2048, 8, 64
+
+
+@triton.jit
+def _tile(ptr, bh_offset, stride_t, stride_d, rows, cols, mask):
+    """``[BLOCK_T, BLOCK_D]`` float32 tile of rows ``rows`` (zero where ``mask`` is false)."""
+    offsets = bh_offset + rows[:, None] * stride_t + cols[None, :] * stride_d
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _forward_kernel(k_ptr, v_ptr, coeff_ptr, k_out, v_out, heads, seq,
+                    skb, skh, skt, skd, svb, svh, svt, svd,
+                    DIM: tl.constexpr, WINDOW: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: positions times strides may not fit
+    b, h = bh // heads, bh % heads
+    rows = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    inside = rows < seq
+    col_ok = cols < DIM
+    coeff_row = coeff_ptr + (bh * seq + rows) * WINDOW
+    k_acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    v_acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for offset in tl.static_range(WINDOW):
+        source = rows - offset
+        mask = (inside & (source >= 0))[:, None] & col_ok[None, :]
+        c = tl.load(coeff_row + offset, mask=inside, other=0.0)[:, None]
+        k_acc += c * _tile(k_ptr, b * skb + h * skh, skt, skd, source, cols, mask)
+        v_acc += c * _tile(v_ptr, b * svb + h * svh, svt, svd, source, cols, mask)
+    out = (bh * seq + rows)[:, None] * DIM + cols[None, :]
+    store = inside[:, None] & col_ok[None, :]
+    tl.store(k_out + out, k_acc, mask=store)
+    tl.store(v_out + out, v_acc, mask=store)
+
+
+@triton.jit
+def _backward_kernel(k_ptr, v_ptr, gk_ptr, gv_ptr, coeff_ptr, gk_out, gv_out, gcoeff_out,
+                     heads, seq,
+                     skb, skh, skt, skd, svb, svh, svt, svd,
+                     sgkb, sgkh, sgkt, sgkd, sgvb, sgvh, sgvt, sgvd,
+                     DIM: tl.constexpr, WINDOW: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``grad_x[j] = sum_o coeff[j + o, o] grad[j + o]`` (keys and values) and
+    ``grad_coeff[i, o] = <grad_k[i], k[i - o]> + <grad_v[i], v[i - o]>``."""
+    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: positions times strides may not fit
+    b, h = bh // heads, bh % heads
+    rows = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    inside = rows < seq
+    col_ok = cols < DIM
+    here = inside[:, None] & col_ok[None, :]
+    k_at, v_at = b * skb + h * skh, b * svb + h * svh
+    gk_at, gv_at = b * sgkb + h * sgkh, b * sgvb + h * sgvh
+    grad_k = _tile(gk_ptr, gk_at, sgkt, sgkd, rows, cols, here)
+    grad_v = _tile(gv_ptr, gv_at, sgvt, sgvd, rows, cols, here)
+    gk_acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    gv_acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for offset in tl.static_range(WINDOW):
+        source = rows - offset
+        back = (inside & (source >= 0))[:, None] & col_ok[None, :]
+        dot = (tl.sum(grad_k * _tile(k_ptr, k_at, skt, skd, source, cols, back), axis=1)
+               + tl.sum(grad_v * _tile(v_ptr, v_at, svt, svd, source, cols, back), axis=1))
+        tl.store(gcoeff_out + (bh * seq + rows) * WINDOW + offset, dot, mask=inside)
+        target = rows + offset
+        ahead = target < seq
+        c = tl.load(coeff_ptr + (bh * seq + target) * WINDOW + offset, mask=ahead,
+                    other=0.0)[:, None]
+        forward = ahead[:, None] & col_ok[None, :]
+        gk_acc += c * _tile(gk_ptr, gk_at, sgkt, sgkd, target, cols, forward)
+        gv_acc += c * _tile(gv_ptr, gv_at, sgvt, sgvd, target, cols, forward)
+    out = (bh * seq + rows)[:, None] * DIM + cols[None, :]
+    tl.store(gk_out + out, gk_acc.to(gk_out.dtype.element_ty), mask=here)
+    tl.store(gv_out + out, gv_acc.to(gv_out.dtype.element_ty), mask=here)
+
+
+def _launch(batch_heads: int, seq: int, dim: int, tile: int) -> tuple[tuple[int, int], dict]:
+    """Grid and meta-parameters: ``tile // BLOCK_D`` positions a program (at most
+    ``MAX_BLOCK_T``)."""
+    block_d = triton.next_power_of_2(dim)
+    block_t = max(1, min(MAX_BLOCK_T, tile // block_d))
+    grid = (batch_heads, triton.cdiv(seq, block_t))
+    return grid, dict(DIM=dim, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=NUM_WARPS)
+
+
+class FusedWindowedSum(torch.autograd.Function):
+    """``(WindowedSum(k, coeff), WindowedSum(v, coeff))`` (:mod:`dmc.ops.accumulate`) by the
+    kernels above; keeps ``k``, ``v`` and ``coeff`` for the backward, as the PyTorch path
+    does."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, coeff: torch.Tensor):
+        coeff = coeff.float().contiguous()
+        batch, heads, seq, dim = k.shape
+        k_out = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        v_out = torch.empty_like(k_out)
+        grid, meta = _launch(batch * heads, seq, dim, FORWARD_TILE)
+        _forward_kernel[grid](k, v, coeff, k_out, v_out, heads, seq, *k.stride(), *v.stride(),
+                              WINDOW=coeff.shape[-1], **meta)
+        ctx.save_for_backward(k, v, coeff)
+        return k_out, v_out
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        k, v, coeff = ctx.saved_tensors
+        batch, heads, seq, dim = k.shape
+        grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+        grad_v = torch.zeros_like(v) if grad_v is None else grad_v
+        gk_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        gv_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        gcoeff = torch.empty_like(coeff)
+        grid, meta = _launch(batch * heads, seq, dim, BACKWARD_TILE)
+        _backward_kernel[grid](k, v, grad_k, grad_v, coeff, gk_out, gv_out, gcoeff, heads, seq,
+                               *k.stride(), *v.stride(), *grad_k.stride(), *grad_v.stride(),
+                               WINDOW=coeff.shape[-1], **meta)
+        needs = ctx.needs_input_grad
+        return (gk_out if needs[0] else None, gv_out if needs[1] else None,
+                gcoeff if needs[2] else None)
+
+
+def fused_windowed_sums(k: torch.Tensor, v: torch.Tensor,
+                        coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 9's window-grouped sums of ``k``, ``v [batch, heads, seq, dim]`` under ``coeff
+    [batch, heads, seq, window]``: float32 ``[batch, heads, seq, dim]`` each, contiguous."""
+    return FusedWindowedSum.apply(k, v, coeff)
