@@ -35,13 +35,20 @@ def rope_inv_freq(head_dim: int, base: float = 10000.0, device=None,
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_angles(positions: torch.Tensor,
+                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosines and sines of the angles ``position * inv_freq`` of positions ``[...]``: two
+    float32 tables ``[..., head_dim // 2]``."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    return angles.cos(), angles.sin()
+
+
 def rope_tables(positions: torch.Tensor,
                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation of positions ``[...]`` as two tables ``[..., head_dim]`` for
-    :func:`rotate`: ``cos`` of the angles ``position * inv_freq`` (each half), and their ``sin``
-    with the first half negated (rotate-half's sign folded in)."""
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    cos, sin = angles.cos(), angles.sin()
+    :func:`rotate`: the cosines of :func:`rope_angles` (each half), and their sines with the
+    first half negated (rotate-half's sign folded in)."""
+    cos, sin = rope_angles(positions, inv_freq)
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from dmc.ops.rope import rope_angles
+
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_cpu.c", "write_cpu.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 PRUNE_AFTER_DAYS = 30
@@ -109,12 +111,12 @@ def _load(compiler: str) -> ctypes.CDLL:
     library.dmc_paged_limits.restype = integer
     library.dmc_paged_limits.argtypes = [integer]
     library.dmc_write_window.restype = None
-    library.dmc_write_window.argtypes = ([pointer] * 8 + [integer] * 2 + [pointer] * 7
+    library.dmc_write_window.argtypes = ([pointer] * 9 + [integer] * 2 + [pointer] * 6
                                          + [integer] * 8)
     library.dms_write_token.restype = None
     library.dms_write_token.argtypes = [pointer] * 12 + [integer] * 10
     library.delayed_write_token.restype = None
-    library.delayed_write_token.argtypes = [pointer] * 19 + [integer] * 11
+    library.delayed_write_token.argtypes = [pointer] * 22 + [integer] * 11
     return library
 
 
@@ -235,14 +237,15 @@ def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
             or any(state[name].dtype != dtype for name, dtype in WRITE_INPUTS.items())):
         return False
     batch, heads = append.shape
-    token = [t.to(torch.float32).contiguous() for t in (k, v, omega, inv_freq)]
-    index = [t.to(torch.int64).contiguous() for t in (seq_slots, slots, positions)]
+    token = [t.to(torch.float32).contiguous() for t in (k, v, omega)]
+    index = [t.to(torch.int64).contiguous() for t in (seq_slots, slots)]
     flags = append.to(torch.int8).contiguous()
+    cos, sin = rope_angles(positions, inv_freq.float())
     library.dmc_write_window(
         k_pages.data_ptr(), v_pages.data_ptr(), block_tables.data_ptr(), open_k.data_ptr(),
-        open_v.data_ptr(), open_omega.data_ptr(), open_count.data_ptr(), token[3].data_ptr(),
-        window, layer, index[0].data_ptr(), index[1].data_ptr(), flags.data_ptr(),
-        token[0].data_ptr(), token[1].data_ptr(), token[2].data_ptr(), index[2].data_ptr(),
+        open_v.data_ptr(), open_omega.data_ptr(), open_count.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), window, layer, index[0].data_ptr(), index[1].data_ptr(),
+        flags.data_ptr(), token[0].data_ptr(), token[1].data_ptr(), token[2].data_ptr(),
         batch, heads, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[-1],
         k_pages.shape[1], int(k_pages.dtype == torch.bfloat16), torch.get_num_threads())
     return True
@@ -305,12 +308,13 @@ def native_delayed_write(cache, layer: int, seqs: torch.Tensor, positions: torch
     batch, heads = keys.shape[:2]
     token = [t.to(torch.float32).contiguous() for t in (keys, values, alpha, omega)]
     index = [t.to(torch.int64).contiguous() for t in (seqs, positions)]
-    freq = cache.inv_freq.float().contiguous()  # held: the kernel reads it
+    now = rope_angles(index[1], cache.inv_freq.float())
+    out = rope_angles(index[1] - cache.ring_size, cache.inv_freq.float())  # the leaving tokens
     library.delayed_write_token(
         cache.k_pages.data_ptr(), cache.v_pages.data_ptr(), cache.block_tables.data_ptr(),
         cache.lengths.data_ptr(), cache.open_k.data_ptr(), cache.open_v.data_ptr(),
         cache.open_omega.data_ptr(), cache.open_count.data_ptr(),
-        freq.data_ptr(), cache.ring_k.data_ptr(),
+        *(t.data_ptr() for t in (*now, *out)), cache.ring_k.data_ptr(),
         cache.ring_v.data_ptr(), cache.ring_alpha.data_ptr(), cache.ring_omega.data_ptr(),
         *(t.data_ptr() for t in token), index[0].data_ptr(), index[1].data_ptr(),
         cache.window, layer, batch, heads, cache.block_tables.shape[1],

@@ -14,9 +14,10 @@
  * window, head_dim] float32; open_omega [..., window] float32; open_count [max_seqs, layers,
  * kv_heads] int32; per token: k, v [batch, kv_heads, head_dim] float32, omega [batch, kv_heads]
  * float32, append [batch, kv_heads] int8, slots [batch, kv_heads] int64, seq_slots and positions
- * [batch] int64; inv_freq [head_dim / 2] float32.
+ * [batch] int64; the cosines and sines of each token's RoPE angles, cos, sin [batch, head_dim / 2]
+ * float32 (dmc.ops.rope.rope_angles), computed once per position for all its heads (per head,
+ * cosf and sinf took about a quarter of the write's time at head_dim 16 and 64).
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -46,24 +47,24 @@ static inline void load(const void *pool, int64_t index, float *row, int64_t n, 
         memcpy(row, (const float *)pool + index, sizeof(float) * n);
 }
 
-/* rotate-half RoPE of x [head_dim] at `position` (a negative one rotates back) into out */
-static inline void rope(const float *x, float *out, float position, const float *inv_freq,
-                        int64_t half) {
+/* rotate-half RoPE of x [head_dim] into out, by the angles of cosines cos and sines sin [head_dim
+ * / 2]; sign -1 rotates back by them (the sines of the negated angles) */
+static inline void rope(const float *x, float *out, const float *cos, const float *sin,
+                        float sign, int64_t half) {
     for (int64_t d = 0; d < half; ++d) {
-        const float angle = position * inv_freq[d];
-        const float c = cosf(angle), s = sinf(angle);
+        const float c = cos[d], s = sign * sin[d];
         out[d] = x[d] * c - x[d + half] * s;
         out[d + half] = x[d + half] * c + x[d] * s;
     }
 }
 
 /* Algorithm 1 for one token of head `state` (k, v pre-RoPE, weight omega): `count` tokens merged
- * before it (0 = append), its ring row, the slot's weighted mean rotated at `position`, written
- * at `slot` of the head's pages. */
+ * before it (0 = append), its ring row, the slot's weighted mean rotated by the angles of cos,
+ * sin [head_dim / 2] (the token's position), written at `slot` of the head's pages. */
 static void merge_token(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
                         float *open_v, float *open_omega, int32_t *open_count,
-                        const float *inv_freq, int64_t window, int64_t state, int64_t count,
-                        const float *k, const float *v, float omega, float position,
+                        const float *cos, const float *sin, int64_t window, int64_t state,
+                        int64_t count, const float *k, const float *v, float omega,
                         int64_t slot, int64_t max_pages, int64_t head_dim, int64_t page_size,
                         int bf16) {
     float *ring_k = open_k + state * window * head_dim;
@@ -90,7 +91,7 @@ static void merge_token(void *k_pages, void *v_pages, const int32_t *tables, flo
         mean_k[d] /= total;
         mean_v[d] /= total;
     }
-    rope(mean_k, rotated, position, inv_freq, head_dim / 2);
+    rope(mean_k, rotated, cos, sin, 1.0f, head_dim / 2);
     const int64_t page = tables[state * max_pages + slot / page_size];
     const int64_t index = (page * page_size + slot % page_size) * head_dim;
     store(k_pages, index, rotated, head_dim, bf16);
@@ -99,10 +100,10 @@ static void merge_token(void *k_pages, void *v_pages, const int32_t *tables, flo
 
 void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
                       float *open_v, float *open_omega, int32_t *open_count,
-                      const float *inv_freq, int64_t window, int64_t layer,
+                      const float *cos, const float *sin, int64_t window, int64_t layer,
                       const int64_t *seq_slots, const int64_t *slots, const int8_t *append,
-                      const float *k, const float *v, const float *omega,
-                      const int64_t *positions, int64_t batch, int64_t kv_heads,
+                      const float *k, const float *v, const float *omega, int64_t batch,
+                      int64_t kv_heads,
                       int64_t layers, int64_t max_pages, int64_t head_dim, int64_t page_size,
                       int64_t is_bf16, int64_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -110,10 +111,10 @@ void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float
         const int64_t b = row / kv_heads, h = row % kv_heads;
         const int64_t state = (seq_slots[b] * layers + layer) * kv_heads + h;
         const int64_t count = append[row] ? 0 : open_count[state];
-        merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count, inv_freq,
-                    window, state, count, k + row * head_dim, v + row * head_dim, omega[row],
-                    (float)positions[b], slots[row], max_pages, head_dim, page_size,
-                    (int)is_bf16);
+        merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
+                    cos + b * (head_dim / 2), sin + b * (head_dim / 2), window, state, count,
+                    k + row * head_dim, v + row * head_dim, omega[row], slots[row], max_pages,
+                    head_dim, page_size, (int)is_bf16);
     }
 }
 
@@ -125,10 +126,13 @@ void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float
  * append; then token p takes that ring row, its key rotated at p. Rings ring_k, ring_v
  * [max_seqs, layers, kv_heads, R, head_dim] and pools in the cache dtype, ring_alpha,
  * ring_omega [..., R] float32, lengths int32; keys (pre-RoPE), values [batch, kv_heads,
- * head_dim], alpha, omega [batch, kv_heads] float32; the merge state as dmc_write_window's. */
+ * head_dim], alpha, omega [batch, kv_heads] float32; the merge state as dmc_write_window's;
+ * the cosines and sines of the RoPE angles [batch, head_dim / 2] at p (cos_now, sin_now) and at
+ * p - R (cos_out, sin_out). */
 void delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_t *lengths,
                          float *open_k, float *open_v, float *open_omega, int32_t *open_count,
-                         const float *inv_freq, void *ring_k, void *ring_v, float *ring_alpha,
+                         const float *cos_now, const float *sin_now, const float *cos_out,
+                         const float *sin_out, void *ring_k, void *ring_v, float *ring_alpha,
                          float *ring_omega, const float *keys, const float *values,
                          const float *alpha, const float *omega, const int64_t *seq_slots,
                          const int64_t *positions, int64_t window, int64_t layer, int64_t batch,
@@ -140,21 +144,22 @@ void delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables, in
         const int64_t b = row / kv_heads, h = row % kv_heads, p = positions[b];
         const int64_t state = (seq_slots[b] * layers + layer) * kv_heads + h;
         const int64_t ring_row = state * ring_size + p % ring_size;
+        const int64_t at = b * half;
         float key[MAX_HEAD], pre[MAX_HEAD], value[MAX_HEAD];
         if (p >= ring_size) {
-            const float token = (float)(p - ring_size);
             load(ring_k, ring_row * head_dim, key, head_dim, (int)is_bf16);
             load(ring_v, ring_row * head_dim, value, head_dim, (int)is_bf16);
-            rope(key, pre, -token, inv_freq, half);
+            rope(key, pre, cos_out + at, sin_out + at, -1.0f, half);
             const int64_t length = lengths[state];
             const int append = ring_alpha[ring_row] <= 0.5f || length == 0;
             merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
-                        inv_freq, window, state, append ? 0 : open_count[state], pre, value,
-                        ring_omega[ring_row], token, append ? length : length - 1, max_pages,
-                        head_dim, page_size, (int)is_bf16);
+                        cos_out + at, sin_out + at, window, state,
+                        append ? 0 : open_count[state], pre, value, ring_omega[ring_row],
+                        append ? length : length - 1, max_pages, head_dim, page_size,
+                        (int)is_bf16);
             lengths[state] = (int32_t)(length + append);
         }
-        rope(keys + row * head_dim, key, (float)p, inv_freq, half);
+        rope(keys + row * head_dim, key, cos_now + at, sin_now + at, 1.0f, half);
         store(ring_k, ring_row * head_dim, key, head_dim, (int)is_bf16);
         store(ring_v, ring_row * head_dim, values + row * head_dim, head_dim, (int)is_bf16);
         ring_alpha[ring_row] = alpha[row];
