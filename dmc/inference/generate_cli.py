@@ -64,6 +64,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="KV pages in the pool (default: every prompt uncompressed)")
     parser.add_argument("--max-batch", type=int, default=8,
                         help="sequences decoded together (default: %(default)s)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay the steps that only decode from a CUDA graph per batch size "
+                             "(dmc.inference.decode_graphs; on the CPU the same static step runs "
+                             "eagerly)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     return parser
@@ -116,6 +120,7 @@ def run_generate(args: argparse.Namespace) -> int:
         args.model, num_pages=num_pages, page_size=args.page_size,
         max_batch=min(args.max_batch, len(prompts)), max_seq_len=longest,
         chunk_size=args.chunk_size, cache_dtype=cache_dtype(args.cache_dtype), seed=args.seed,
+        cuda_graphs=args.cuda_graphs,
     )
     check_tokens_fit(engine, prompts, "prompt + --max-new-tokens", args.max_new_tokens)
     results = engine.generate(prompts, params, progress=not (args.quiet or args.json))

@@ -294,14 +294,16 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     assert [r.tokens for r in loaded.generate(prompt_list, params)] == [r.tokens for r in direct]
 
     parser = add_generate_arguments(argparse.ArgumentParser())
-    args = parser.parse_args([
-        "--state-dict", str(path), "--prompt-ids", " ".join(map(str, prompt_list[0])),
-        "--prompt-ids", ",".join(map(str, prompt_list[1])), "--max-new-tokens", "6",
-        "--page-size", "4", "--json",
-    ])
+    args_list = ["--state-dict", path, "--prompt-ids", " ".join(map(str, prompt_list[0])),
+                 "--prompt-ids", ",".join(map(str, prompt_list[1])), "--max-new-tokens", "6",
+                 "--page-size", "4", "--json"]
+    args = parser.parse_args(list(map(str, args_list)))
     assert run_generate(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in out["results"]] == [r.tokens for r in direct]
+    assert run_generate(parser.parse_args([*map(str, args_list), "--cuda-graphs"])) == 0
+    graphs = json.loads(capsys.readouterr().out)  # the static step (eager on the CPU)
+    assert [r["tokens"] for r in graphs["results"]] == [r.tokens for r in direct]
     assert out["results"][0]["compression"]["cr"] == pytest.approx(direct[0].compression.overall)
     with pytest.raises(ValueError, match="--tokenizer"):
         run_generate(parser.parse_args(["--state-dict", str(path), "--prompt", "hello"]))
