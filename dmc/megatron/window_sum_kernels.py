@@ -30,6 +30,17 @@ FORWARD_TILE, BACKWARD_TILE, NUM_WARPS, MAX_BLOCK_T = 4096, 2048, 8, 64
 
 
 @triton.jit
+def _block(heads, seq, DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's flat (batch, head) ``bh`` and its ``b``, ``h``, its positions ``rows
+    [BLOCK_T]`` and channels ``cols [BLOCK_D]`` with their bounds masks (int64 offsets:
+    positions times strides may not fit in 32 bits)."""
+    bh = tl.program_id(0).to(tl.int64)
+    rows = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    return bh, bh // heads, bh % heads, rows, cols, rows < seq, cols < DIM
+
+
+@triton.jit
 def _tile(ptr, bh_offset, stride_t, stride_d, rows, cols, mask):
     """``[BLOCK_T, BLOCK_D]`` float32 tile of rows ``rows`` (zero where ``mask`` is false)."""
     offsets = bh_offset + rows[:, None] * stride_t + cols[None, :] * stride_d
@@ -41,12 +52,7 @@ def _forward_kernel(k_ptr, v_ptr, coeff_ptr, k_out, v_out, heads, seq,
                     skb, skh, skt, skd, svb, svh, svt, svd,
                     DIM: tl.constexpr, WINDOW: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: positions times strides may not fit
-    b, h = bh // heads, bh % heads
-    rows = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    inside = rows < seq
-    col_ok = cols < DIM
+    bh, b, h, rows, cols, inside, col_ok = _block(heads, seq, DIM, BLOCK_T, BLOCK_D)
     coeff_row = coeff_ptr + (bh * seq + rows) * WINDOW
     k_acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     v_acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
@@ -71,12 +77,7 @@ def _backward_kernel(k_ptr, v_ptr, gk_ptr, gv_ptr, coeff_ptr, gk_out, gv_out, gc
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """``grad_x[j] = sum_o coeff[j + o, o] grad[j + o]`` (keys and values) and
     ``grad_coeff[i, o] = <grad_k[i], k[i - o]> + <grad_v[i], v[i - o]>``."""
-    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: positions times strides may not fit
-    b, h = bh // heads, bh % heads
-    rows = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    inside = rows < seq
-    col_ok = cols < DIM
+    bh, b, h, rows, cols, inside, col_ok = _block(heads, seq, DIM, BLOCK_T, BLOCK_D)
     here = inside[:, None] & col_ok[None, :]
     k_at, v_at = b * skb + h * skh, b * svb + h * svh
     gk_at, gv_at = b * sgkb + h * sgkh, b * sgvb + h * sgvh
