@@ -103,9 +103,8 @@ void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float
                       const float *cos, const float *sin, int64_t window, int64_t layer,
                       const int64_t *seq_slots, const int64_t *slots, const int8_t *append,
                       const float *k, const float *v, const float *omega, int64_t batch,
-                      int64_t kv_heads,
-                      int64_t layers, int64_t max_pages, int64_t head_dim, int64_t page_size,
-                      int64_t is_bf16, int64_t threads) {
+                      int64_t kv_heads, int64_t layers, int64_t max_pages, int64_t head_dim,
+                      int64_t page_size, int64_t is_bf16, int64_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t row = 0; row < batch * kv_heads; ++row) {
         const int64_t b = row / kv_heads, h = row % kv_heads;
