@@ -13,7 +13,9 @@ Step time is the median of ``--steps`` after
 packed by ``saved_tensors_hooks``, parameters left out: the activation memory, on any device).
 ``--kept-only`` measures that alone (one forward per mode, no timed steps: a large shape on the
 CPU); ``--by-site N`` also prints, per mode, the N call sites (innermost ``dmc`` or megatron
-frame) whose saved storages weigh most. Prints a table and writes JSON.
+frame) whose saved storages weigh most; ``--profile N`` runs one more step of each mode under
+torch.profiler and prints its N ops with the most self time (CUDA kernels on a GPU: where a DMC
+step's time goes). Prints a table and writes JSON.
 
     python benchmarks/train_step.py --layers 4 --hidden 256 --heads 8 --seq 256 --batch 8
     python benchmarks/train_step.py --layers 2 --hidden 2048 --heads 16 --ffn 5632 \
@@ -67,8 +69,20 @@ def saving_site(tensor: torch.Tensor) -> str:
     return f"{where} {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
-def measure(model, runtime, mode, tokens, positions, steps, warmup):
-    """(tokens/s, median step seconds, peak allocated bytes or None) of ``steps`` train steps."""
+def train_step(model, runtime, mode, tokens, positions, optimizer, step: int) -> None:
+    """One optimizer step of ``mode`` on ``tokens``, waiting for the device at its end."""
+    runtime.start_step(step, mode, target_cr=2.0)
+    loss = model(tokens, positions, None, labels=tokens).float().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=0):
+    """(tokens/s, median step seconds, peak allocated bytes or None, the ``profile_ops``
+    busiest ops of one more step) of ``steps`` train steps."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timings = []
     cuda = torch.cuda.is_available()
@@ -78,18 +92,31 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup):
             if i == warmup:
                 torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        runtime.start_step(i, mode, target_cr=2.0)
-        loss = model(tokens, positions, None, labels=tokens).float().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
+        train_step(model, runtime, mode, tokens, positions, optimizer, i)
         if i >= warmup:
             timings.append(time.perf_counter() - start)
     seconds = sorted(timings)[len(timings) // 2]
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    return tokens.numel() / seconds, seconds, peak
+    busiest = busiest_ops(lambda: train_step(model, runtime, mode, tokens, positions, optimizer,
+                                             warmup + steps), profile_ops)
+    return tokens.numel() / seconds, seconds, peak, busiest
+
+
+def busiest_ops(step, count: int) -> list[dict]:
+    """The ``count`` ops of ``step()`` under torch.profiler with the most self time on the
+    device (CUDA kernels) or, without CUDA, on the CPU: name, milliseconds, calls."""
+    if count <= 0:
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                 ) as prof:
+        step()
+    attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute), reverse=True)
+    return [{"name": e.key, "ms": getattr(e, attribute) / 1e3, "calls": e.count}
+            for e in events[:count]]
 
 
 def main(argv=None) -> int:
@@ -116,10 +143,15 @@ def main(argv=None) -> int:
                         help="measure the activations kept for the backward only (no timed steps)")
     parser.add_argument("--by-site", type=int, default=0, metavar="N",
                         help="print the N call sites whose saved storages weigh most, per mode")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed steps, one more step of each mode under "
+                             "torch.profiler: its N ops with the most self time (CUDA kernels "
+                             "on a GPU) printed and in the JSON as busiest_ops")
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
     args = parser.parse_args(argv)
-    if args.by_site < 0:
-        parser.error(f"--by-site: must be >= 0, got {args.by_site}")
+    for flag, value in (("--by-site", args.by_site), ("--profile", args.profile)):
+        if value < 0:
+            parser.error(f"{flag}: must be >= 0, got {value}")
     args.backends = args.backends or ("dense,flex" if torch.cuda.is_available() else "dense")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - {"dense", "flex"}:
@@ -155,12 +187,17 @@ def main(argv=None) -> int:
         if backend:
             runtime.config.attention_backend = backend
             runtime.config.accumulate_backend = accumulate
-        tok_s, seconds, peak = (None, None, None) if args.kept_only else measure(
-            model, runtime, mode, tokens, positions, args.steps, args.warmup)
+        tok_s, seconds, peak, busiest = (None, None, None, []) if args.kept_only else measure(
+            model, runtime, mode, tokens, positions, args.steps, args.warmup, args.profile)
         sites = collections.Counter() if args.by_site else None
         saved = saved_activation_bytes(model, runtime, mode, tokens, positions, sites)
         rows[name] = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak,
                       "saved_bytes": saved}
+        if busiest:
+            rows[name]["busiest_ops"] = busiest
+            print(f"{name}: the {len(busiest)} ops of one step with the most self time")
+            for op in busiest:
+                print(f"  {op['ms']:10.2f} ms  x{op['calls']:<5} {op['name']}")
         if sites is not None:
             rows[name]["saved_by_site"] = dict(sites.most_common(args.by_site))
             print(f"{name}: the {args.by_site} call sites whose saved storages weigh most")
@@ -173,7 +210,7 @@ def main(argv=None) -> int:
                                     if row["peak_bytes"] else None)
         row["saved_vs_vanilla"] = row["saved_bytes"] / base["saved_bytes"]
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"{'attention':<10} {'tokens/s':>12} {'step (s)':>10} {'x vanilla time':>15} "
+    print(f"{'attention':<20} {'tokens/s':>12} {'step (s)':>10} {'x vanilla time':>15} "
           f"{'peak GiB':>9} {'x vanilla mem':>14} {'saved GiB':>10} {'x vanilla':>10}   "
           f"device: {device_name}")
 
@@ -182,7 +219,7 @@ def main(argv=None) -> int:
 
     for name, row in rows.items():
         peak = None if row["peak_bytes"] is None else row["peak_bytes"] / 2**30
-        print(f"{name:<10} {cell(row['tokens_per_s'], '.0f'):>12} {cell(row['step_s'], '.3f'):>10} "
+        print(f"{name:<20} {cell(row['tokens_per_s'], '.0f'):>12} {cell(row['step_s'], '.3f'):>10} "
               f"{cell(row['time_vs_vanilla'], '.3f'):>15} {cell(peak, '.2f'):>9} "
               f"{cell(row['memory_vs_vanilla'], '.3f'):>14} "
               f"{row['saved_bytes'] / 2**30:>10.3f} {row['saved_vs_vanilla']:>10.3f}")

@@ -131,7 +131,7 @@ if [ "$CUDA" = 1 ]; then
     --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
     --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
-    --by-site 8 --out "$RESULTS/train_step.json"
+    --by-site 8 --profile 12 --out "$RESULTS/train_step.json"
 else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
@@ -139,7 +139,7 @@ else
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --cpu-reference --batch 4 --q-heads 8 \
     --kv-heads 2 --head-dim 64 --length 512 --iters 5 --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 2 --hidden 128 --heads 4 \
-    --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 --by-site 8 \
+    --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 --by-site 8 --profile 12 \
     --out "$RESULTS/train_step.json"
 fi
 

@@ -28,7 +28,22 @@ def test_kept_only_by_site_in_bf16(tmp_path, capsys):
     assert "call sites whose saved storages weigh most" in capsys.readouterr().out
 
 
+def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
+    out = tmp_path / "timed.json"
+    assert bench.main(TINY + ["--steps", "1", "--warmup", "0", "--profile", "4",
+                              "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert set(rows) == {"vanilla", "dmc-dense"}
+    for row in rows.values():
+        assert row["step_s"] > 0 and len(row["busiest_ops"]) == 4
+        times = [op["ms"] for op in row["busiest_ops"]]
+        assert times == sorted(times, reverse=True) and times[0] > 0
+        assert all(op["name"] and op["calls"] >= 1 for op in row["busiest_ops"])
+    assert "ops of one step with the most self time" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags,named", [(["--by-site", "-1"], "--by-site"),
+                                         (["--profile", "-2"], "--profile"),
                                          (["--dtype", "half"], "--dtype"),
                                          (["--accumulate", "cuda"], "--accumulate"),
                                          pytest.param(["--accumulate", "triton"], "--accumulate",
