@@ -56,18 +56,18 @@ def to_sbhd(x: torch.Tensor) -> torch.Tensor:
     return x.permute(2, 0, 1, 3)
 
 
-def window_sums(backend: str, device: torch.device):
-    """The ``sums`` of :func:`dmc.ops.partial_accumulate` for ``dmc.accumulate_backend``: the
-    fused Triton kernels (:mod:`dmc.megatron.window_sum_kernels`) for "triton", and for "auto"
-    on CUDA; None (the PyTorch path) for "torch", and for "auto" elsewhere."""
+def window_kernels(backend: str, device: torch.device):
+    """The ``windowed`` of :func:`dmc.ops.partial_accumulate` for ``dmc.accumulate_backend``:
+    the fused Triton kernels (:mod:`dmc.megatron.window_sum_kernels`) for "triton", and for
+    "auto" on CUDA; None (the PyTorch path) for "torch", and for "auto" elsewhere."""
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return None
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("dmc.accumulate_backend: 'triton' on the CPU needs TRITON_INTERPRET=1 "
                          "in the environment before start; accepted here: auto, torch")
-    from dmc.megatron.window_sum_kernels import fused_windowed_sums
+    from dmc.megatron.window_sum_kernels import fused_windowed_accumulate
 
-    return fused_windowed_sums
+    return fused_windowed_accumulate
 
 
 class DMCSelfAttention(SelfAttention):
@@ -181,7 +181,7 @@ class DMCSelfAttention(SelfAttention):
         alpha, log_keep = self._decisions(alpha_logit)
         key_acc, value_acc = partial_accumulate(
             to_bhsd(key), to_bhsd(value), alpha, omega, cfg.window,
-            sums=window_sums(cfg.accumulate_backend, key.device))
+            windowed=window_kernels(cfg.accumulate_backend, key.device))
         query = zero_decision_channel(query)
         if cfg.merge_delay:
             return self._delayed_merge_attention(query, key, key_acc, value_acc, to_bhsd(value),

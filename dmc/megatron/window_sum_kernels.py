@@ -1,4 +1,5 @@
-"""Eq. 9's window-grouped sums of keys and values in one Triton kernel (forward and backward).
+"""Eq. 9's window-grouped form in Triton: the window weights in one kernel, the sums of keys and
+values in another (forward and backward; :func:`fused_windowed_accumulate`).
 
 :class:`dmc.ops.accumulate.WindowedSum` (the PyTorch path, which stays the oracle) writes
 ``out[i] = sum_o coeff[i, o] x[i - o]`` as ``window`` shifted products over the whole
@@ -10,7 +11,10 @@ at the 1B shape of the GPU kit (16 layers, batch 4, seq 2048, 16 heads of 128) a
 train step. Here one program holds a block of positions of one (batch, head) and
 loops over the offsets in registers, so each input is read from DRAM about once (the shifted
 re-reads hit the cache) and each output written once; keys and values share one launch and
-their common ``coeff`` (whose gradient sums both).
+their common ``coeff`` (whose gradient sums both). The weights (``[batch, heads, seq]``
+vectors, little data) are one launch forward and two backward, where
+:class:`~dmc.ops.accumulate.WindowWeights` runs ~4 small ops per offset and recomputes them
+under autograd in its backward (~200 launches a layer at window 12).
 
 ``x``, ``grad`` in any strides and dtype (bf16 / fp16 / fp32); ``coeff [batch, heads, seq,
 window]`` float32, contiguous; sums and outputs float32, ``grad_x`` in the dtype of ``x``.
@@ -27,6 +31,7 @@ import triton.language as tl
 # backward 12 (both inputs' gradients and accumulators, the shifted tiles), spread over
 # NUM_WARPS * 32 threads: 64 and 96 float32 registers a thread with 8 warps (not tuned on a GPU)
 FORWARD_TILE, BACKWARD_TILE, NUM_WARPS, MAX_BLOCK_T = 4096, 2048, 8, 64
+WEIGHTS_BLOCK_T = 128  # positions of one window-weights program (vectors, not tiles)
 
 
 @triton.jit
@@ -103,6 +108,97 @@ def _backward_kernel(k_ptr, v_ptr, gk_ptr, gv_ptr, coeff_ptr, gk_out, gv_out, gc
     tl.store(gv_out + out, gv_acc.to(gv_out.dtype.element_ty), mask=here)
 
 
+@triton.jit
+def _decay(alpha_row, rows, seq, upto: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``prod_{j=1..upto} alpha[rows - j + 1]`` (zero where a factor lies before the start)."""
+    product = tl.full((BLOCK_T,), 1.0, tl.float32)
+    for j in tl.static_range(1, upto + 1):
+        source = rows - j + 1
+        product *= tl.load(alpha_row + source, mask=(rows < seq) & (source >= 0), other=0.0)
+    return product
+
+
+@triton.jit
+def _weights_kernel(alpha_ptr, omega_ptr, coeff_ptr, seq,
+                    WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
+    """:func:`dmc.ops.accumulate.window_weights`: ``coeff[t, o] = w_o / sum_p w_p`` with
+    ``w_o = omega[t - o] prod_{l = t-o+1..t} alpha[l]``."""
+    bh, _, _, rows, _, inside, _ = _block(1, seq, 1, BLOCK_T, 1)
+    alpha_row, omega_row = alpha_ptr + bh * seq, omega_ptr + bh * seq
+    total = tl.zeros((BLOCK_T,), tl.float32)
+    for offset in tl.static_range(WINDOW):
+        total += _weight(alpha_row, omega_row, rows, seq, offset, BLOCK_T)
+    total = tl.where(inside, total, 1.0)  # past the end: nothing stored, no 0 / 0
+    for offset in tl.static_range(WINDOW):
+        weight = _weight(alpha_row, omega_row, rows, seq, offset, BLOCK_T)
+        tl.store(coeff_ptr + (bh * seq + rows) * WINDOW + offset, weight / total, mask=inside)
+
+
+@triton.jit
+def _weight(alpha_row, omega_row, rows, seq, offset: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``w_offset`` of rows ``rows``: ``omega[t - offset]`` times the decay of ``offset``."""
+    source = rows - offset
+    omega = tl.load(omega_row + source, mask=(rows < seq) & (source >= 0), other=0.0)
+    return omega * _decay(alpha_row, rows, seq, offset, BLOCK_T)
+
+
+@triton.jit
+def _weights_backward_kernel(alpha_ptr, omega_ptr, grad_ptr, alpha_part, omega_part, seq,
+                             WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per row ``t``, with ``G = grad[t]``, ``S = sum_o w_o`` and ``H_o = (G_o - sum_p G_p
+    coeff_p) / S`` (the gradient of ``w_o``): ``omega_part[t, o] = H_o P_o`` (for ``omega[t -
+    o]``) and ``alpha_part[t, j] = P_{j-1} R_j`` (for ``alpha[t - j + 1]``), where ``P_o`` is
+    the decay of offset ``o`` and ``R_j = sum_{o >= j} H_o omega[t - o] prod_{i = j+1..o}
+    alpha[t - i + 1]``, run backwards as ``R_j = H_j omega[t - j] + alpha[t - j] R_{j+1}``:
+    products of the other factors, no division (hard decisions are exactly 0 or 1)."""
+    bh, _, _, rows, _, inside, _ = _block(1, seq, 1, BLOCK_T, 1)
+    alpha_row, omega_row = alpha_ptr + bh * seq, omega_ptr + bh * seq
+    part = (bh * seq + rows) * WINDOW
+    total = tl.zeros((BLOCK_T,), tl.float32)
+    weighted = tl.zeros((BLOCK_T,), tl.float32)
+    for offset in tl.static_range(WINDOW):
+        weight = _weight(alpha_row, omega_row, rows, seq, offset, BLOCK_T)
+        total += weight
+        weighted += weight * tl.load(grad_ptr + part + offset, mask=inside, other=0.0)
+    total = tl.where(inside, total, 1.0)  # past the end: nothing stored, no 0 / 0
+    mean = weighted / total
+    for offset in tl.static_range(WINDOW):
+        h = (tl.load(grad_ptr + part + offset, mask=inside, other=0.0) - mean) / total
+        tl.store(omega_part + part + offset,
+                 h * _decay(alpha_row, rows, seq, offset, BLOCK_T), mask=inside)
+    tl.store(alpha_part + part, tl.zeros((BLOCK_T,), tl.float32), mask=inside)
+    carried = tl.zeros((BLOCK_T,), tl.float32)
+    for step in tl.static_range(WINDOW - 1):
+        j: tl.constexpr = WINDOW - 1 - step
+        source = rows - j
+        h = (tl.load(grad_ptr + part + j, mask=inside, other=0.0) - mean) / total
+        omega = tl.load(omega_row + source, mask=inside & (source >= 0), other=0.0)
+        following = tl.load(alpha_row + source, mask=inside & (source >= 0), other=0.0)
+        carried = h * omega + following * carried
+        tl.store(alpha_part + part + j,
+                 _decay(alpha_row, rows, seq, j - 1, BLOCK_T) * carried, mask=inside)
+
+
+@triton.jit
+def _gather_kernel(alpha_part, omega_part, grad_alpha, grad_omega, seq,
+                   WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``grad_alpha[s] = sum_j alpha_part[s + j - 1, j]``, ``grad_omega[s] = sum_o
+    omega_part[s + o, o]``: each row's parts to the positions they belong to."""
+    bh, _, _, rows, _, inside, _ = _block(1, seq, 1, BLOCK_T, 1)
+    to_alpha = tl.zeros((BLOCK_T,), tl.float32)
+    to_omega = tl.zeros((BLOCK_T,), tl.float32)
+    for offset in tl.static_range(WINDOW):
+        row = rows + offset
+        to_omega += tl.load(omega_part + (bh * seq + row) * WINDOW + offset,
+                            mask=row < seq, other=0.0)
+        if offset > 0:
+            row = rows + offset - 1
+            to_alpha += tl.load(alpha_part + (bh * seq + row) * WINDOW + offset,
+                                mask=row < seq, other=0.0)
+    tl.store(grad_alpha + bh * seq + rows, to_alpha, mask=inside)
+    tl.store(grad_omega + bh * seq + rows, to_omega, mask=inside)
+
+
 def _launch(batch_heads: int, seq: int, dim: int, tile: int) -> tuple[tuple[int, int], dict]:
     """Grid and meta-parameters: ``tile // BLOCK_D`` positions a program (at most
     ``MAX_BLOCK_T``)."""
@@ -147,8 +243,41 @@ class FusedWindowedSum(torch.autograd.Function):
                 gcoeff if needs[2] else None)
 
 
-def fused_windowed_sums(k: torch.Tensor, v: torch.Tensor,
-                        coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 9's window-grouped sums of ``k``, ``v [batch, heads, seq, dim]`` under ``coeff
-    [batch, heads, seq, window]``: float32 ``[batch, heads, seq, dim]`` each, contiguous."""
-    return FusedWindowedSum.apply(k, v, coeff)
+class FusedWindowWeights(torch.autograd.Function):
+    """:class:`dmc.ops.accumulate.WindowWeights` by the kernels above: ``alpha, omega [batch,
+    heads, seq]`` -> ``coeff [batch, heads, seq, window]`` float32, one launch forward, two
+    backward (where the PyTorch path runs ~4 small ops per offset forward and recomputes them
+    under autograd in its backward)."""
+
+    @staticmethod
+    def forward(ctx, alpha: torch.Tensor, omega: torch.Tensor, window: int) -> torch.Tensor:
+        alpha, omega = alpha.float().contiguous(), omega.float().contiguous()
+        batch, heads, seq = alpha.shape
+        coeff = alpha.new_empty(batch, heads, seq, window)
+        grid = (batch * heads, triton.cdiv(seq, WEIGHTS_BLOCK_T))
+        _weights_kernel[grid](alpha, omega, coeff, seq, WINDOW=window, BLOCK_T=WEIGHTS_BLOCK_T)
+        ctx.save_for_backward(alpha, omega)
+        ctx.window = window
+        return coeff
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        alpha, omega = ctx.saved_tensors
+        batch, heads, seq = alpha.shape
+        grad = grad.float().contiguous()
+        alpha_part, omega_part = torch.empty_like(grad), torch.empty_like(grad)
+        grad_alpha, grad_omega = torch.empty_like(alpha), torch.empty_like(omega)
+        grid = (batch * heads, triton.cdiv(seq, WEIGHTS_BLOCK_T))
+        meta = dict(WINDOW=ctx.window, BLOCK_T=WEIGHTS_BLOCK_T)
+        _weights_backward_kernel[grid](alpha, omega, grad, alpha_part, omega_part, seq, **meta)
+        _gather_kernel[grid](alpha_part, omega_part, grad_alpha, grad_omega, seq, **meta)
+        return grad_alpha, grad_omega, None
+
+
+def fused_windowed_accumulate(k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor,
+                              omega: torch.Tensor,
+                              window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dmc.ops.accumulate.windowed_accumulate` by the kernels above: the window weights
+    of ``alpha, omega [batch, heads, seq]``, then the sums of ``k``, ``v [batch, heads, seq,
+    dim]``: float32 ``[batch, heads, seq, dim]`` each, contiguous."""
+    return FusedWindowedSum.apply(k, v, FusedWindowWeights.apply(alpha, omega, window))

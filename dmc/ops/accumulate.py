@@ -34,7 +34,7 @@ def partial_accumulate(
     alpha: torch.Tensor,
     omega: torch.Tensor,
     window: int | None = None,
-    sums=None,
+    windowed=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted running means of keys and values inside merge segments (Eq. 9).
 
@@ -45,9 +45,9 @@ def partial_accumulate(
         omega: ``[batch, heads, seq]`` importance weights > 0.
         window: ``None`` for the exact scan; ``w >= 1`` keeps the last ``w`` terms (the current
             token included).
-        sums: how the window-grouped sums are computed, ``(k, v, coeff) -> (k_sum, v_sum)``
-            with ``coeff [batch, heads, seq, window]`` the weights of :func:`window_weights`:
-            :func:`windowed_sums` (the default) or a kernel of the same semantics
+        windowed: how the window-grouped form is computed, ``(k, v, alpha, omega, window) ->
+            (k_acc, v_acc)`` (float32 ``alpha`` with ``alpha[..., 0]`` zeroed, ``window <=
+            seq``): :func:`windowed_accumulate` (the default) or kernels of the same semantics
             (:mod:`dmc.megatron.window_sum_kernels` on CUDA).
 
     Returns:
@@ -65,8 +65,7 @@ def partial_accumulate(
     if window is None:
         k_acc, v_acc = _exact_scan(k.to(work), v.to(work), alpha, omega)
     else:
-        coeff = WindowWeights.apply(alpha, omega, min(window, seq))
-        k_acc, v_acc = (sums or windowed_sums)(k, v, coeff)
+        k_acc, v_acc = (windowed or windowed_accumulate)(k, v, alpha, omega, min(window, seq))
     return k_acc.to(k.dtype), v_acc.to(v.dtype)
 
 
@@ -89,10 +88,12 @@ def _exact_scan(k, v, alpha, omega):
     return torch.stack(k_steps, dim=2), torch.stack(v_steps, dim=2)
 
 
-def windowed_sums(k: torch.Tensor, v: torch.Tensor,
-                  coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window-grouped form of Eq. 9 for keys and values: :class:`WindowedSum` of each under
-    ``coeff`` (``window`` shifted terms, each parallel over the sequence)."""
+def windowed_accumulate(k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor,
+                        omega: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window-grouped form of Eq. 9 for keys and values: the weights (:class:`WindowWeights`),
+    then :class:`WindowedSum` of each (``window`` shifted terms, each parallel over the
+    sequence)."""
+    coeff = WindowWeights.apply(alpha, omega, window)
     return WindowedSum.apply(k, coeff), WindowedSum.apply(v, coeff)
 
 
@@ -135,7 +136,8 @@ class WindowWeights(torch.autograd.Function):
         alpha, omega = (t.detach().requires_grad_() for t in ctx.saved_tensors)
         with torch.enable_grad():
             coeff = window_weights(alpha, omega, ctx.window)
-        return *torch.autograd.grad(coeff, (alpha, omega), grad), None
+        # window 1 leaves alpha out of the weights (each is omega_i / omega_i): no gradient
+        return *torch.autograd.grad(coeff, (alpha, omega), grad, allow_unused=True), None
 
 
 class WindowedSum(torch.autograd.Function):

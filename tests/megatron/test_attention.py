@@ -282,7 +282,7 @@ def test_flex_backend_matches_dense(parallel_1x1, mode, delay):
 
 @pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "merge_delay"])
 def test_triton_window_sums_train_as_the_pytorch_path(parallel_1x1, delay):
-    """``dmc.accumulate_backend``: the fused Triton sums (interpreted on the CPU) give the
+    """``dmc.accumulate_backend``: the fused Triton kernels (interpreted on the CPU) give the
     PyTorch path's train-mode loss and gradients; "triton" without the interpreter is refused."""
     _, reference, _ = _pair(2)
     spread_decisions(reference, scale=1.0)
@@ -306,13 +306,13 @@ def test_triton_window_sums_train_as_the_pytorch_path(parallel_1x1, delay):
 
 
 def test_triton_window_sums_need_the_interpreter_on_cpu(monkeypatch):
-    from dmc.megatron.attention import window_sums
+    from dmc.megatron.attention import window_kernels
 
-    assert window_sums("auto", torch.device("cpu")) is None
+    assert window_kernels("auto", torch.device("cpu")) is None
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="accumulate_backend: 'triton' on the CPU needs "
                                          "TRITON_INTERPRET=1"):
-        window_sums("triton", torch.device("cpu"))
+        window_kernels("triton", torch.device("cpu"))
 
 
 def test_hard_straight_through_training_is_finite(parallel_1x1):

@@ -1,17 +1,18 @@
-"""The fused Triton window sums (:mod:`dmc.megatron.window_sum_kernels`) against the PyTorch
-path (:func:`dmc.ops.accumulate.windowed_sums`), forward and backward; on the CPU through the
-Triton interpreter (the root conftest sets ``TRITON_INTERPRET=1``), on CUDA under the gpu mark."""
+"""The fused Triton kernels of Eq. 9's window-grouped form (:mod:`dmc.megatron.window_sum_kernels`)
+against the PyTorch path (:func:`dmc.ops.accumulate.windowed_accumulate`) and float64, forward
+and backward; on the CPU through the Triton interpreter (the root conftest sets
+``TRITON_INTERPRET=1``), on CUDA under the gpu mark."""
 import pytest
 import torch
 
 from dmc.ops import partial_accumulate
-from dmc.ops.accumulate import WindowWeights, windowed_sums
+from dmc.ops.accumulate import WindowedSum, WindowWeights, window_weights, windowed_accumulate
 from dmc.ops.reference import partial_accumulate_reference
 
 
 def strided_inputs(shape, window, dtype, device, seed=0):
     """Keys and values as views of one ``[seq, batch, 2 * heads * dim]`` projection output (the
-    layout the DMC attention hands over), float32 window weights, and upstream gradients laid
+    layout the DMC attention hands over), decisions and importances, and upstream gradients laid
     out ``[seq, batch, heads, dim]``."""
     batch, heads, seq, dim = shape
     gen = torch.Generator().manual_seed(seed)
@@ -19,48 +20,84 @@ def strided_inputs(shape, window, dtype, device, seed=0):
     k, v = (qkv[:, :, i].permute(1, 2, 0, 3) for i in range(2))
     alpha = torch.rand(batch, heads, seq, generator=gen).to(device)
     omega = (torch.rand(batch, heads, seq, generator=gen) + 0.1).to(device)
-    coeff = WindowWeights.apply(alpha, omega, min(window, seq))
     grads = [torch.randn(seq, batch, heads, dim, generator=gen).to(device).permute(1, 2, 0, 3)
              for _ in range(2)]
-    return k, v, coeff, grads
+    return k, v, alpha, omega, grads
 
 
 def compare_with_pytorch(shape, window, dtype, device):
-    from dmc.megatron.window_sum_kernels import fused_windowed_sums
+    """Sums and the gradients of keys, values, decisions and importances; and the sums alone
+    under the same weights (the gradient of the weights included)."""
+    from dmc.megatron.window_sum_kernels import FusedWindowedSum, fused_windowed_accumulate
 
-    k, v, coeff, grads = strided_inputs(shape, window, dtype, device)
-    results = []
-    for sums in (windowed_sums, fused_windowed_sums):
-        leaves = [t.detach().clone().requires_grad_() for t in (k, v, coeff)]
-        outputs = sums(*leaves)
-        torch.autograd.backward(outputs, grads)
-        results.append([o.detach() for o in outputs] + [t.grad for t in leaves])
+    k, v, alpha, omega, grads = strided_inputs(shape, window, dtype, device)
+    window = min(window, shape[2])
+    coeff = WindowWeights.apply(alpha, omega, window).detach()
+    runs = {"accumulate": (windowed_accumulate, fused_windowed_accumulate, (k, v, alpha, omega)),
+            "sums": (lambda *x: (WindowedSum.apply(x[0], x[2]), WindowedSum.apply(x[1], x[2])),
+                     FusedWindowedSum.apply, (k, v, coeff))}
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for name, want, got in zip(("k_sum", "v_sum", "grad_k", "grad_v", "grad_coeff"), *results):
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        torch.testing.assert_close(got, want, **tol, msg=name)
+    for run, (pytorch, fused, inputs) in runs.items():
+        results = []
+        for path in (pytorch, fused):
+            leaves = [t.detach().clone().requires_grad_() for t in inputs]
+            extra = (window,) if run == "accumulate" else ()
+            outputs = path(*leaves, *extra)
+            torch.autograd.backward(outputs, grads)
+            results.append([o.detach() for o in outputs] + [t.grad for t in leaves])
+        for i, (want, got) in enumerate(zip(*results)):
+            want = torch.zeros_like(got) if want is None else want  # window 1: alpha unused
+            assert got.dtype == want.dtype and got.shape == want.shape, (run, i)
+            torch.testing.assert_close(got, want, **tol, msg=f"{run}: output {i}")
 
 
 @pytest.mark.parametrize("shape,window", [((2, 3, 37, 16), 12), ((1, 2, 70, 24), 5),
                                           ((1, 1, 9, 8), 1), ((2, 1, 5, 8), 12),
                                           ((1, 1, 50, 128), 12)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_sums_equal_the_pytorch_path_on_cpu(shape, window, dtype):
-    """Sequences shorter and longer than the kernel's blocks (at head_dim 128: 32 positions a
+def test_fused_kernels_equal_the_pytorch_path_on_cpu(shape, window, dtype):
+    """Sequences shorter and longer than the kernels' blocks (at head_dim 128: 32 positions a
     forward program, 16 a backward one), a head size that is not a power of two, window 1 and a
     window longer than the sequence."""
     compare_with_pytorch(shape, window, dtype, "cpu")
 
 
-def test_partial_accumulate_takes_the_fused_sums():
-    """Eq. 9 through the kernel equals the float64 reference (the ``sums`` argument)."""
-    from dmc.megatron.window_sum_kernels import fused_windowed_sums
+@pytest.mark.parametrize("hard", [False, True], ids=["soft", "hard"])
+@pytest.mark.parametrize("shape,window", [((2, 3, 40), 12), ((1, 2, 300), 12), ((1, 1, 5), 5),
+                                          ((1, 2, 50), 4)])
+def test_fused_window_weights_equal_float64(shape, window, hard):
+    """Eq. 9's weights and both gradients against :func:`window_weights` in float64, with soft
+    decisions and with hard ones (exactly 0 or 1: the backward divides by none of them), and
+    sequences longer than a program's block of 128 positions."""
+    from dmc.megatron.window_sum_kernels import FusedWindowWeights
+
+    gen = torch.Generator().manual_seed(len(shape) + window)
+    alpha = torch.rand(*shape, generator=gen, dtype=torch.float64)
+    alpha = (alpha > 0.5).double() if hard else alpha
+    omega = torch.rand(*shape, generator=gen, dtype=torch.float64) + 0.1
+    grad = torch.randn(*shape, window, generator=gen, dtype=torch.float64)
+    exact = [alpha.clone().requires_grad_(), omega.clone().requires_grad_()]
+    window_weights(*exact, window).backward(grad)
+    fast = [alpha.float().requires_grad_(), omega.float().requires_grad_()]
+    coeff = FusedWindowWeights.apply(*fast, window)
+    coeff.backward(grad.float())
+    torch.testing.assert_close(coeff.double(), window_weights(alpha, omega, window),
+                               atol=1e-6, rtol=1e-6)
+    for got, want in zip(fast, exact):
+        scale = want.grad.abs().max()
+        torch.testing.assert_close(got.grad.double() / scale, want.grad / scale, atol=1e-6,
+                                   rtol=1e-6)
+
+
+def test_partial_accumulate_takes_the_fused_kernels():
+    """Eq. 9 through the kernels equals the float64 reference (the ``windowed`` argument)."""
+    from dmc.megatron.window_sum_kernels import fused_windowed_accumulate
 
     gen = torch.Generator().manual_seed(4)
     k, v = torch.randn(2, 1, 2, 40, 8, generator=gen)
     alpha = torch.rand(1, 2, 40, generator=gen)
     omega = torch.rand(1, 2, 40, generator=gen) + 0.1
-    got = partial_accumulate(k, v, alpha, omega, 12, sums=fused_windowed_sums)
+    got = partial_accumulate(k, v, alpha, omega, 12, windowed=fused_windowed_accumulate)
     want = partial_accumulate_reference(k, v, alpha, omega, 12)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
@@ -68,5 +105,5 @@ def test_partial_accumulate_takes_the_fused_sums():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_sums_equal_the_pytorch_path_on_cuda(dtype):
+def test_fused_kernels_equal_the_pytorch_path_on_cuda(dtype):
     compare_with_pytorch((2, 4, 300, 128), 12, dtype, "cuda")

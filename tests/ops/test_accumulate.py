@@ -121,6 +121,18 @@ def test_window_weights_gradients_float64():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_window_one_trains():
+    """Window 1 (each token its own slot's whole sum): the backward runs (alpha takes no
+    gradient) and the keys' gradient passes through unchanged."""
+    k = torch.randn(1, 2, 7, 4, requires_grad=True)
+    alpha = torch.rand(1, 2, 7, requires_grad=True)
+    omega = (torch.rand(1, 2, 7) + 0.1).requires_grad_()
+    k_acc, v_acc = partial_accumulate(k, k, alpha, omega, window=1)
+    (k_acc + v_acc).sum().backward()
+    torch.testing.assert_close(k.grad, torch.full_like(k, 2.0))
+    assert alpha.grad is None or not alpha.grad.any()
+
+
 def saved_for_backward(window: int, dim: int = 64) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one window-grouped
     accumulation of 256 keys and values of ``dim`` channels (2 heads)."""
