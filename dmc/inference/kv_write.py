@@ -24,6 +24,7 @@ import torch
 
 from dmc.inference.block_allocator import SeqRows, to_device
 from dmc.inference.cache import PagedKVCache
+from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.config import DMCConfig
 from dmc.ops import zero_decision_channel
 from dmc.ops.algorithm1 import compress_chunk, empty_prefix, hard_decisions, open_slot_prefix
@@ -281,7 +282,8 @@ class DMCKV(KVWrite):
         prefix = (empty_prefix(1, key.shape[0], key.shape[-1], key.device) if start == 0 else
                   open_slot_prefix(self.cache.open_state(layer, [seq]), self.config.window))
         packed = compress_chunk(key[None], value[None], alpha[None], omega[None], positions,
-                                self.inv_freq, self.config.window, prefix)
+                                self.inv_freq, self.config.window, prefix,
+                                window_kernels(self.config.accumulate_backend, key.device))
         overwrite = (alpha[:, 0] > 0.5) if start else None  # first token merges: open slot
         return Chunk(None, packed.keys[0], packed.values[0],
                      bias_from_log_keep(log_keep_next(alpha)),

@@ -23,14 +23,13 @@ Megatron tensors are ``[seq, batch, heads, dim]``; the ops take ``[batch, heads,
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.cr_loss import attach_cr_loss, attach_head_balance_loss
 from dmc.megatron.runtime import DMCRuntime
 from dmc.ops import (
@@ -54,20 +53,6 @@ def to_bhsd(x: torch.Tensor) -> torch.Tensor:
 def to_sbhd(x: torch.Tensor) -> torch.Tensor:
     """``[batch, heads, seq, dim]`` as megatron's ``[seq, batch, heads, dim]`` (a view)."""
     return x.permute(2, 0, 1, 3)
-
-
-def window_kernels(backend: str, device: torch.device):
-    """The ``windowed`` of :func:`dmc.ops.partial_accumulate` for ``dmc.accumulate_backend``:
-    the fused Triton kernels (:mod:`dmc.megatron.window_sum_kernels`) for "triton", and for
-    "auto" on CUDA; None (the PyTorch path) for "torch", and for "auto" elsewhere."""
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return None
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("dmc.accumulate_backend: 'triton' on the CPU needs TRITON_INTERPRET=1 "
-                         "in the environment before start; accepted here: auto, torch")
-    from dmc.megatron.window_sum_kernels import fused_windowed_accumulate
-
-    return fused_windowed_accumulate
 
 
 class DMCSelfAttention(SelfAttention):

@@ -170,7 +170,8 @@ class DMCConfig:
         the training forward computes Eq. 9's window-grouped sums (the PyTorch path
         :func:`dmc.ops.accumulate.windowed_sums`, or the fused kernels of
         :mod:`dmc.megatron.window_sum_kernels`; "triton" on the CPU needs
-        ``TRITON_INTERPRET=1``); not part of the model (``to_dict`` leaves it out).
+        ``TRITON_INTERPRET=1``), in training and in the engine's prefill; not part of the model
+        (``to_dict`` leaves it out).
     merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
         (DMS's delayed eviction carried over to DMC; README "DMC with delayed merging"): a
         query sees its last d + 1 tokens as they are and the earlier ones through the merged

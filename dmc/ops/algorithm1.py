@@ -247,7 +247,7 @@ def ring_from_tail(tail: OpenSlot, rows: int) -> OpenSlot:
 
 def compress_chunk(k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, omega: torch.Tensor,
                    positions: torch.Tensor, inv_freq: torch.Tensor, window: int | None,
-                   prefix: PrefixTokens) -> CompressedChunk:
+                   prefix: PrefixTokens, windowed=None) -> CompressedChunk:
     """Algorithm 1 over a prefill chunk at once (exact under the hard-decision mask, App. H):
     Eq. 9 over the open slot's pseudo-tokens plus the chunk, keys rotated at each token's
     position, the slots the chunk closes, and the open slot's tail.
@@ -257,10 +257,11 @@ def compress_chunk(k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, omega:
         alpha: ``[batch, kv, n]`` hard decisions (0 on a sequence's first token); omega: same.
         positions: ``[n]`` or ``[batch, 1, n]`` RoPE positions; inv_freq ``[dim // 2]``.
         prefix: :func:`open_slot_prefix` of the cache, or :func:`empty_prefix`.
+        windowed: Eq. 9's window-grouped kernels (see :func:`partial_accumulate`; None: PyTorch).
     """
     ext = [torch.cat([p, x], dim=-2 if x.dim() == 4 else -1).float()
            for p, x in zip(prefix[:4], (k, v, alpha, omega))]
-    k_acc, v_acc = partial_accumulate(*ext, window=window)
+    k_acc, v_acc = partial_accumulate(*ext, window=window, windowed=windowed)
     skip = prefix.omega.shape[-1]
     k_acc, v_acc = k_acc[..., skip:, :], v_acc[..., skip:, :]
     keys = apply_rope(k_acc, positions, inv_freq)

@@ -274,6 +274,20 @@ def test_a_sequence_larger_than_the_pool_fails_alone(parallel_1x1):
         engine.add_request(list(range(150)), SamplingParams(max_new_tokens=20))
 
 
+def test_prefill_through_the_triton_window_kernels(parallel_1x1):
+    """``dmc.accumulate_backend="triton"`` (the interpreter on the CPU): the engine's prefill
+    compresses its chunks through the fused kernels and generates what the eval-mode model does,
+    prompts longer than one chunk included (the open slot's prefix goes through them too)."""
+    import dataclasses
+
+    model, runtime = build(2, 3)
+    config = dataclasses.replace(runtime.config, accumulate_backend="triton")
+    prompt_list = prompts((13, 21))
+    results = Engine(model, config, page_size=4, max_batch=2, chunk_size=8).generate(
+        prompt_list, SamplingParams(max_new_tokens=6))
+    check_against_model(model, results, prompt_list, config)
+
+
 def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     from dmc.inference.generate_cli import (
         EXIT_REQUEST_FAILED,

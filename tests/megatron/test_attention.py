@@ -306,7 +306,7 @@ def test_triton_window_sums_train_as_the_pytorch_path(parallel_1x1, delay):
 
 
 def test_triton_window_sums_need_the_interpreter_on_cpu(monkeypatch):
-    from dmc.megatron.attention import window_kernels
+    from dmc.megatron.accumulate_backend import window_kernels
 
     assert window_kernels("auto", torch.device("cpu")) is None
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
