@@ -15,7 +15,9 @@ packed by ``saved_tensors_hooks``, parameters left out: the activation memory, o
 CPU); ``--by-site N`` also prints, per mode, the N call sites (innermost ``dmc`` or megatron
 frame) whose saved storages weigh most; ``--profile N`` runs one more step of each mode under
 torch.profiler and prints its N ops with the most self time (CUDA kernels on a GPU: where a DMC
-step's time goes). Prints a table and writes JSON.
+step's time goes). Prints a table and writes JSON; a DMC row that fails (say, a kernel that
+does not compile on that GPU) is recorded with its error, the others still run, and the exit
+code is 1.
 
     python benchmarks/train_step.py --layers 4 --hidden 256 --heads 8 --seq 256 --batch 8
     python benchmarks/train_step.py --layers 2 --hidden 2048 --heads 16 --ffn 5632 \
@@ -187,24 +189,16 @@ def main(argv=None) -> int:
         if backend:
             runtime.config.attention_backend = backend
             runtime.config.accumulate_backend = accumulate
-        tok_s, seconds, peak, busiest = (None, None, None, []) if args.kept_only else measure(
-            model, runtime, mode, tokens, positions, args.steps, args.warmup, args.profile)
-        sites = collections.Counter() if args.by_site else None
-        saved = saved_activation_bytes(model, runtime, mode, tokens, positions, sites)
-        rows[name] = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak,
-                      "saved_bytes": saved}
-        if busiest:
-            rows[name]["busiest_ops"] = busiest
-            print(f"{name}: the {len(busiest)} ops of one step with the most self time")
-            for op in busiest:
-                print(f"  {op['ms']:10.2f} ms  x{op['calls']:<5} {op['name']}")
-        if sites is not None:
-            rows[name]["saved_by_site"] = dict(sites.most_common(args.by_site))
-            print(f"{name}: the {args.by_site} call sites whose saved storages weigh most")
-            for site, size in sites.most_common(args.by_site):
-                print(f"  {size / 2**20:10.2f} MiB  {site}")
+        try:
+            rows[name] = measure_row(args, model, runtime, mode, name, tokens, positions)
+        except Exception as error:  # a DMC row that fails (a kernel that does not compile on
+            if mode == "vanilla":   # this GPU) leaves the others measured; the exit code says so
+                raise
+            rows[name] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"{name}: failed: {rows[name]['error']}", file=sys.stderr)
     base = rows["vanilla"]
-    for row in rows.values():
+    failed = [name for name, row in rows.items() if "error" in row]
+    for row in (row for row in rows.values() if "error" not in row):
         row["time_vs_vanilla"] = row["step_s"] / base["step_s"] if row["step_s"] else None
         row["memory_vs_vanilla"] = (row["peak_bytes"] / base["peak_bytes"]
                                     if row["peak_bytes"] else None)
@@ -218,6 +212,9 @@ def main(argv=None) -> int:
         return "-" if value is None else format(value, form)
 
     for name, row in rows.items():
+        if "error" in row:
+            print(f"{name:<20} failed: {row['error']}")
+            continue
         peak = None if row["peak_bytes"] is None else row["peak_bytes"] / 2**30
         print(f"{name:<20} {cell(row['tokens_per_s'], '.0f'):>12} {cell(row['step_s'], '.3f'):>10} "
               f"{cell(row['time_vs_vanilla'], '.3f'):>15} {cell(peak, '.2f'):>9} "
@@ -228,7 +225,29 @@ def main(argv=None) -> int:
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    return 0
+    return 1 if failed else 0
+
+
+def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
+    """One row of the table: the timed steps (unless ``--kept-only``), the activations kept,
+    and with ``--profile`` / ``--by-site`` the busiest ops and the heaviest saving sites
+    (printed as they come)."""
+    tok_s, seconds, peak, busiest = (None, None, None, []) if args.kept_only else measure(
+        model, runtime, mode, tokens, positions, args.steps, args.warmup, args.profile)
+    sites = collections.Counter() if args.by_site else None
+    saved = saved_activation_bytes(model, runtime, mode, tokens, positions, sites)
+    row = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak, "saved_bytes": saved}
+    if busiest:
+        row["busiest_ops"] = busiest
+        print(f"{name}: the {len(busiest)} ops of one step with the most self time")
+        for op in busiest:
+            print(f"  {op['ms']:10.2f} ms  x{op['calls']:<5} {op['name']}")
+    if sites is not None:
+        row["saved_by_site"] = dict(sites.most_common(args.by_site))
+        print(f"{name}: the {args.by_site} call sites whose saved storages weigh most")
+        for site, size in sites.most_common(args.by_site):
+            print(f"  {size / 2**20:10.2f} MiB  {site}")
+    return row
 
 
 if __name__ == "__main__":

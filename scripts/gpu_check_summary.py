@@ -57,9 +57,9 @@ def summarise(results: Path) -> dict:
     train = read_json(results / "train_step.json")
     if train:
         summary["figures"]["train_step"] = [
-            {"attention": name, "time_vs_vanilla": row["time_vs_vanilla"],
-             "memory_vs_vanilla": row["memory_vs_vanilla"],
-             "saved_vs_vanilla": row.get("saved_vs_vanilla")}
+            {"attention": name, "time_vs_vanilla": row.get("time_vs_vanilla"),
+             "memory_vs_vanilla": row.get("memory_vs_vanilla"),
+             "saved_vs_vanilla": row.get("saved_vs_vanilla"), "error": row.get("error")}
             for name, row in train["results"].items() if name != "vanilla"]
     return summary
 
@@ -83,6 +83,9 @@ def as_text(summary: dict) -> str:
         lines.append(f"paged kernel ({k['path']}): {k['kernel_GBps']:.1f} GB/s, "
                      f"{k['fraction_of_copy']:.3f} of copy ({k['copy_GBps']:.1f} GB/s)")
     for t in figures.get("train_step", []):
+        if t.get("error"):
+            lines.append(f"train step {t['attention']}: failed: {t['error'][:200]}")
+            continue
         memory, saved = t["memory_vs_vanilla"], t.get("saved_vs_vanilla")
         lines.append(f"train step {t['attention']}: x{t['time_vs_vanilla']:.3f} vanilla time"
                      + ("" if memory is None else f", x{memory:.3f} vanilla peak memory")

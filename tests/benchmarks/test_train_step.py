@@ -42,6 +42,25 @@ def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
     assert "ops of one step with the most self time" in capsys.readouterr().out
 
 
+def test_a_failing_dmc_row_leaves_the_others(tmp_path, monkeypatch, capsys):
+    """A DMC row whose step raises (a kernel that does not compile on that GPU) is recorded
+    with its error; vanilla is still measured, the JSON written, the exit code 1."""
+    measure = bench.measure
+
+    def failing(model, runtime, mode, *args):
+        if mode == "train":
+            raise RuntimeError("no kernel here")
+        return measure(model, runtime, mode, *args)
+
+    monkeypatch.setattr(bench, "measure", failing)
+    out = tmp_path / "failed.json"
+    assert bench.main(TINY + ["--steps", "1", "--warmup", "0", "--out", str(out)]) == 1
+    rows = json.loads(out.read_text())["results"]
+    assert rows["dmc-dense"] == {"error": "RuntimeError: no kernel here"}
+    assert rows["vanilla"]["step_s"] > 0 and rows["vanilla"]["time_vs_vanilla"] == 1.0
+    assert "dmc-dense            failed: RuntimeError: no kernel here" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags,named", [(["--by-site", "-1"], "--by-site"),
                                          (["--profile", "-2"], "--profile"),
                                          (["--dtype", "half"], "--dtype"),

@@ -36,7 +36,8 @@ def test_summary_of_a_results_folder(tmp_path):
         "vanilla": {"step_s": 1.0, "time_vs_vanilla": 1.0, "memory_vs_vanilla": 1.0},
         "dmc-dense": {"step_s": 1.2, "time_vs_vanilla": 1.2, "memory_vs_vanilla": 1.5,
                       "saved_vs_vanilla": 1.25},
-        "dmc-flex": {"step_s": 1.1, "time_vs_vanilla": 1.1, "memory_vs_vanilla": None}}}))
+        "dmc-flex": {"step_s": 1.1, "time_vs_vanilla": 1.1, "memory_vs_vanilla": None},
+        "dmc-flex+torch-sums": {"error": "CompilationError: out of resources"}}}))
     done = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
                           text=True)
     assert done.returncode == 1  # a step failed
@@ -45,13 +46,15 @@ def test_summary_of_a_results_folder(tmp_path):
                                 {"step": "decode_throughput", "exit": 1, "seconds": 5}]
     assert summary["gpu_tests"] == {"tests": 4, "failures": 1, "errors": 0, "skipped": 2}
     assert summary["figures"]["decode"][1]["speedup_vs_vanilla"] == 3.0
-    assert [t["attention"] for t in summary["figures"]["train_step"]] == ["dmc-dense", "dmc-flex"]
+    assert [t["attention"] for t in summary["figures"]["train_step"]] == [
+        "dmc-dense", "dmc-flex", "dmc-flex+torch-sums"]
     text = (tmp_path / "summary.txt").read_text()
     assert "x3.00 vanilla  host 2.50 ms/step" in text and "x1.00 vanilla\n" in text
     assert "paged kernel (compiled): 9.5 GB/s, 0.475 of copy" in text
     assert ("train step dmc-dense: x1.200 vanilla time, x1.500 vanilla peak memory, x1.250 "
             "vanilla activations kept") in text
     assert "train step dmc-flex: x1.100 vanilla time\n" in text
+    assert "train step dmc-flex+torch-sums: failed: CompilationError: out of resources" in text
     assert [k["path"] for k in summary["figures"]["paged_kernel"]] == ["compiled", "pytorch"]
     assert subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "none")],
                           capture_output=True).returncode == 2
