@@ -20,6 +20,9 @@ PRIORS = ("global", "local")  # dmc.ops.PRIORS, spelled out to keep torch unimpo
 CR_LOSS_GRADS = ("model", "decisions")
 ATTENTION_BACKENDS = ("auto", "dense", "flex")
 ACCUMULATE_BACKENDS = ("auto", "torch", "triton")
+# the DMC fields with a fixed set of values (besides ``method``), checked by DMCConfig
+DMC_CHOICES = {"prior": PRIORS, "attention_backend": ATTENTION_BACKENDS,
+               "accumulate_backend": ACCUMULATE_BACKENDS, "cr_loss_grad": CR_LOSS_GRADS}
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 # ModelConfig fields that to_dict leaves out at these (default) values
 OPTIONAL_MODEL_FIELDS = {"params_dtype": None, "qk_layernorm": False, "kv_channels": None}
@@ -231,9 +234,7 @@ class DMCConfig:
         if self.cr_loss_grad == "decisions" and self.method != "dmc":
             raise ConfigError(f"dmc.cr_loss_grad: 'decisions' needs dmc.method: dmc, got "
                               f"{self.method!r}")
-        for name, choices in (("prior", PRIORS), ("attention_backend", ATTENTION_BACKENDS),
-                              ("accumulate_backend", ACCUMULATE_BACKENDS),
-                              ("cr_loss_grad", CR_LOSS_GRADS)):
+        for name, choices in DMC_CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ConfigError(f"dmc.{name}: {getattr(self, name)!r} is not one of "
                                   f"{', '.join(choices)}")

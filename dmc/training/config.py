@@ -14,8 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from dmc.megatron.config import (ACCUMULATE_BACKENDS, ATTENTION_BACKENDS, METHODS, PRIORS,
-                                 ConfigError, DMCConfig, ModelConfig)
+from dmc.megatron.config import DMC_CHOICES, METHODS, ConfigError, DMCConfig, ModelConfig
 
 __all__ = ["ConfigError", "DMCSection", "DistillConfig", "ModelConfig", "RunConfig",
            "dump_config", "flatten", "load_config", "parse_override", "to_dict"]
@@ -165,9 +164,8 @@ RUN_CHOICES = {
     "optim.trainable": ("all", "decisions"),
 }
 # every field with a fixed set of values; the model and dmc sections check theirs when built
-CHOICES = dict(RUN_CHOICES, **{"dmc.attention_backend": ATTENTION_BACKENDS,
-                                "dmc.accumulate_backend": ACCUMULATE_BACKENDS, "dmc.prior": PRIORS,
-                                "dmc.method": METHODS})
+CHOICES = dict(RUN_CHOICES, **{f"dmc.{name}": c for name, c in DMC_CHOICES.items()},
+               **{"dmc.method": METHODS})
 POSITIVE = {
     "data.seq_length", "data.micro_batch_size", "data.global_batch_size",
     "parallel.tensor", "parallel.pipeline", "optim.lr", "optim.decision_lr_mult",
