@@ -113,8 +113,7 @@ def _decay(alpha_row, rows, seq, upto: tl.constexpr, BLOCK_T: tl.constexpr):
     """``prod_{j=1..upto} alpha[rows - j + 1]`` (zero where a factor lies before the start)."""
     product = tl.full((BLOCK_T,), 1.0, tl.float32)
     for j in tl.static_range(1, upto + 1):
-        source = rows - j + 1
-        product *= tl.load(alpha_row + source, mask=(rows < seq) & (source >= 0), other=0.0)
+        product = _longer(alpha_row, rows, seq, j, product)
     return product
 
 
@@ -126,20 +125,33 @@ def _weights_kernel(alpha_ptr, omega_ptr, coeff_ptr, seq,
     bh, _, _, rows, _, inside, _ = _block(1, seq, 1, BLOCK_T, 1)
     alpha_row, omega_row = alpha_ptr + bh * seq, omega_ptr + bh * seq
     total = tl.zeros((BLOCK_T,), tl.float32)
+    decay = tl.full((BLOCK_T,), 1.0, tl.float32)
     for offset in tl.static_range(WINDOW):
-        total += _weight(alpha_row, omega_row, rows, seq, offset, BLOCK_T)
+        decay = _longer(alpha_row, rows, seq, offset, decay)
+        total += decay * _omega_at(omega_row, rows, seq, offset)
     total = tl.where(inside, total, 1.0)  # past the end: nothing stored, no 0 / 0
+    decay = tl.full((BLOCK_T,), 1.0, tl.float32)
     for offset in tl.static_range(WINDOW):
-        weight = _weight(alpha_row, omega_row, rows, seq, offset, BLOCK_T)
+        decay = _longer(alpha_row, rows, seq, offset, decay)
+        weight = decay * _omega_at(omega_row, rows, seq, offset)
         tl.store(coeff_ptr + (bh * seq + rows) * WINDOW + offset, weight / total, mask=inside)
 
 
 @triton.jit
-def _weight(alpha_row, omega_row, rows, seq, offset: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``w_offset`` of rows ``rows``: ``omega[t - offset]`` times the decay of ``offset``."""
+def _longer(alpha_row, rows, seq, offset: tl.constexpr, decay):
+    """The decay of ``offset`` from that of ``offset - 1``: times ``alpha[t - offset + 1]``
+    (offset 0: 1, as given)."""
+    if offset > 0:
+        source = rows - offset + 1
+        decay *= tl.load(alpha_row + source, mask=(rows < seq) & (source >= 0), other=0.0)
+    return decay
+
+
+@triton.jit
+def _omega_at(omega_row, rows, seq, offset: tl.constexpr):
+    """``omega[t - offset]`` of rows ``rows`` (zero before the start)."""
     source = rows - offset
-    omega = tl.load(omega_row + source, mask=(rows < seq) & (source >= 0), other=0.0)
-    return omega * _decay(alpha_row, rows, seq, offset, BLOCK_T)
+    return tl.load(omega_row + source, mask=(rows < seq) & (source >= 0), other=0.0)
 
 
 @triton.jit
@@ -156,23 +168,26 @@ def _weights_backward_kernel(alpha_ptr, omega_ptr, grad_ptr, alpha_part, omega_p
     part = (bh * seq + rows) * WINDOW
     total = tl.zeros((BLOCK_T,), tl.float32)
     weighted = tl.zeros((BLOCK_T,), tl.float32)
+    decay = tl.full((BLOCK_T,), 1.0, tl.float32)
     for offset in tl.static_range(WINDOW):
-        weight = _weight(alpha_row, omega_row, rows, seq, offset, BLOCK_T)
+        decay = _longer(alpha_row, rows, seq, offset, decay)
+        weight = decay * _omega_at(omega_row, rows, seq, offset)
         total += weight
         weighted += weight * tl.load(grad_ptr + part + offset, mask=inside, other=0.0)
     total = tl.where(inside, total, 1.0)  # past the end: nothing stored, no 0 / 0
     mean = weighted / total
+    decay = tl.full((BLOCK_T,), 1.0, tl.float32)
     for offset in tl.static_range(WINDOW):
+        decay = _longer(alpha_row, rows, seq, offset, decay)
         h = (tl.load(grad_ptr + part + offset, mask=inside, other=0.0) - mean) / total
-        tl.store(omega_part + part + offset,
-                 h * _decay(alpha_row, rows, seq, offset, BLOCK_T), mask=inside)
+        tl.store(omega_part + part + offset, h * decay, mask=inside)
     tl.store(alpha_part + part, tl.zeros((BLOCK_T,), tl.float32), mask=inside)
     carried = tl.zeros((BLOCK_T,), tl.float32)
     for step in tl.static_range(WINDOW - 1):
         j: tl.constexpr = WINDOW - 1 - step
         source = rows - j
         h = (tl.load(grad_ptr + part + j, mask=inside, other=0.0) - mean) / total
-        omega = tl.load(omega_row + source, mask=inside & (source >= 0), other=0.0)
+        omega = _omega_at(omega_row, rows, seq, j)
         following = tl.load(alpha_row + source, mask=inside & (source >= 0), other=0.0)
         carried = h * omega + following * carried
         tl.store(alpha_part + part + j,
