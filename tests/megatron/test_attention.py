@@ -280,41 +280,6 @@ def test_flex_backend_matches_dense(parallel_1x1, mode, delay):
         )
 
 
-@pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "merge_delay"])
-def test_triton_window_sums_train_as_the_pytorch_path(parallel_1x1, delay):
-    """``dmc.accumulate_backend``: the fused Triton kernels (interpreted on the CPU) give the
-    PyTorch path's train-mode loss and gradients; "triton" without the interpreter is refused."""
-    _, reference, _ = _pair(2)
-    spread_decisions(reference, scale=1.0)
-    results = []
-    for backend in ("torch", "triton"):
-        runtime = DMCRuntime(DMCConfig(window=4, c=0.0, accumulate_backend=backend,
-                                       merge_delay=delay))
-        model = build_gpt_model(tiny_config(2), VOCAB, 64, dmc=runtime)
-        model.load_state_dict(reference.state_dict())
-        runtime.start_step(0, "train", target_cr=2.0)
-        tokens, positions = _batch()
-        loss = model(tokens, positions, None, labels=tokens).mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
-    for name, grad in results[0][1].items():
-        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    with pytest.raises(ValueError, match="accumulate_backend"):
-        DMCConfig(accumulate_backend="cuda")
-    assert "accumulate_backend" not in DMCConfig(accumulate_backend="torch").to_dict()
-
-
-def test_triton_window_sums_need_the_interpreter_on_cpu(monkeypatch):
-    from dmc.megatron.accumulate_backend import window_kernels
-
-    assert window_kernels("auto", torch.device("cpu")) is None
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="accumulate_backend: 'triton' on the CPU needs "
-                                         "TRITON_INTERPRET=1"):
-        window_kernels("triton", torch.device("cpu"))
-
-
 def test_hard_straight_through_training_is_finite(parallel_1x1):
     _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, hard=True))
     spread_decisions(dmc, scale=1.0)

@@ -5,9 +5,13 @@ and backward; on the CPU through the Triton interpreter (the root conftest sets
 import pytest
 import torch
 
+from dmc.megatron.model import build_gpt_model
+from dmc.megatron.runtime import DMCConfig, DMCRuntime
 from dmc.ops import partial_accumulate
 from dmc.ops.accumulate import WindowedSum, WindowWeights, window_weights, windowed_accumulate
 from dmc.ops.reference import partial_accumulate_reference
+
+from tiny_models import VOCAB, spread_decisions, tiny_config
 
 
 def strided_inputs(shape, window, dtype, device, seed=0):
@@ -101,6 +105,45 @@ def test_partial_accumulate_takes_the_fused_kernels():
     want = partial_accumulate_reference(k, v, alpha, omega, 12)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "merge_delay"])
+def test_a_train_step_through_the_kernels_is_the_pytorch_paths(parallel_1x1, delay):
+    """``dmc.accumulate_backend``: a DMC model's train-mode loss and parameter gradients are
+    the same with the fused kernels (interpreted on the CPU) as with the PyTorch path."""
+    reference = build_gpt_model(tiny_config(2), VOCAB, 64, dmc=DMCRuntime())
+    spread_decisions(reference, scale=1.0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=gen)
+    positions = torch.arange(24).expand(2, 24)
+    results = []
+    for backend in ("torch", "triton"):
+        runtime = DMCRuntime(DMCConfig(window=4, c=0.0, accumulate_backend=backend,
+                                       merge_delay=delay))
+        model = build_gpt_model(tiny_config(2), VOCAB, 64, dmc=runtime)
+        model.load_state_dict(reference.state_dict())
+        runtime.start_step(0, "train", target_cr=2.0)
+        loss = model(tokens, positions, None, labels=tokens).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_backend_setting_is_checked(monkeypatch):
+    """Bad values name the field; not part of the model; "triton" on the CPU needs the
+    interpreter."""
+    from dmc.megatron.accumulate_backend import window_kernels
+
+    with pytest.raises(ValueError, match="accumulate_backend"):
+        DMCConfig(accumulate_backend="cuda")
+    assert "accumulate_backend" not in DMCConfig(accumulate_backend="torch").to_dict()
+    assert window_kernels("auto", torch.device("cpu")) is None
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="accumulate_backend: 'triton' on the CPU needs "
+                                         "TRITON_INTERPRET=1"):
+        window_kernels("triton", torch.device("cpu"))
 
 
 @pytest.mark.gpu
