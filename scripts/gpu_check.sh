@@ -37,6 +37,15 @@
 # instead of 2048 and 512; paged kernel: 20 iterations; train step: 1 warm-up + 4 steps);
 # DMC_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes (where xdist is installed),
 # which compile their FlexAttention and Triton kernels side by side.
+#
+# For one command under a hard time limit (a lease whose calls are killed at N seconds, taking
+# every file not yet copied out with them): DMC_CHECK_DEADLINE=SECONDS, counted from the script's
+# start, caps every step's time to what is left of it less DMC_CHECK_RESERVE seconds (default 15:
+# the summary and the archive) and skips a step when fewer than DMC_CHECK_MIN_STEP seconds
+# (default 20) would be left for it (recorded as "skipped" in steps.tsv, a failed step in the
+# summary); DMC_CHECK_ARCHIVE=FILE.tgz writes RESULTS_DIR as a gzipped tarball after every step
+# and at the end (each time to a temporary name, then renamed: a kill leaves the last whole one),
+# for a machine that hands back only a few files.
 set -uo pipefail
 
 if [ "$#" -ne 1 ] || [ -z "$1" ]; then
@@ -50,6 +59,35 @@ PYTHON=${PYTHON:-python3}
 WHEELS=${DMC_WHEELS:-$ROOT/.whl}
 SITE=${DMC_SITE:-${TMPDIR:-/tmp}/dmc-gpu-check-site}
 STEPS="$RESULTS/steps.tsv"
+DEADLINE=${DMC_CHECK_DEADLINE:-}
+RESERVE=${DMC_CHECK_RESERVE:-15}
+MIN_STEP=${DMC_CHECK_MIN_STEP:-20}
+ARCHIVE=${DMC_CHECK_ARCHIVE:-}
+for setting in DEADLINE RESERVE MIN_STEP; do
+  case ${!setting} in
+    ''|*[!0-9]*)
+      if [ "$setting" != DEADLINE ] || [ -n "$DEADLINE" ]; then
+        echo "gpu_check: DMC_CHECK_$setting: expected a whole number of seconds, got" \
+          "'${!setting}'" >&2
+        exit 2
+      fi ;;
+  esac
+done
+if [ -n "$ARCHIVE" ]; then
+  case $ARCHIVE in
+    *.tgz|*.tar.gz) ;;
+    *) echo "gpu_check: DMC_CHECK_ARCHIVE: expected a FILE.tgz or FILE.tar.gz, got '$ARCHIVE'" >&2
+       exit 2 ;;
+  esac
+  folder=$(dirname "$ARCHIVE")
+  mkdir -p "$folder" || {
+    echo "gpu_check: DMC_CHECK_ARCHIVE: the folder $folder cannot be created" >&2; exit 2; }
+  ARCHIVE="$(cd "$folder" && pwd)/$(basename "$ARCHIVE")"
+  case $ARCHIVE in
+    "$RESULTS"/*) echo "gpu_check: DMC_CHECK_ARCHIVE: $ARCHIVE lies inside RESULTS_DIR, which it" \
+                    "archives; name a file elsewhere" >&2; exit 2 ;;
+  esac
+fi
 ALL_STEPS="gpu_tests decode_throughput paged_kernel train_step"
 SELECTED=${DMC_CHECK_STEPS:-$ALL_STEPS}
 for step in $SELECTED; do
@@ -59,13 +97,31 @@ for step in $SELECTED; do
   esac
 done
 
+# archive: RESULTS as the tarball DMC_CHECK_ARCHIVE names (nothing without one).
+archive() {
+  [ -n "$ARCHIVE" ] || return 0
+  tar czf "$ARCHIVE.partial" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" \
+    && mv -f "$ARCHIVE.partial" "$ARCHIVE"
+}
+
 # run NAME CMD...: runs CMD with its output in RESULTS/NAME.log, records status and seconds
-# (a step DMC_CHECK_STEPS leaves out does not run).
+# (a step DMC_CHECK_STEPS leaves out does not run; one the deadline leaves no time for is
+# recorded as skipped), then archives the results.
 run() {
   local name=$1; shift
   case " install $SELECTED " in *" $name "*) ;; *) return 0 ;; esac
   local start=$SECONDS limit_var="DMC_TIMEOUT_$name"
   local limit=${!limit_var:-}
+  if [ -n "$DEADLINE" ]; then
+    local left=$((DEADLINE - SECONDS - RESERVE))
+    if [ "$left" -lt "$MIN_STEP" ]; then
+      printf '%s\tskipped\t0\n' "$name" >> "$STEPS"
+      echo "== $name: skipped, ${left} s left before DMC_CHECK_DEADLINE's reserve"
+      archive
+      return 0
+    fi
+    if [ -z "$limit" ] || [ "$limit" -gt "$left" ]; then limit=$left; fi
+  fi
   echo "== $name: $*${limit:+ (at most $limit s)}"
   if [ -n "$limit" ]; then
     timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
@@ -75,6 +131,7 @@ run() {
   local status=$?
   printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >> "$STEPS"
   echo "   exit $status after $((SECONDS - start)) s (log: $RESULTS/$name.log)"
+  archive
 }
 
 if compgen -G "$WHEELS/*.whl" > /dev/null; then
@@ -105,6 +162,7 @@ env_status=$?
 cat "$RESULTS/environment.txt"
 if [ "$env_status" -ne 0 ]; then
   echo "gpu_check: torch, triton or megatron-core cannot be imported (see environment.txt)" >&2
+  archive
   exit 1
 fi
 CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
@@ -144,3 +202,6 @@ else
 fi
 
 "$PYTHON" "$ROOT/scripts/gpu_check_summary.py" "$RESULTS"
+summary_status=$?
+archive
+exit "$summary_status"

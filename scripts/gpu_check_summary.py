@@ -3,8 +3,9 @@ test counts, and the headline figures of the benchmarks against the issue's H100
 
     python scripts/gpu_check_summary.py RESULTS_DIR
 
-Writes RESULTS_DIR/summary.txt and summary.json and prints the text; exits 1 when a step failed,
-2 when RESULTS_DIR holds no steps.tsv.
+Writes RESULTS_DIR/summary.txt and summary.json and prints the text; exits 1 when a step failed
+or was skipped (``DMC_CHECK_DEADLINE`` left no time for it: its exit is ``"skipped"``), 2 when
+RESULTS_DIR holds no steps.tsv.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def summarise(results: Path) -> dict:
     steps = {}  # the newest record of each step (steps.tsv grows over calls)
     for line in (results / "steps.tsv").read_text().splitlines():
         name, status, seconds = line.split("\t")
-        steps[name] = {"step": name, "exit": int(status), "seconds": int(seconds)}
+        steps[name] = {"step": name, "exit": status if status == "skipped" else int(status),
+                       "seconds": int(seconds)}
     summary = {"steps": list(steps.values()), "gpu_tests": test_counts(results / "gpu_tests.xml"),
                "environment": (results / "environment.txt").read_text().strip().splitlines()
                if (results / "environment.txt").is_file() else [], "figures": {}, "goals": GOALS}
@@ -66,8 +68,9 @@ def summarise(results: Path) -> dict:
 
 def as_text(summary: dict) -> str:
     lines = ["gpu_check summary", *("  " + line for line in summary["environment"]), "", "steps:"]
-    lines += [f"  {s['step']:<18} exit {s['exit']:<3} {s['seconds']:>6} s"
-              for s in summary["steps"]]
+    lines += [f"  {s['step']:<18} skipped (no time left before DMC_CHECK_DEADLINE)"
+              if s["exit"] == "skipped" else f"  {s['step']:<18} exit {s['exit']:<3} "
+              f"{s['seconds']:>6} s" for s in summary["steps"]]
     counts = summary["gpu_tests"]
     if counts:
         lines.append(f"gpu tests: {counts['tests']} collected, {counts['failures']} failed, "

@@ -3,6 +3,7 @@ about 4 minutes on 2 CPU cores: see README, performance)."""
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,11 +17,39 @@ def test_kit_usage_errors_exit_2(tmp_path):
     done = subprocess.run(["bash", kit, str(tmp_path)], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "DMC_CHECK_STEPS": "gpu_tests bench"})
     assert done.returncode == 2 and "DMC_CHECK_STEPS" in done.stderr and "train_step" in done.stderr
+    for setting, value, accepted in (("DMC_CHECK_DEADLINE", "9m", "whole number of seconds"),
+                                     ("DMC_CHECK_MIN_STEP", "-5", "whole number of seconds"),
+                                     ("DMC_CHECK_ARCHIVE", str(tmp_path / "r.zip"), ".tgz"),
+                                     ("DMC_CHECK_ARCHIVE", str(tmp_path / "r.tgz"), "inside")):
+        done = subprocess.run(["bash", kit, str(tmp_path)], capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", setting: value})
+        assert done.returncode == 2 and setting in done.stderr and accepted in done.stderr
+
+
+def test_deadline_skips_steps_and_the_archive_keeps_the_results(tmp_path):
+    """A deadline already spent when the steps begin: each selected step is recorded as skipped
+    (a failure in the summary), and the archive holds the folder as the script left it."""
+    results, archive = tmp_path / "r", tmp_path / "out" / "r.tgz"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DMC_WHEELS": str(tmp_path),
+           "DMC_CHECK_STEPS": "paged_kernel train_step", "DMC_CHECK_DEADLINE": "1",
+           "DMC_CHECK_ARCHIVE": str(archive)}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(results)],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 1, done.stderr
+    assert (results / "steps.tsv").read_text().splitlines() == [
+        "paged_kernel\tskipped\t0", "train_step\tskipped\t0"]
+    assert not (results / "paged_kernel.log").exists()
+    assert "paged_kernel       skipped (no time left before DMC_CHECK_DEADLINE)" in done.stdout
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"r/steps.tsv", "r/environment.txt", "r/summary.txt", "r/summary.json"} <= names
+    assert not list(archive.parent.glob("*.partial"))
 
 
 def test_summary_of_a_results_folder(tmp_path):
     (tmp_path / "steps.tsv").write_text(  # gpu_tests failed, then passed on a second call
-        "gpu_tests\t1\t60\ndecode_throughput\t1\t5\ngpu_tests\t0\t61\n")
+        "gpu_tests\t1\t60\ndecode_throughput\t1\t5\ngpu_tests\t0\t61\n"
+        "train_step\tskipped\t0\n")
     (tmp_path / "environment.txt").write_text("device: no CUDA\n")
     (tmp_path / "gpu_tests.xml").write_text(
         '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="2"/></testsuites>')
@@ -43,13 +72,15 @@ def test_summary_of_a_results_folder(tmp_path):
     assert done.returncode == 1  # a step failed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == [{"step": "gpu_tests", "exit": 0, "seconds": 61},
-                                {"step": "decode_throughput", "exit": 1, "seconds": 5}]
+                                {"step": "decode_throughput", "exit": 1, "seconds": 5},
+                                {"step": "train_step", "exit": "skipped", "seconds": 0}]
     assert summary["gpu_tests"] == {"tests": 4, "failures": 1, "errors": 0, "skipped": 2}
     assert summary["figures"]["decode"][1]["speedup_vs_vanilla"] == 3.0
     assert [t["attention"] for t in summary["figures"]["train_step"]] == [
         "dmc-dense", "dmc-flex", "dmc-flex+torch-sums"]
     text = (tmp_path / "summary.txt").read_text()
     assert "x3.00 vanilla  host 2.50 ms/step" in text and "x1.00 vanilla\n" in text
+    assert "train_step         skipped (no time left before DMC_CHECK_DEADLINE)" in text
     assert "paged kernel (compiled): 9.5 GB/s, 0.475 of copy" in text
     assert ("train step dmc-dense: x1.200 vanilla time, x1.500 vanilla peak memory, x1.250 "
             "vanilla activations kept") in text
