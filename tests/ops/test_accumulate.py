@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from dmc.ops import partial_accumulate
+from dmc.ops import accumulate
 from dmc.ops.accumulate import WindowedSum, WindowWeights, window_weights
 from dmc.ops.reference import compressed_cache_reference, partial_accumulate_reference
 
@@ -87,6 +88,50 @@ def test_gradients_match_reference_and_flow_to_decisions(window):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-10)
     assert leaves[2].grad[..., 1:].abs().sum() > 0
     assert leaves[3].grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("hard", [False, True])
+@pytest.mark.parametrize("seq", [4, 5, 11])
+def test_exact_scan_over_several_chunks(seq, hard, monkeypatch):
+    """The exact form carries its sums across chunks (made 4 tokens long here, so that the
+    float64 reference stays quick: one chunk, one more token, two and a remainder): values and
+    gradients == the reference; hard decisions (alpha exactly 0 inside chunks and on their
+    borders) == Algorithm 1's means."""
+    monkeypatch.setattr(accumulate, "SCAN_CHUNK", 4)
+    k, v, alpha, omega = _inputs(batch=1, heads=2, seq=seq, dim=3, seed=seq, hard=hard)
+    if hard:
+        alpha[..., 3::4] = 0.0  # a slot opens on a chunk's last token
+        alpha[..., 4::4] = 0.0  # and on a chunk's first
+    leaves = [t.clone().requires_grad_() for t in (k, v, alpha, omega)]
+    ref_leaves = [t.clone().requires_grad_() for t in (k, v, alpha, omega)]
+    outputs = partial_accumulate(*leaves, None), partial_accumulate_reference(*ref_leaves, None)
+    for k_out, v_out in outputs:
+        ((k_out * 1.3).sum() + (v_out**2).sum()).backward()
+    for got, want in zip(outputs[0], outputs[1]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-10)
+    assert leaves[2].grad[..., 1:].abs().sum() > 0
+    if hard:
+        keys, _, slot_of_token = compressed_cache_reference(k[0, 1], v[0, 1], alpha[0, 1],
+                                                            omega[0, 1])
+        for t in range(seq):
+            torch.testing.assert_close(outputs[0][0][0, 1, t], keys[t][slot_of_token[t]])
+
+
+def test_exact_scan_float32_over_long_segments():
+    """float32 sums carried unnormalised over 2048 tokens (32 chunks of the default
+    ``SCAN_CHUNK``), decisions near 1 (segments thousands of tokens long): within 1e-5 of the
+    float64 scan."""
+    assert accumulate.SCAN_CHUNK == 64
+    gen = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(1, 2, 2048, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    alpha = 1 - 1e-3 * torch.rand(1, 2, 2048, generator=gen, dtype=torch.float64)
+    omega = torch.rand(1, 2, 2048, generator=gen, dtype=torch.float64) + 0.05
+    want = partial_accumulate(k, v, alpha, omega, None)
+    got = partial_accumulate(k.float(), v.float(), alpha.float(), omega.float(), None)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_name_the_expected_layout():
