@@ -31,8 +31,8 @@ Modes (``--modes``, comma separated):
   merging: a ring of the last d + 1 raw tokens in front of Algorithm 1's slots), the tokens
   older than the ring merging so that the CR at the full length P + G is CR (P + G must be at
   least CR * (d + 1));
-* ``dms:CR``: the base weights as a DMS model (window ``--dms-window``, PyTorch decode on every
-  device) with forced decisions: per layer, in order, the borrowed row (q[-1] of the first query
+* ``dms:CR``: the base weights as a DMS model (window ``--dms-window``; on CUDA the Triton paged
+  kernel with the window ring folded into its reduce step) with forced decisions: per layer, in order, the borrowed row (q[-1] of the first query
   head of each KV group, pre-RoPE) gets random weights and a bias from a calibration forward such
   that the tokens older than the window keep the fraction that gives CR at the full length
   P + G (the window's ``w + 1`` tokens always stay: P + G must be at least CR * (w + 1));
