@@ -1,12 +1,15 @@
 """Training-step throughput and peak memory of DMC vs vanilla attention on one machine and model.
 
 Every run uses the same GPTModel (DMC layer spec); "vanilla" switches the layers to megatron's
-own attention, "dmc-dense" and "dmc-flex" to train mode (Gumbel decisions, window-grouped
-accumulation, CR loss) with the attention of :func:`dmc.ops.dmc_attention` computed through the
-dense additive bias or FlexAttention (``--backends``; default both on CUDA, dense on the CPU,
+own attention, "dmc-<backend>" to train mode (Gumbel decisions, window-grouped accumulation,
+CR loss) with the attention of :func:`dmc.ops.dmc_attention` computed through the dense
+additive bias, FlexAttention ("flex": the decisions' gradient through the mask by its atomic
+adds) or FlexAttention with that gradient from a swapped forward ("flex-transposed",
+:mod:`dmc.ops.flex_bias_grad`) (``--backends``; default all three on CUDA, dense on the CPU,
 where FlexAttention has no backward), and Eq. 9's window sums through ``--accumulate`` (default
-the fused Triton kernels, then the PyTorch path for comparison, on CUDA; PyTorch on the CPU;
-rows ``dmc-<backend>`` for the first, ``dmc-<backend>+<accumulate>-sums`` for the others).
+the fused Triton kernels, then the PyTorch path for comparison, on CUDA; PyTorch on the CPU):
+rows ``dmc-<backend>`` with the first, and ``dmc-<last backend>+<accumulate>-sums`` with each
+other one.
 Step time is the median of ``--steps`` after
 ``--warmup``; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
 "saved" is what autograd keeps for the backward of one step (the bytes of the distinct storages
@@ -121,6 +124,16 @@ def busiest_ops(step, count: int) -> list[dict]:
             for e in events[:count]]
 
 
+def row_plan(backends: list[str], sums: list[str]) -> list[tuple]:
+    """``(mode, row name, attention backend, accumulate backend)`` of every row: vanilla, each
+    attention backend with the first accumulate backend, then the last attention backend with
+    each other accumulate backend (one comparison of the window sums is enough: they do not
+    depend on the attention)."""
+    return ([("vanilla", "vanilla", None, None)]
+            + [("train", f"dmc-{b}", b, sums[0]) for b in backends]
+            + [("train", f"dmc-{backends[-1]}+{a}-sums", backends[-1], a) for a in sums[1:]])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -135,7 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--backends", help="comma separated DMC attention backends of "
-                        "dense, flex (default: dense,flex on CUDA, dense on the CPU)")
+                        "dense, flex-transposed, flex (default: all three on CUDA, in this "
+                        "order; dense on the CPU)")
     parser.add_argument("--accumulate", help="comma separated backends of Eq. 9's window sums "
                         "(dmc.accumulate_backend: torch, triton; default triton,torch on CUDA, "
                         "torch on the CPU)")
@@ -154,12 +168,15 @@ def main(argv=None) -> int:
     for flag, value in (("--by-site", args.by_site), ("--profile", args.profile)):
         if value < 0:
             parser.error(f"{flag}: must be >= 0, got {value}")
-    args.backends = args.backends or ("dense,flex" if torch.cuda.is_available() else "dense")
+    args.backends = args.backends or ("dense,flex-transposed,flex" if torch.cuda.is_available()
+                                      else "dense")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not backends or set(backends) - {"dense", "flex"}:
-        parser.error(f"--backends: accepted dense, flex (comma separated), got {args.backends!r}")
-    if "flex" in backends and not torch.cuda.is_available():
-        parser.error("--backends: flex needs CUDA (FlexAttention has no backward on the CPU)")
+    if not backends or set(backends) - {"dense", "flex", "flex-transposed"}:
+        parser.error(f"--backends: accepted dense, flex, flex-transposed (comma separated), got "
+                     f"{args.backends!r}")
+    if set(backends) - {"dense"} and not torch.cuda.is_available():
+        parser.error("--backends: flex and flex-transposed need CUDA (FlexAttention has no "
+                     "backward on the CPU)")
     args.accumulate = args.accumulate or ("triton,torch" if torch.cuda.is_available()
                                           else "torch")
     sums = [a.strip() for a in args.accumulate.split(",") if a.strip()]
@@ -183,9 +200,7 @@ def main(argv=None) -> int:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     positions = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
     rows = {}
-    for mode, name, backend, accumulate in [("vanilla", "vanilla", None, None)] + [
-            ("train", f"dmc-{b}" + ("" if a == sums[0] else f"+{a}-sums"), b, a)
-            for b in backends for a in sums]:
+    for mode, name, backend, accumulate in row_plan(backends, sums):
         if backend:
             runtime.config.attention_backend = backend
             runtime.config.accumulate_backend = accumulate

@@ -18,7 +18,7 @@ DMS_DECISIONS = ("query", "adapter")  # where DMS reads its eviction logit
 DMS_ONLY = ("method", "dms_window", "dms_logit_scale", "dms_decision")  # a DMC model omits them
 PRIORS = ("global", "local")  # dmc.ops.PRIORS, spelled out to keep torch unimported
 CR_LOSS_GRADS = ("model", "decisions")
-ATTENTION_BACKENDS = ("auto", "dense", "flex")
+ATTENTION_BACKENDS = ("auto", "dense", "flex", "flex-transposed")
 ACCUMULATE_BACKENDS = ("auto", "torch", "triton")
 # the DMC fields with a fixed set of values (besides ``method``), checked by DMCConfig
 DMC_CHOICES = {"prior": PRIORS, "attention_backend": ATTENTION_BACKENDS,
@@ -167,7 +167,9 @@ class DMCConfig:
         q/k norm only. A training setting (``to_dict`` leaves it out).
     omega_offset: added to omega = sigmoid(q[..., -1] + c); 2^-7 reproduces NVIDIA's models
         (see :func:`dmc.ops.importance`), 0 is the paper's.
-    attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense" or "flex": how the
+    attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense", "flex" or
+        "flex-transposed" (FlexAttention with the decisions' gradient through the mask from a
+        swapped forward instead of atomic adds, :mod:`dmc.ops.flex_bias_grad`): how the
         training attention is computed, not part of the model (``to_dict`` leaves it out).
     accumulate_backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton": how
         the training forward computes Eq. 9's window-grouped sums (the PyTorch path

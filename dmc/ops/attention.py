@@ -14,9 +14,10 @@ import functools
 import torch
 
 from dmc.ops.dense_attention import mask_layout, masked_bias_attention
+from dmc.ops.flex_bias_grad import TransposedBiasGrad
 from dmc.ops.mask import bias_masks, delayed_log_keep, delayed_merge_masks
 
-BACKENDS = ("auto", "dense", "flex")
+BACKENDS = ("auto", "dense", "flex", "flex-transposed")
 
 
 def dmc_attention(
@@ -37,24 +38,29 @@ def dmc_attention(
         log_keep: ``[batch, kv_heads, seq]``, ``log(1 - alpha_{j+1})`` per key position.
         scale: softmax scale, default ``dim ** -0.5``.
         backend: ``"dense"`` (:mod:`dmc.ops.dense_attention`, any device), ``"flex"``
-            (FlexAttention; compiled on CUDA, eager forward elsewhere), or ``"auto"`` (flex on
-            CUDA, dense otherwise).
+            (FlexAttention; compiled on CUDA, eager forward elsewhere; the gradient of
+            ``log_keep`` by FlexAttention's own backward, an atomic add per score),
+            ``"flex-transposed"`` (the same forward; that gradient by a swapped FlexAttention
+            forward, :mod:`dmc.ops.flex_bias_grad`), or ``"auto"`` (flex on CUDA, dense
+            otherwise).
         delay: key j is weighted by ``log_keep[j]`` only for queries ``i - j > delay``.
 
     Returns:
         ``[batch, q_heads, seq, dim]`` in the dtype of ``query``.
     """
     scale, flex = _settings("dmc_attention", query, key, scale, backend)
-    seq = query.shape[2]
+    seq, device = query.shape[2], str(query.device)
     if flex:
-        return _flex(query, key, value, log_keep, scale, _causal_block_mask(seq, str(query.device)),
-                     lambda q_idx, kv_idx: q_idx - kv_idx > delay)
+        return _flex(query, key, value, log_keep, scale, _causal_block_mask(seq, device),
+                     _dmc_weighted(delay), backend == "flex-transposed",
+                     lambda: _transposed_block_mask("dmc", seq, delay, device))
     return masked_bias_attention(query, key, value, log_keep,
                                  _dense_layout(key.shape[2], seq, delay, str(query.device)), scale)
 
 
 def _settings(name: str, query, key, scale, backend) -> tuple[float, bool]:
-    """The softmax scale (default ``dim ** -0.5``) and whether FlexAttention runs; ValueError
+    """The softmax scale (default ``dim ** -0.5``) and whether FlexAttention runs (either flex
+    backend); ValueError
     naming ``name`` for a bad backend or a query head count that is not a multiple of the KV
     heads'."""
     if backend not in BACKENDS:
@@ -64,7 +70,7 @@ def _settings(name: str, query, key, scale, backend) -> tuple[float, bool]:
             f"{name}: q_heads={query.shape[1]} is not a multiple of kv_heads={key.shape[1]}"
         )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return scale, backend == "flex" or (backend == "auto" and query.is_cuda)
+    return scale, backend.startswith("flex") or (backend == "auto" and query.is_cuda)
 
 
 def delayed_merge_attention(
@@ -98,10 +104,11 @@ def delayed_merge_attention(
     scale, flex = _settings("delayed_merge_attention", query, key, scale, backend)
     keys, values = torch.cat([key_acc, key], dim=2), torch.cat([value_acc, value], dim=2)
     seq = query.shape[2]
+    device = str(query.device)
     if flex:
-        return _flex(query, keys, values, log_keep, scale,
-                     _delayed_block_mask(seq, delay, str(query.device)),
-                     lambda q_idx, kv_idx: (kv_idx < seq) & (q_idx - kv_idx > delay + 1))
+        return _flex(query, keys, values, log_keep, scale, _delayed_block_mask(seq, delay, device),
+                     _delayed_weighted(seq, delay), backend == "flex-transposed",
+                     lambda: _transposed_block_mask("delayed", seq, delay, device))
     return masked_bias_attention(query, keys, values, delayed_log_keep(log_keep),
                                  _delayed_layout(seq, delay, str(query.device)), scale)
 
@@ -136,23 +143,62 @@ def _causal_block_mask(seq: int, device: str):
     return create_block_mask(causal, None, None, seq, seq, device=device)
 
 
-def _flex(query, key, value, log_keep, scale, block_mask, weighted):
+def _dmc_weighted(delay: int):
+    """The pairs that carry the DMC (``delay`` 0) or DMS (``delay`` w) bias."""
+    return lambda q_idx, kv_idx: q_idx - kv_idx > delay
+
+
+def _delayed_weighted(seq: int, delay: int):
+    """The pairs of delayed merging's ``[accumulated | raw]`` keys that carry the bias."""
+    return lambda q_idx, kv_idx: (kv_idx < seq) & (q_idx - kv_idx > delay + 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _transposed_block_mask(kind: str, seq: int, delay: int, device: str):
+    """The weighted pairs of ``kind`` ("dmc" or "delayed") as a block mask of keys ``[0, seq)``
+    over queries ``[0, seq)``: the swapped pass of :mod:`dmc.ops.flex_bias_grad`."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    weighted = _dmc_weighted(delay) if kind == "dmc" else _delayed_weighted(seq, delay)
+    return create_block_mask(lambda b, h, key_idx, query_idx: weighted(query_idx, key_idx),
+                             None, None, seq, seq, device=device)
+
+
+def _flex(query, key, value, log_keep, scale, block_mask, weighted, transposed_grad,
+          transposed_mask):
     """FlexAttention over ``key, value [batch, kv_heads, keys, dim]`` with ``block_mask``,
     adding ``log_keep[b, kv_head, kv_idx]`` to the scores where ``weighted(q_idx, kv_idx)``
-    (which must be false past ``log_keep``'s end: the index is only clamped there)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    (which must be false past ``log_keep``'s end: the index is only clamped there). With
+    ``transposed_grad`` and a ``log_keep`` that needs a gradient, the bias enters detached and
+    :class:`~dmc.ops.flex_bias_grad.TransposedBiasGrad` supplies its gradient through a swapped
+    pass over ``transposed_mask()``."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     group = query.shape[1] // key.shape[1]
     last = log_keep.shape[-1] - 1
-    log_keep = log_keep.float()
+    swapped = transposed_grad and log_keep.requires_grad and torch.is_grad_enabled()
+    bias = log_keep.detach().float() if swapped else log_keep.float()
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        weight = log_keep[b, h // group, torch.clamp(kv_idx, max=last)]
+        weight = bias[b, h // group, torch.clamp(kv_idx, max=last)]
         return torch.where(weighted(q_idx, kv_idx), score + weight, score)
 
     attend = _compiled_flex() if query.is_cuda else flex_attention
-    return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                  enable_gqa=group > 1)
+    if not swapped:
+        return attend(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                      scale=scale, enable_gqa=group > 1)
+    out, aux = attend(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                      scale=scale, enable_gqa=group > 1, return_aux=AuxRequest(lse=True))
+
+    def transposed_pass(query_t, key_t, value_t, score_mod_t):
+        with torch.no_grad():
+            out_t, aux_t = attend(query_t, key_t, value_t, score_mod=score_mod_t,
+                                  block_mask=transposed_mask(), scale=scale,
+                                  return_aux=AuxRequest(lse=True))
+        return out_t, aux_t.lse
+
+    return TransposedBiasGrad.apply(out, aux.lse, query.detach(), key.detach(), value.detach(),
+                                    log_keep, scale, transposed_pass, weighted)
 
 
 @functools.lru_cache(maxsize=32)

@@ -61,10 +61,26 @@ def test_a_failing_dmc_row_leaves_the_others(tmp_path, monkeypatch, capsys):
     assert "dmc-dense            failed: RuntimeError: no kernel here" in capsys.readouterr().out
 
 
+def test_the_kits_rows():
+    """The GPU kit's default rows: each attention backend with the fused sums, then the
+    PyTorch sums once, with the last backend."""
+    names = [row[1] for row in bench.row_plan(["dense", "flex-transposed", "flex"],
+                                              ["triton", "torch"])]
+    assert names == ["vanilla", "dmc-dense", "dmc-flex-transposed", "dmc-flex",
+                     "dmc-flex+torch-sums"]
+    assert bench.row_plan(["flex"], ["triton", "torch"])[-1] == ("train", "dmc-flex+torch-sums",
+                                                                 "flex", "torch")
+
+
 @pytest.mark.parametrize("flags,named", [(["--by-site", "-1"], "--by-site"),
                                          (["--profile", "-2"], "--profile"),
                                          (["--dtype", "half"], "--dtype"),
                                          (["--accumulate", "cuda"], "--accumulate"),
+                                         (["--backends", "flash"], "--backends"),
+                                         pytest.param(["--backends", "flex-transposed"],
+                                                      "--backends", marks=pytest.mark.skipif(
+                                                          torch.cuda.is_available(),
+                                                          reason="CPU only")),
                                          pytest.param(["--accumulate", "triton"], "--accumulate",
                                                       marks=pytest.mark.skipif(
                                                           torch.cuda.is_available(),

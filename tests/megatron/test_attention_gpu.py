@@ -1,7 +1,8 @@
-"""DMCSelfAttention on a CUDA GPU: the FlexAttention backend equals the dense bias backend in a
-train-mode step (Gumbel decisions, CR loss; with and without delayed merging): the loss and
-every parameter gradient (gpu mark: skipped without CUDA; the CPU forward comparison is in
-test_attention.py)."""
+"""DMCSelfAttention on a CUDA GPU: the FlexAttention backends (the decisions' gradient through
+the mask by FlexAttention's atomic adds, or by the swapped pass of "flex-transposed") equal the
+dense bias backend in a train-mode step (Gumbel decisions, CR loss; with and without delayed
+merging): the loss and every parameter gradient (gpu mark: skipped without CUDA; the CPU
+forward comparison is in test_attention.py)."""
 import pytest
 import torch
 
@@ -26,8 +27,9 @@ def train_step_grads(backend, hard, state, tokens, positions, delay=0):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("backend", ["flex", "flex-transposed"])
 @pytest.mark.parametrize("hard,delay", [(False, 0), (True, 0), (False, 16)])
-def test_flex_train_step_matches_dense(parallel_1x1, hard, delay):
+def test_flex_train_step_matches_dense(parallel_1x1, hard, delay, backend):
     torch.manual_seed(0)
     reference = build_gpt_model(tiny_config(2), VOCAB, 256, dmc=DMCRuntime(DMCConfig()))
     spread_decisions(reference, scale=1.0)
@@ -36,7 +38,7 @@ def test_flex_train_step_matches_dense(parallel_1x1, hard, delay):
     tokens = torch.randint(0, VOCAB, (2, 200), generator=gen).cuda()
     positions = torch.arange(200, device="cuda").expand(2, 200)
     dense_loss, dense = train_step_grads("dense", hard, state, tokens, positions, delay)
-    flex_loss, flex = train_step_grads("flex", hard, state, tokens, positions, delay)
+    flex_loss, flex = train_step_grads(backend, hard, state, tokens, positions, delay)
     torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
     assert flex.keys() == dense.keys() and any("linear_qkv" in n for n in dense)
     for name, grad in dense.items():

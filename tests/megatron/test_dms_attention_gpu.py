@@ -1,7 +1,7 @@
-"""DMSSelfAttention on a CUDA GPU: the FlexAttention backend (delayed-eviction score_mod, no
-L x L bias) equals the dense bias backend in a train-mode step (Gumbel decisions, CR loss): the
-loss and every parameter gradient (gpu mark: skipped without CUDA; the CPU forward comparison
-is in test_dms_attention.py)."""
+"""DMSSelfAttention on a CUDA GPU: the FlexAttention backends ("flex" and "flex-transposed";
+delayed-eviction score_mod, no L x L bias) equal the dense bias backend in a train-mode step
+(Gumbel decisions, CR loss): the loss and every parameter gradient (gpu mark: skipped without
+CUDA; the CPU forward comparison is in test_dms_attention.py)."""
 import pytest
 import torch
 
@@ -26,8 +26,9 @@ def train_step_grads(backend, hard, state, tokens, positions):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("backend", ["flex", "flex-transposed"])
 @pytest.mark.parametrize("hard", [False, True])
-def test_flex_train_step_matches_dense(parallel_1x1, hard):
+def test_flex_train_step_matches_dense(parallel_1x1, hard, backend):
     torch.manual_seed(0)
     reference = build_gpt_model(tiny_config(2), VOCAB, 256,
                                 dmc=DMCRuntime(DMCConfig(**SETTINGS)))
@@ -39,7 +40,7 @@ def test_flex_train_step_matches_dense(parallel_1x1, hard):
     tokens = torch.randint(0, VOCAB, (2, 200), generator=gen).cuda()
     positions = torch.arange(200, device="cuda").expand(2, 200)
     dense_loss, dense = train_step_grads("dense", hard, state, tokens, positions)
-    flex_loss, flex = train_step_grads("flex", hard, state, tokens, positions)
+    flex_loss, flex = train_step_grads(backend, hard, state, tokens, positions)
     torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
     assert flex.keys() == dense.keys() and any("linear_qkv" in n for n in dense)
     for name, grad in dense.items():

@@ -1,4 +1,5 @@
-"""FlexAttention (compiled for CUDA) with the DMC score_mod against the dense additive-bias path:
+"""FlexAttention (compiled for CUDA; "flex" and "flex-transposed", which computes the decision
+logits' gradient by a swapped forward) with the DMC score_mod against the dense additive-bias path:
 outputs and the gradients of queries, keys, values and the decision logits (the CR loss trains
 the decisions through the mask), fp32 and bf16, GQA (gpu mark: skipped without CUDA; the eager
 CPU version is in test_mask.py)."""
@@ -24,10 +25,11 @@ def forward_backward(backend, q, k, v, logits, grad_out):
     return [out.detach()] + [t.grad for t in leaves]
 
 
+@pytest.mark.parametrize("backend", ["flex", "flex-transposed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_heads,kv_heads,seq",
                          [(4, 4, 256), (8, 2, 384), (6, 1, 200), (4, 2, 1100)])
-def test_flex_forward_and_backward_match_dense(dtype, q_heads, kv_heads, seq):
+def test_flex_forward_and_backward_match_dense(dtype, q_heads, kv_heads, seq, backend):
     gen = torch.Generator().manual_seed(q_heads * 10 + seq)
     batch, dim = 2, 64
 
@@ -38,7 +40,7 @@ def test_flex_forward_and_backward_match_dense(dtype, q_heads, kv_heads, seq):
         draw(batch, kv_heads, seq, dim)
     logits = draw(batch, kv_heads, seq, scale=4.0).float()  # soft decisions, some near 0 or 1
     grad_out = draw(batch, q_heads, seq, dim)
-    flex = forward_backward("flex", q, k, v, logits, grad_out)
+    flex = forward_backward(backend, q, k, v, logits, grad_out)
     dense = forward_backward("dense", q, k, v, logits, grad_out)
     for name, got, want in zip(("output", "dq", "dk", "dv", "dlogits"), flex, dense):
         assert got.dtype == want.dtype and torch.isfinite(got).all(), name
