@@ -172,7 +172,7 @@ def _flex(query, key, value, log_keep, scale, block_mask, weighted, transposed_g
     ``transposed_grad`` and a ``log_keep`` that needs a gradient, the bias enters detached and
     :class:`~dmc.ops.flex_bias_grad.TransposedBiasGrad` supplies its gradient through a swapped
     pass over ``transposed_mask()``."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     group = query.shape[1] // key.shape[1]
     last = log_keep.shape[-1] - 1
@@ -187,6 +187,12 @@ def _flex(query, key, value, log_keep, scale, block_mask, weighted, transposed_g
     if not swapped:
         return attend(query, key, value, score_mod=score_mod, block_mask=block_mask,
                       scale=scale, enable_gqa=group > 1)
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError as error:
+        raise ValueError(f"attention backend 'flex-transposed' needs FlexAttention's return_aux "
+                         f"(AuxRequest), which torch {torch.__version__} lacks; accepted "
+                         f"here: {BACKENDS[:3]}") from error
     out, aux = attend(query, key, value, score_mod=score_mod, block_mask=block_mask,
                       scale=scale, enable_gqa=group > 1, return_aux=AuxRequest(lse=True))
 
