@@ -18,9 +18,10 @@ packed by ``saved_tensors_hooks``, parameters left out: the activation memory, o
 CPU); ``--by-site N`` also prints, per mode, the N call sites (innermost ``dmc`` or megatron
 frame) whose saved storages weigh most; ``--profile N`` runs one more step of each mode under
 torch.profiler and prints its N ops with the most self time (CUDA kernels on a GPU: where a DMC
-step's time goes). Prints a table and writes JSON; a DMC row that fails (say, a kernel that
-does not compile on that GPU) is recorded with its error, the others still run, and the exit
-code is 1.
+step's time goes). Prints each row's step time as it is measured and a table at the end, and
+rewrites the JSON after every row (a run stopped by a time limit keeps the rows it measured);
+a DMC row that fails (say, a kernel that does not compile on that GPU) is recorded with its
+error, the others still run, and the exit code is 1.
 
     python benchmarks/train_step.py --layers 4 --hidden 256 --heads 8 --seq 256 --batch 8
     python benchmarks/train_step.py --layers 2 --hidden 2048 --heads 16 --ffn 5632 \
@@ -35,6 +36,7 @@ import json
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -199,6 +201,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     positions = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows = {}
     for mode, name, backend, accumulate in row_plan(backends, sums):
         if backend:
@@ -211,14 +214,12 @@ def main(argv=None) -> int:
                 raise
             rows[name] = {"error": f"{type(error).__name__}: {error}"}
             print(f"{name}: failed: {rows[name]['error']}", file=sys.stderr)
-    base = rows["vanilla"]
+        write_results(args, device_name, rows)  # after every row: a run stopped by a time
+        row = rows[name]                        # limit keeps the rows it measured
+        if row.get("step_s"):
+            print(f"{name}: {row['step_s']:.3f} s a step, x{row['time_vs_vanilla']:.3f} "
+                  f"vanilla", flush=True)
     failed = [name for name, row in rows.items() if "error" in row]
-    for row in (row for row in rows.values() if "error" not in row):
-        row["time_vs_vanilla"] = row["step_s"] / base["step_s"] if row["step_s"] else None
-        row["memory_vs_vanilla"] = (row["peak_bytes"] / base["peak_bytes"]
-                                    if row["peak_bytes"] else None)
-        row["saved_vs_vanilla"] = row["saved_bytes"] / base["saved_bytes"]
-    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{'attention':<20} {'tokens/s':>12} {'step (s)':>10} {'x vanilla time':>15} "
           f"{'peak GiB':>9} {'x vanilla mem':>14} {'saved GiB':>10} {'x vanilla':>10}   "
           f"device: {device_name}")
@@ -235,12 +236,21 @@ def main(argv=None) -> int:
               f"{cell(row['time_vs_vanilla'], '.3f'):>15} {cell(peak, '.2f'):>9} "
               f"{cell(row['memory_vs_vanilla'], '.3f'):>14} "
               f"{row['saved_bytes'] / 2**30:>10.3f} {row['saved_vs_vanilla']:>10.3f}")
-    result = {"config": vars(args), "device": device_name, "results": rows}
-    from pathlib import Path
-
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
     return 1 if failed else 0
+
+
+def write_results(args, device_name: str, rows: dict) -> None:
+    """Each measured row's ratios to vanilla (the first row), then the JSON at ``--out``."""
+    base = rows["vanilla"]
+    for row in (row for row in rows.values() if "error" not in row):
+        row["time_vs_vanilla"] = row["step_s"] / base["step_s"] if row["step_s"] else None
+        row["memory_vs_vanilla"] = (row["peak_bytes"] / base["peak_bytes"]
+                                    if row["peak_bytes"] else None)
+        row["saved_vs_vanilla"] = row["saved_bytes"] / base["saved_bytes"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(args), "device": device_name, "results": rows},
+                              indent=1))
 
 
 def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:

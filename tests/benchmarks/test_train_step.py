@@ -61,6 +61,24 @@ def test_a_failing_dmc_row_leaves_the_others(tmp_path, monkeypatch, capsys):
     assert "dmc-dense            failed: RuntimeError: no kernel here" in capsys.readouterr().out
 
 
+def test_the_json_holds_every_row_measured_before_a_stop(tmp_path, monkeypatch):
+    """A run stopped between rows (the kit's time limit) leaves the JSON of the rows it
+    measured."""
+    measure_row = bench.measure_row
+
+    def stopping(args, model, runtime, mode, name, *rest):
+        if name != "vanilla":
+            raise KeyboardInterrupt  # not an Exception: not recorded as a failed row
+        return measure_row(args, model, runtime, mode, name, *rest)
+
+    monkeypatch.setattr(bench, "measure_row", stopping)
+    out = tmp_path / "stopped.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(TINY + ["--steps", "1", "--warmup", "0", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert list(rows) == ["vanilla"] and rows["vanilla"]["time_vs_vanilla"] == 1.0
+
+
 def test_the_kits_rows():
     """The GPU kit's default rows: each attention backend with the fused sums, then the
     PyTorch sums once, with the last backend."""
