@@ -25,11 +25,14 @@ def forward_backward(backend, q, k, v, logits, grad_out):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("backend", ["flex", "flex-transposed"])
+SHAPES = [(4, 4, 256), (8, 2, 384), (6, 1, 200), (4, 2, 1100)]  # q_heads, kv_heads, seq
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_heads,kv_heads,seq",
-                         [(4, 4, 256), (8, 2, 384), (6, 1, 200), (4, 2, 1100)])
-def test_flex_forward_and_backward_match_dense(dtype, q_heads, kv_heads, seq, backend):
+@pytest.mark.parametrize("backend,q_heads,kv_heads,seq",
+                         [("flex", *shape) for shape in SHAPES]
+                         + [("flex-transposed", *shape) for shape in SHAPES[1::2]])
+def test_flex_forward_and_backward_match_dense(dtype, backend, q_heads, kv_heads, seq):
     gen = torch.Generator().manual_seed(q_heads * 10 + seq)
     batch, dim = 2, 64
 
