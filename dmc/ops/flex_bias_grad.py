@@ -15,8 +15,10 @@ tile all adding into the same keys. Here the bias enters the score_mod detached,
 the pairs that carry the bias). The sums over i are one more FlexAttention *forward* with
 queries and keys swapped: key j asks, query i answers with the score ``s_ij + log_keep_j -
 lse_i = log P_ij`` on weighted pairs (``-inf`` elsewhere) and the value ``[dO_i, D_i]``, so
-that ``exp(lse'_j) * out'_j = sum_i P_ij [dO_i, D_i]``. The queries and keys of that pass are
-the forward's (bf16 on a GPU); the values and sums float32.
+that ``exp(lse'_j) * out'_j = sum_i P_ij [dO_i, D_i]``. That pass runs in the forward's dtype
+(bf16 on a GPU: FlexAttention takes one dtype for its queries, keys and values; it accumulates
+in float32), the products with ``v_j`` and the sums over heads in float32. The gradient equals
+FlexAttention's own up to rounding; only the order of the sums differs.
 """
 from __future__ import annotations
 
