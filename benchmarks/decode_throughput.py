@@ -55,7 +55,10 @@ GEMM rate)`` it reaches at the median step time, the bandwidth and GEMM rate mea
 microbenchmarks after the run, in the same process and thread count.
 
 Presets: ``gpu`` (default with CUDA): a ~1B-shaped Llama (16 layers, hidden 2048, 16 heads, FFN
-5504, vocab 32000), bf16, P = G = 2048, 12 GiB per mode, modes vanilla and DMC 2x / 4x / 8x;
+5504, vocab 32000), bf16, P = G = 2048, 12 GiB per mode (lowered to an equal share where the
+GPU does not hold every mode's cache beside the models and 6 GiB for activations: five modes
+on an 80 GB H100), prompts prefilled 32768 tokens a step, modes vanilla, DMC 2x / 4x / 8x and
+DMS 4x;
 ``cpu`` (default otherwise): 2 layers, hidden 256, 4 heads, P = 256, G = 64, 8 MiB per mode, fp32,
 vanilla and DMC 2x / 4x; ``cpu-kv``: a KV-heavy CPU shape where the cache, not the weights,
 dominates a step (2 layers, hidden 512, 8 heads and 8 KV heads, P = 1024, G = 64, 136 MiB per
@@ -89,7 +92,8 @@ STARTED = time.perf_counter()
 PRESETS = {
     "gpu": dict(layers=16, hidden=2048, heads=16, groups=16, ffn=5504, vocab=32000,
                 prompt_len=2048, gen_len=2048, steady=512, budget_mib=12 * 1024,
-                modes="vanilla,dmc:2,dmc:4,dmc:8,dms:4", dtype="bfloat16", probe=4),
+                modes="vanilla,dmc:2,dmc:4,dmc:8,dms:4", dtype="bfloat16", probe=4,
+                prefill_tokens=32768),
     "cpu": dict(layers=2, hidden=256, heads=4, groups=4, ffn=512, vocab=512,
                 prompt_len=256, gen_len=64, steady=32, budget_mib=8, modes="vanilla,dmc:2,dmc:4",
                 dtype="float32", probe=2),
@@ -115,7 +119,13 @@ def parse_args(argv=None):
     p.add_argument("--gen-len", type=int, help="G: generated tokens per request")
     p.add_argument("--steady", type=int,
                    help="N: tokens/s over the last N decode steps at the full batch")
-    p.add_argument("--budget-mib", type=float, help="cache memory budget per mode, MiB")
+    p.add_argument("--budget-mib", type=float, help="cache memory budget per mode, MiB (on a GPU "
+                   "a preset's is lowered to what the device holds for every mode beside the "
+                   "models and a reserve for activations; one given here is kept or refused)")
+    p.add_argument("--prefill-tokens", type=int,
+                   help="most prompt tokens prefilled in one step beside the decode tokens "
+                        "(default: every prompt at once; the gpu preset 32768, which keeps a "
+                        "prefill's activations small)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--window", type=int, default=12, help="DMC window of forced modes (0 = exact)")
     p.add_argument("--c", type=float, default=5.0,
@@ -142,6 +152,7 @@ def parse_args(argv=None):
 
     args.cuda = cuda_available()
     args.preset = args.preset or ("gpu" if args.cuda else "cpu")
+    args.budget_given = args.budget_mib is not None
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -164,6 +175,8 @@ def parse_args(argv=None):
         p.error(f"--steady: must be < --gen-len ({args.gen_len}), got {args.steady}")
     if args.budget_mib <= 0:
         p.error(f"--budget-mib: must be > 0, got {args.budget_mib}")
+    if args.prefill_tokens is not None and args.prefill_tokens < 1:
+        p.error(f"--prefill-tokens: must be >= 1, got {args.prefill_tokens}")
     if args.window < 0:
         p.error(f"--window: must be >= 0 (0 = exact), got {args.window}")
     if args.dms_window < 0:
@@ -258,8 +271,37 @@ def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None):
     return Engine(model, dmc, policy=policy and policy(), page_size=args.page_size,
                   max_batch=max_batch, max_seq_len=args.prompt_len + args.gen_len,
                   num_pages=num_pages, chunk_size=args.chunk_size,
-                  step_tokens=max_batch * (args.prompt_len + 1), seed=args.seed,
+                  step_tokens=step_tokens(args, max_batch), seed=args.seed,
                   cuda_graphs=graphs_for(policy, args))
+
+
+def step_tokens(args, max_batch: int) -> int:
+    """An engine step's token budget: every prompt at once, or the batch's decode tokens plus
+    ``--prefill-tokens`` of prompts (at least one chunk, as the scheduler needs)."""
+    every = max_batch * (args.prompt_len + 1)
+    if args.prefill_tokens is None:
+        return every
+    return min(every, max_batch + max(args.prefill_tokens, args.chunk_size))
+
+
+ACTIVATION_RESERVE = 6 * 2**30  # bytes a GPU keeps beside the caches: prefill activations,
+# CUDA graphs, the allocator's slack
+
+
+def device_budget(requested: int, free: int, modes: int, given: bool) -> int:
+    """The cache budget per mode on a GPU with ``free`` bytes once the models are loaded:
+    ``requested``, or, when that does not fit ``modes`` caches beside
+    :data:`ACTIVATION_RESERVE`, the share that does (``given``: the user's ``--budget-mib``,
+    refused instead of lowered)."""
+    fits = (free - ACTIVATION_RESERVE) // modes
+    if requested <= fits:
+        return requested
+    if given or fits <= 0:
+        raise SystemExit(f"--budget-mib: {modes} caches of {requested / 2**20:g} MiB do not fit "
+                         f"the {free / 2**30:.1f} GiB free on this GPU beside "
+                         f"{ACTIVATION_RESERVE / 2**30:g} GiB for activations; at most "
+                         f"{max(fits, 0) / 2**20:.0f} MiB per mode")
+    return fits
 
 
 def graphs_for(policy, args) -> bool:
@@ -443,6 +485,13 @@ def main(argv=None) -> int:
     initialize_parallel(1, 1, seed=args.seed)
     models = build_models(args)
     budget = int(args.budget_mib * 2**20)
+    if args.cuda:
+        budget = device_budget(budget, torch.cuda.mem_get_info()[0], len(models),
+                               args.budget_given)
+        if budget != int(args.budget_mib * 2**20):
+            progress(f"--budget-mib: the preset's {args.budget_mib:g} MiB per mode do not fit "
+                     f"{len(models)} modes on this GPU; {budget / 2**20:.0f} MiB each")
+            args.budget_mib = budget / 2**20
     rows = run_all(args, models, budget)
     device = torch.cuda.get_device_name() if args.cuda else "cpu (PyTorch kernels)"
     print(f"decode throughput on {device} ({args.preset} preset): {args.layers} layers, hidden "

@@ -160,12 +160,56 @@ def test_fit_batch_is_the_largest_batch_within_the_budget():
     (["--gen-len", "8", "--steady", "8"], "--steady"),
     (["--budget-mib", "0"], "--budget-mib"),
     (["--preset", "tpu"], "--preset"),
+    (["--prefill-tokens", "0"], "--prefill-tokens"),
 ])
 def test_bad_flags_exit_2_naming_them(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(["--preset", "cpu"] + flags)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_presets_budget_is_lowered_to_what_the_gpu_holds():
+    """On a GPU every mode's cache must fit beside the models and a reserve for activations
+    (5 caches of 12 GiB do not fit an H100 beside five 1B models): a preset's budget is
+    lowered to an equal share, a budget given on the command line is refused."""
+    gib, reserve = 2**30, bench.ACTIVATION_RESERVE
+    assert bench.device_budget(12 * gib, 130 * gib, 5, given=False) == 12 * gib
+    assert bench.device_budget(12 * gib, 60 * gib, 5, given=False) == (60 * gib - reserve) // 5
+    with pytest.raises(SystemExit, match="--budget-mib: 5 caches of 12288 MiB do not fit"):
+        bench.device_budget(12 * gib, 60 * gib, 5, given=True)
+    with pytest.raises(SystemExit, match="at most 0 MiB per mode"):
+        bench.device_budget(gib, reserve // 2, 2, given=False)
+    assert not bench.parse_args(["--preset", "cpu"]).budget_given
+    assert bench.parse_args(["--preset", "cpu", "--budget-mib", "8"]).budget_given
+
+
+def test_prefill_tokens_cap_the_step():
+    args = bench.parse_args(["--preset", "cpu", "--prompt-len", "100"])
+    assert args.prefill_tokens is None and bench.step_tokens(args, 8) == 8 * 101
+    args = bench.parse_args(["--preset", "cpu", "--prompt-len", "100", "--prefill-tokens", "300"])
+    assert bench.step_tokens(args, 8) == 8 + 300  # the decode tokens beside
+    args = bench.parse_args(["--preset", "cpu", "--prompt-len", "100", "--prefill-tokens", "50"])
+    assert bench.step_tokens(args, 8) == 8 + 100  # a chunk at least
+    args = bench.parse_args(["--preset", "cpu", "--prompt-len", "100", "--prefill-tokens", "5000"])
+    assert bench.step_tokens(args, 8) == 8 * 101  # never more than every prompt at once
+    assert bench.parse_args(["--preset", "gpu"]).prefill_tokens == 32768
+
+
+def test_prompts_prefilled_over_several_steps(tmp_path):
+    """With ``--prefill-tokens`` the batch is admitted over several steps; the steady window
+    still holds full-batch decode steps only."""
+    out = tmp_path / "decode.json"
+    assert bench.main([
+        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
+        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "24", "--steady", "4",
+        "--budget-mib", "0.25", "--modes", "vanilla,dmc:4", "--prefill-tokens", "60",
+        "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        assert row["steady_steps"] == 4 and row["steady_tokens"] == 4 * row["batch"]
+        assert row["batch"] > 2  # more prompts than one 60-token step prefills
+    assert json.loads(out.read_text())["args"]["prefill_tokens"] == 60
 
 
 def test_tiny_run_end_to_end(tmp_path, capsys):
