@@ -32,10 +32,11 @@ Modes (``--modes``, comma separated):
   older than the ring merging so that the CR at the full length P + G is CR (P + G must be at
   least CR * (d + 1));
 * ``dms:CR``: the base weights as a DMS model (window ``--dms-window``; on CUDA the Triton paged
-  kernel with the window ring folded into its reduce step) with forced decisions: per layer, in order, the borrowed row (q[-1] of the first query
-  head of each KV group, pre-RoPE) gets random weights and a bias from a calibration forward such
-  that the tokens older than the window keep the fraction that gives CR at the full length
-  P + G (the window's ``w + 1`` tokens always stay: P + G must be at least CR * (w + 1));
+  kernel with the window ring folded into its reduce step) with forced decisions: per layer, in
+  order, the borrowed row (q[-1] of the first query head of each KV group, pre-RoPE) gets random
+  weights and a bias from a calibration forward such that the tokens older than the window keep
+  the fraction that gives CR at the full length P + G (the window's ``w + 1`` tokens always
+  stay: P + G must be at least CR * (w + 1));
 * ``gqa:F``: a random model of the same shape with ``F`` times fewer KV heads (random models
   only);
 * ``policy:NAME:CR``: the base model with a training-free policy (``dmc.policies``) at CR;
@@ -292,12 +293,12 @@ def device_budget(requested: int, free: int, modes: int, given: bool) -> int:
     """The cache budget per mode on a GPU with ``free`` bytes once the models are loaded:
     ``requested``, or, when that does not fit ``modes`` caches beside
     :data:`ACTIVATION_RESERVE`, the share that does (``given``: the user's ``--budget-mib``,
-    refused instead of lowered)."""
+    refused instead of lowered: ValueError)."""
     fits = (free - ACTIVATION_RESERVE) // modes
     if requested <= fits:
         return requested
     if given or fits <= 0:
-        raise SystemExit(f"--budget-mib: {modes} caches of {requested / 2**20:g} MiB do not fit "
+        raise ValueError(f"--budget-mib: {modes} caches of {requested / 2**20:g} MiB do not fit "
                          f"the {free / 2**30:.1f} GiB free on this GPU beside "
                          f"{ACTIVATION_RESERVE / 2**30:g} GiB for activations; at most "
                          f"{max(fits, 0) / 2**20:.0f} MiB per mode")
@@ -486,8 +487,12 @@ def main(argv=None) -> int:
     models = build_models(args)
     budget = int(args.budget_mib * 2**20)
     if args.cuda:
-        budget = device_budget(budget, torch.cuda.mem_get_info()[0], len(models),
-                               args.budget_given)
+        try:
+            budget = device_budget(budget, torch.cuda.mem_get_info()[0], len(models),
+                                   args.budget_given)
+        except ValueError as error:
+            print(f"decode_throughput: {error}", file=sys.stderr)
+            return 2
         if budget != int(args.budget_mib * 2**20):
             progress(f"--budget-mib: the preset's {args.budget_mib:g} MiB per mode do not fit "
                      f"{len(models)} modes on this GPU; {budget / 2**20:.0f} MiB each")
