@@ -173,7 +173,7 @@ class DMCConfig:
         training attention is computed, not part of the model (``to_dict`` leaves it out).
     accumulate_backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton": how
         the training forward computes Eq. 9's window-grouped sums (the PyTorch path
-        :func:`dmc.ops.accumulate.windowed_sums`, or the fused kernels of
+        :func:`dmc.ops.accumulate.windowed_accumulate`, or the fused kernels of
         :mod:`dmc.megatron.window_sum_kernels`; "triton" on the CPU needs
         ``TRITON_INTERPRET=1``), in training and in the engine's prefill; not part of the model
         (``to_dict`` leaves it out).
