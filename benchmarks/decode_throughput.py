@@ -487,6 +487,7 @@ def main(argv=None) -> int:
     models = build_models(args)
     budget = int(args.budget_mib * 2**20)
     if args.cuda:
+        torch.cuda.empty_cache()  # the calibration forwards' blocks count as free again
         try:
             budget = device_budget(budget, torch.cuda.mem_get_info()[0], len(models),
                                    args.budget_given)
