@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from dmc.ops.attention import BACKENDS
+
 warnings.filterwarnings("ignore")
 
 
@@ -173,8 +175,9 @@ def main(argv=None) -> int:
     args.backends = args.backends or ("dense,flex-transposed,flex" if torch.cuda.is_available()
                                       else "dense")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not backends or set(backends) - {"dense", "flex", "flex-transposed"}:
-        parser.error(f"--backends: accepted dense, flex, flex-transposed (comma separated), got "
+    accepted = [b for b in BACKENDS if b != "auto"]
+    if not backends or set(backends) - set(accepted):
+        parser.error(f"--backends: accepted {', '.join(accepted)} (comma separated), got "
                      f"{args.backends!r}")
     if set(backends) - {"dense"} and not torch.cuda.is_available():
         parser.error("--backends: flex and flex-transposed need CUDA (FlexAttention has no "

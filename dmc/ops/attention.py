@@ -184,17 +184,16 @@ def _flex(query, key, value, log_keep, scale, block_mask, weighted, transposed_g
         return torch.where(weighted(q_idx, kv_idx), score + weight, score)
 
     attend = _compiled_flex() if query.is_cuda else flex_attention
+    options = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=group > 1)
     if not swapped:
-        return attend(query, key, value, score_mod=score_mod, block_mask=block_mask,
-                      scale=scale, enable_gqa=group > 1)
+        return attend(query, key, value, **options)
     try:
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError as error:
         raise ValueError(f"attention backend 'flex-transposed' needs FlexAttention's return_aux "
                          f"(AuxRequest), which torch {torch.__version__} lacks; accepted "
                          f"here: {BACKENDS[:3]}") from error
-    out, aux = attend(query, key, value, score_mod=score_mod, block_mask=block_mask,
-                      scale=scale, enable_gqa=group > 1, return_aux=AuxRequest(lse=True))
+    out, aux = attend(query, key, value, **options, return_aux=AuxRequest(lse=True))
 
     def transposed_pass(query_t, key_t, value_t, score_mod_t):
         with torch.no_grad():

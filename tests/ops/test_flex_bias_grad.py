@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dmc.ops import dmc_attention, log_keep_next, log_keep_next_from_logits
-from dmc.ops.attention import delayed_merge_attention
+from dmc.megatron.config import ATTENTION_BACKENDS
+from dmc.ops.attention import BACKENDS, delayed_merge_attention
 
 
 def _inputs(batch, q_heads, kv_heads, seq, dim, seed, dtype=torch.float32):
@@ -85,3 +86,8 @@ def test_without_a_gradient_the_output_is_flex():
     log_keep = log_keep_next_from_logits(logits)
     torch.testing.assert_close(dmc_attention(q, k, v, log_keep, backend="flex-transposed"),
                                dmc_attention(q, k, v, log_keep, backend="flex"))
+
+
+def test_the_config_accepts_every_attention_backend():
+    """``DMCConfig`` (torch-free) keeps its own list of ``dmc_attention``'s backends."""
+    assert ATTENTION_BACKENDS == BACKENDS
