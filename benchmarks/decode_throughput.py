@@ -16,6 +16,10 @@ temperature 1, no stop token) with the largest batch whose cache fits ONE memory
    the others to finish); the pool gets every page the budget has left;
 3. all modes run together, interleaved step by step (one ``Engine.step`` of each mode in turn,
    the order rotated every round), so that drift of the machine lands on every mode alike;
+   with ``--overlap`` (``Engine(overlap=True)``: a decode step launched before the previous one
+   is read back) in blocks of :data:`OVERLAP_BLOCK` steps, an overlapped step timed from the
+   end of the previous one without waiting for the device (the block's first step, after the
+   other modes ran, is not timed);
 4. throughput is tokens/s over the last ``--steady`` decode steps at the full batch (steps that
    prefill nothing and decode every sequence): the steady state at the longest contexts; also
    batch / the median of those step times, which a busy machine's bursts disturb less.
@@ -82,7 +86,14 @@ import warnings
 
 import torch
 
-from dmc.eval.decode_modes import FORCED, MODE_SYNTAX, Mode, build_models, parse_mode
+from dmc.eval.decode_modes import (
+    FORCED,
+    MODE_SYNTAX,
+    OVERLAP_KINDS,
+    Mode,
+    build_models,
+    parse_mode,
+)
 from dmc.eval.kv_budget import cache_allocation, fit_batch
 from dmc.eval.roofline import attention_flops, measure_machine, roofline, weight_bytes_and_flops
 from dmc.inference.ring_cache import WindowRingCache
@@ -90,6 +101,7 @@ from dmc.inference.ring_cache import WindowRingCache
 warnings.filterwarnings("ignore", module="megatron")
 
 STARTED = time.perf_counter()
+OVERLAP_BLOCK = 16  # steps a mode runs in turn when some mode overlaps its steps
 PRESETS = {
     "gpu": dict(layers=16, hidden=2048, heads=16, groups=16, ffn=5504, vocab=32000,
                 prompt_len=2048, gen_len=2048, steady=512, budget_mib=12 * 1024,
@@ -143,6 +155,10 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", action="store_true",
                    help="decode-only steps replayed from a CUDA graph per batch size (eager on "
                         "the CPU); vanilla, GQA and DMC modes (policies and DMS run eagerly)")
+    p.add_argument("--overlap", choices=["off", "on", "both"], default="off",
+                   help="with --cuda-graphs: serve vanilla, GQA, DMC and model modes with "
+                        "Engine(overlap=True) (a step's host work while the previous step's "
+                        "device work runs): on; both: each such mode twice, with and without")
     p.add_argument("--profile", action="store_true",
                    help="profile one decode step of each mode halfway through generation "
                         "(torch.profiler; the step is left out of the timings) and print its "
@@ -169,6 +185,8 @@ def parse_args(argv=None):
                 "--model); with --model use vanilla, model, policy:NAME:CR")
     if "model" in kinds and not args.model:
         p.error("--modes: 'model' needs --model PATH")
+    if args.overlap != "off" and not args.cuda_graphs:
+        p.error(f"--overlap: {args.overlap} needs --cuda-graphs (accepted without it: off)")
     for name in ("prompt_len", "gen_len", "steady", "page_size", "probe", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -205,20 +223,26 @@ class Run:
     def __init__(self, mode: Mode, engine, batch: int, prompts, params):
         self.mode, self.engine, self.batch = mode, engine, batch
         self.results = []
-        # (seconds, decode tokens, prefill tokens, KV bytes, slots, device seconds) per step
+        self.error = None  # what stopped this mode's run (the others go on)
+        # (seconds, decode tokens, prefill tokens, KV bytes, slots, device seconds, timed) per
+        # step; timed: False for an overlapped step that follows a pause (below)
         self.steps = []
         self.profiled = []  # the same of steps run under the profiler (not timed)
         for prompt in prompts:
             engine.add_request(prompt, params)
 
-    def step(self, cuda: bool) -> None:
+    def step(self, cuda: bool, first: bool = True) -> None:
+        """One ``Engine.step``, timed from an idle device to an idle device; overlapped, from
+        the end of the previous step of the block (``first``: after the other modes' steps,
+        whose device work absorbed this mode's step in flight: not timed)."""
         stats = self.engine.stats
         before = (stats.decode_tokens, stats.prefill_tokens, stats.decode_device_seconds)
-        if cuda:
+        overlap = self.mode.overlap
+        if cuda and (first or not overlap):
             torch.cuda.synchronize()
         started = time.perf_counter()
         self.results += self.engine.step()
-        if cuda:
+        if cuda and not overlap:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         cache = self.engine.cache
@@ -228,7 +252,7 @@ class Run:
         self.steps.append((seconds, stats.decode_tokens - before[0],
                            stats.prefill_tokens - before[1],
                            cache.pages_in_use * cache.page_bytes, slots,
-                           stats.decode_device_seconds - before[2]))
+                           stats.decode_device_seconds - before[2], not (overlap and first)))
 
     def steady(self, n: int) -> tuple[int, int, float, float]:
         """The last ``n`` steps that decoded the full batch and prefilled nothing: (steps,
@@ -246,11 +270,11 @@ class Run:
 
     def steady_cache(self, n: int) -> tuple[float, float]:
         """Mean K/V page bytes and cached slots the cache held after those steps."""
-        full = self._full(n) or [(0, 0, 0, 0, 0, 0)]
+        full = self._full(n) or [(0, 0, 0, 0, 0, 0, True)]
         return (sum(s[3] for s in full) / len(full), sum(s[4] for s in full) / len(full))
 
     def _full(self, n: int) -> list[tuple]:
-        return [s for s in self.steps if s[2] == 0 and s[1] == self.batch][-n:]
+        return [s for s in self.steps if s[2] == 0 and s[1] == self.batch and s[6]][-n:]
 
 
 def progress(message: str) -> None:
@@ -264,7 +288,8 @@ def prompts_for(args, n: int, seed: int) -> list[list[int]]:
     return torch.randint(0, args.vocab, (n, args.prompt_len), generator=gen).tolist()
 
 
-def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None):
+def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None,
+               overlap: bool = False):
     """An engine whose step may prefill every prompt at once (as many as the pages allow), so
     that the batch starts decoding together."""
     from dmc.inference import Engine
@@ -273,7 +298,21 @@ def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None):
                   max_batch=max_batch, max_seq_len=args.prompt_len + args.gen_len,
                   num_pages=num_pages, chunk_size=args.chunk_size,
                   step_tokens=step_tokens(args, max_batch), seed=args.seed,
-                  cuda_graphs=graphs_for(policy, args))
+                  cuda_graphs=graphs_for(policy, args), overlap=overlap)
+
+
+def with_overlap(models: dict, how: str) -> dict:
+    """``models`` with the modes ``Engine(overlap=True)`` serves overlapped (``how`` "on") or
+    also overlapped ("both": each followed by its twin, the same model); "off": unchanged."""
+    if how == "off":
+        return models
+    out = {}
+    for mode, built in models.items():
+        if how == "both" or mode.kind not in OVERLAP_KINDS:
+            out[mode] = built
+        if mode.kind in OVERLAP_KINDS:
+            out[mode._replace(overlap=True)] = built
+    return out
 
 
 def step_tokens(args, max_batch: int) -> int:
@@ -346,7 +385,7 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
     runs, rows = [], {}
     for mode, (model, dmc, policy) in models.items():
         row = {"mode": mode.label, "kind": mode.kind, "target": mode.value,
-               "cuda_graphs": graphs_for(policy, args)}
+               "cuda_graphs": graphs_for(policy, args), "overlap": mode.overlap}
         row.update(probe(mode, model, dmc, policy, args, params))
         kv_heads = int(args.groups / mode.value) if mode.kind == "gqa" else args.groups
         shape = dict(num_layers=args.layers, num_kv_heads=kv_heads,
@@ -360,7 +399,7 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
         if batch == 0:
             raise SystemExit(f"--budget-mib: {args.budget_mib} MiB holds no {mode.label} "
                              f"sequence of {args.prompt_len + args.gen_len} tokens")
-        engine = engine_for(model, dmc, policy, args, batch, num_pages)
+        engine = engine_for(model, dmc, policy, args, batch, num_pages, mode.overlap)
         row["memory"] = cache_allocation(num_pages=num_pages, max_seqs=batch, **shape)
         row["memory"]["policy_state"] = batch * row["policy_state_per_seq"]
         row.update(batch=batch, num_pages=num_pages)
@@ -368,19 +407,31 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
         runs.append(Run(mode, engine, batch, prompts_for(args, batch, args.seed + 2), params))
         progress(f"{mode.label}: probe CR {row['probe_cr']:.2f}, {row['pages_per_seq']} pages "
                  f"per sequence, batch {batch}")
-    rounds, profiled_round = 0, args.gen_len // 2 if args.profile else -1
-    while any(r.engine.has_unfinished() for r in runs):
+    # overlapped modes keep a step in flight between their steps: every mode then runs
+    # blocks of OVERLAP_BLOCK steps in turn, not single steps
+    block = OVERLAP_BLOCK if any(run.mode.overlap for run in runs) else 1
+    rounds, profiled_round = 0, args.gen_len // 2 // block if args.profile else -1
+    while any(r.engine.has_unfinished() and not r.error for r in runs):
         shift = rounds % len(runs)
         for run in runs[shift:] + runs[:shift]:
-            if run.engine.has_unfinished():
-                if rounds == profiled_round:
-                    profile_step(run, args.cuda)
-                else:
-                    run.step(args.cuda)
+            for index in range(block):
+                if run.error or not run.engine.has_unfinished():
+                    break
+                try:
+                    if rounds == profiled_round and index == block // 2:
+                        profile_step(run, args.cuda)
+                    else:
+                        run.step(args.cuda, first=index == 0)
+                except Exception as error:  # one mode's fault must not lose the others' figures
+                    run.error = f"{type(error).__name__}: {error}"
+                    progress(f"{run.mode.label}: stopped by {run.error}")
         rounds += 1
-        if rounds % 256 == 0:
-            progress(f"{rounds} interleaved rounds")
+        if rounds * block % 256 == 0:
+            progress(f"{rounds * block} interleaved steps")
     progress(f"timed run done after {rounds} rounds")
+    for run in [r for r in runs if r.error]:
+        rows[run.mode]["error"] = run.error
+    runs = [r for r in runs if not r.error]
     for run in runs:
         row = rows[run.mode]
         failed = [r.error for r in run.results if r.error]
@@ -405,8 +456,10 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
             print(f"warning: {run.mode.label}: only {steps} decode steps ran at the full batch "
                   f"(--steady {args.steady}); the figure averages those")
     add_rooflines(args, runs, rows)
-    vanilla = next((r for m, r in rows.items() if m.kind == "vanilla"), None)
-    for row in rows.values():
+    done = [r for r in rows.values() if "error" not in r]
+    for row in done:  # against vanilla served the same way (with or without overlap)
+        vanilla = next((r for r in sorted(done, key=lambda r: r["overlap"] != row["overlap"])
+                        if r["kind"] == "vanilla"), None)
         for key, ratio in (("tokens_per_s", "speedup_vs_vanilla"),
                            ("median_step_tokens_per_s", "median_speedup_vs_vanilla")):
             row[ratio] = row[key] / vanilla[key] if vanilla and vanilla[key] else None
@@ -460,8 +513,12 @@ def table(rows) -> str:
     header = ("mode", "measured CR", "pages/seq", "batch", "budget used", "steady steps",
               "tok/s", "x vanilla", "median tok/s", "x vanilla", "host ms/step", "preempt",
               "MiB/step", "GB/s", "roofline")
-    lines = [" | ".join(f"{h:>12}" for h in header)]
+    first = max([12] + [len(r["mode"]) for r in rows])
+    lines = [" | ".join([f"{header[0]:>{first}}"] + [f"{h:>12}" for h in header[1:]])]
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['mode']:>{first}} | failed: {r['error']}")
+            continue
         def ratio(key):
             return "-" if r[key] is None else f"{r[key]:.2f}"
 
@@ -473,7 +530,7 @@ def table(rows) -> str:
                  f"{r['step_bytes']['total'] / 2**20:.1f}",
                  f"{r['roofline']['achieved_bytes_per_s'] / 1e9:.2f}",
                  f"{r['roofline']['fraction']:.3f} {r['roofline']['bound'][:3]}")
-        lines.append(" | ".join(f"{c:>12}" for c in cells))
+        lines.append(" | ".join([f"{cells[0]:>{first}}"] + [f"{c:>12}" for c in cells[1:]]))
     return "\n".join(lines)
 
 
@@ -484,7 +541,7 @@ def main(argv=None) -> int:
     if not args.cuda:
         torch.set_num_threads(max(1, min(args.threads, os.cpu_count() or 1)))
     initialize_parallel(1, 1, seed=args.seed)
-    models = build_models(args)
+    models = with_overlap(build_models(args), args.overlap)
     budget = int(args.budget_mib * 2**20)
     if args.cuda:
         torch.cuda.empty_cache()  # the calibration forwards' blocks count as free again
@@ -515,7 +572,7 @@ def main(argv=None) -> int:
             json.dump({"device": device, "args": config, "budget_bytes": budget, "rows": rows},
                       f, indent=2)
         print(f"wrote {args.out}")
-    return 0
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@
 # For a leased machine whose minutes are counted: DMC_TIMEOUT_<step> (e.g. DMC_TIMEOUT_gpu_tests
 # =150) stops a step after that many seconds (exit 124 in the summary; the others still run);
 # DMC_CHECK_QUICK=1 shortens the protocols (decode: 512 generated tokens and the last 256 steps
-# instead of 2048 and 512; paged kernel: 20 iterations; train step: 1 warm-up + 4 steps);
+# instead of 2048 and 512, modes vanilla, DMC 4x / 8x and DMS 4x, each but DMS also overlapped;
+# paged kernel: 20 iterations; train step: 1 warm-up + 4 steps);
 # DMC_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes (where xdist is installed),
 # which compile their FlexAttention and Triton kernels side by side.
 #
@@ -174,7 +175,8 @@ if [ "${DMC_TEST_WORKERS:-1}" -gt 1 ] && "$PYTHON" -c "import xdist" 2>/dev/null
 fi
 QUICK_DECODE=() QUICK_KERNEL=() QUICK_TRAIN=()
 if [ "${DMC_CHECK_QUICK:-0}" = 1 ]; then
-  QUICK_DECODE=(--gen-len 512 --steady 256) QUICK_KERNEL=(--iters 20)
+  QUICK_DECODE=(--gen-len 512 --steady 256 --modes vanilla,dmc:4,dmc:8,dms:4)
+  QUICK_KERNEL=(--iters 20)
   QUICK_TRAIN=(--steps 4 --warmup 1)
 fi
 # a test module that cannot be imported there (another extra missing) must not stop the GPU
@@ -184,7 +186,7 @@ run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rs "${WORKERS[@
 
 if [ "$CUDA" = 1 ]; then
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs \
-    --profile "${QUICK_DECODE[@]}" --out "$RESULTS/decode_throughput.json"
+    --overlap both --profile "${QUICK_DECODE[@]}" --out "$RESULTS/decode_throughput.json"
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep "${QUICK_KERNEL[@]}" \
     --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \

@@ -48,6 +48,7 @@ def summarise(results: Path) -> dict:
     decode = read_json(results / "decode_throughput.json")
     if decode:
         summary["figures"]["decode"] = [
+            {"mode": row["mode"], "error": row["error"]} if "error" in row else
             {**{k: row[k] for k in ("mode", "measured_cr", "batch", "tokens_per_s",
                                     "speedup_vs_vanilla")},
              "median_host_seconds": row.get("median_host_seconds")} for row in decode["rows"]]
@@ -77,6 +78,9 @@ def as_text(summary: dict) -> str:
                      f"{counts['errors']} errors, {counts['skipped']} skipped or xfailed")
     figures = summary["figures"]
     for row in figures.get("decode", []):
+        if "error" in row:
+            lines.append(f"decode {row['mode']:<16} failed: {row['error'][:200]}")
+            continue
         speedup, host = row["speedup_vs_vanilla"], row.get("median_host_seconds")
         lines.append(f"decode {row['mode']:<16} CR {row['measured_cr']:5.2f}  batch "
                      f"{row['batch']:>4}  {row['tokens_per_s']:10.1f} tok/s  "

@@ -13,14 +13,18 @@ import torch
 class Mode(NamedTuple):
     """One row of the benchmark: ``kind`` is vanilla, dmc, delay (DMC with delayed merging), dms,
     gqa, policy or model; ``value`` the target CR (dmc, delay, dms, policy) or GQA factor;
-    ``policy`` the policy name."""
+    ``policy`` the policy name; ``overlap``: served with ``Engine(overlap=True)``."""
 
     kind: str
     value: float = 1.0
     policy: str = ""
+    overlap: bool = False
 
     @property
     def label(self) -> str:
+        return self._name() + (" overlap" if self.overlap else "")
+
+    def _name(self) -> str:
         if self.kind in ("dmc", "dms", "gqa"):
             return f"{self.kind} {self.value:g}x"
         if self.kind == "delay":
@@ -32,6 +36,8 @@ class Mode(NamedTuple):
 
 MODE_SYNTAX = "vanilla, model, dmc:CR, delay:CR, dms:CR, gqa:FACTOR, policy:NAME:CR"
 FORCED = ("dmc", "delay", "dms")  # random models with forced decisions
+OVERLAP_KINDS = ("vanilla", "dmc", "gqa", "model")  # what Engine(overlap=True) serves (a
+# model checkpoint: when it is not DMS or delayed merging)
 
 
 def parse_mode(text: str) -> Mode:

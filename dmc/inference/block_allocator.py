@@ -13,10 +13,19 @@ list only when a head grows past a page boundary, and all of a sequence's pages 
 the sequence is freed. Allocation runs on the host against ``tables`` and ``lengths``; the device
 copies (``device_tables``, ``device_lengths``, the same tensors on CPU) are updated after every
 change. It is all-or-nothing: :class:`CacheFullError` is raised before anything changes.
+
+A decode step whose appends are decided on the device (DMC) is *open* from :meth:`reserve_step`
+to :meth:`settle`: its heads' next pages are reserved before it runs, and the device lengths run
+ahead of the host ones until its lengths come back. Up to :data:`MAX_OPEN_STEPS` steps of the
+same sequences may be open at once (the engine's overlap of a step's host work with the previous
+step's device work, :mod:`dmc.inference.overlap`): each head then keeps a page for every slot
+the open steps may still add, and a step settles from the lengths its device work reached
+(read back by the caller while the next step runs).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -48,6 +57,20 @@ class TableEntries(NamedTuple):
     @property
     def index(self) -> tuple[torch.Tensor, ...]:
         return self.seq, self.layer, self.head, self.column
+
+
+MAX_OPEN_STEPS = 2  # a step in flight and the next one, launched before the first settles
+
+
+@dataclass
+class OpenStep:
+    """A decode step between :meth:`BlockAllocator.reserve_step` and
+    :meth:`BlockAllocator.settle`: its sequences (host ``[batch]`` long), the layers written
+    (:meth:`BlockAllocator.claim`) and the reserved pages not yet known to be used."""
+
+    seqs: torch.Tensor
+    written: set
+    reserved: TableEntries
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -127,8 +150,7 @@ class BlockAllocator:
         self._free_count = num_pages
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._active = [False] * max_seqs
-        # the open decode step: its seqs, the layers written, the pages reserved for it
-        self.step: tuple[torch.Tensor, set, TableEntries] | None = None
+        self.steps: list[OpenStep] = []  # the open decode steps, oldest first
 
     @property
     def free_pages(self) -> int:
@@ -208,19 +230,20 @@ class BlockAllocator:
         index = [part.repeat_interleave(per_head) for part in (seqs[b], layer_ids[layer], h)]
         return self._fill(*index, columns)
 
-    def _take_next(self, seqs: torch.Tensor, heads: torch.Tensor) -> TableEntries:
-        """:meth:`_take` for one more slot in the heads marked in ``heads [batch, layers, kv]``
-        (host bool), each at a page boundary: its next page, in the column its length fills
-        up to (a decode step's case, without the general case's passes over every head)."""
+    def _take_next(self, seqs: torch.Tensor, heads: torch.Tensor, ahead: int = 0) -> TableEntries:
+        """:meth:`_take` for the slot ``ahead`` past the current length of each head marked in
+        ``heads [batch, layers, kv]`` (host bool): the page that slot falls in, where the head
+        holds none yet (a decode step's case, without the general case's passes over every
+        head)."""
         b, layer, h = heads.nonzero(as_tuple=True)
         seq = seqs[b]
-        held = self.lengths[seq, layer, h].long()
-        if not bool(at_page_boundary(held, self.page_size).all()):
-            raise ValueError("reserve_step: a marked head is not at a page boundary")
-        columns = pages_for(held, self.page_size)
+        columns, _ = page_and_offset(self.lengths[seq, layer, h].long() + ahead, self.page_size)
         if (columns >= self.max_pages_per_head).any():
-            raise self._too_long(int(held.max()) + 1)
-        return self._fill(seq, layer, h, columns)
+            raise self._too_long(int(columns.max()) * self.page_size + 1)
+        width = self.max_pages_per_head
+        flat = ((seq * self.lengths.shape[1] + layer) * self.lengths.shape[2] + h) * width
+        empty = (self.tables.view(-1)[flat + columns] < 0).nonzero()[:, 0]
+        return self._fill(seq[empty], layer[empty], h[empty], columns[empty])
 
     def _fill(self, seq, layer, head, columns) -> TableEntries:
         """Free pages into ``tables[seq, layer, head, columns]`` (host long ``[n]`` each);
@@ -266,52 +289,103 @@ class BlockAllocator:
         return self.tables.view(-1)[flat].long(), offset
 
     # ---------------------------------------------- a decode step decided on the device
+    @property
+    def step(self) -> OpenStep | None:
+        """The newest open decode step (None when none is open)."""
+        return self.steps[-1] if self.steps else None
+
+    @property
+    def lookahead(self) -> int:
+        """Slots the open steps may add past the host lengths: one per open step; where the
+        host lengths are the device's (CPU), one per open step not written yet (the writes
+        update them)."""
+        if self.device_lengths is not self.lengths:
+            return len(self.steps)
+        return sum(len(step.written) < self.lengths.shape[1] for step in self.steps)
+
+    def holds(self, seq_slots: torch.Tensor) -> bool:
+        """Whether an open step writes any of ``seq_slots`` (host long)."""
+        return any(torch.isin(seq_slots.reshape(-1), step.seqs).any() for step in self.steps)
+
     def reserve_step(self, seqs: torch.Tensor, heads: torch.Tensor) -> None:
         """Open a decode step whose writes are decided on the device: each head of ``[seqs]``
-        marked in ``heads [batch, num_layers, kv_heads]`` (host bool: heads whose next slot
-        would need a new page) gets its next page now, for every layer in one allocation and
-        one copy to the device. Until :meth:`settle` the device lengths of ``seqs`` may run
-        one slot ahead of the host ones, and each layer is written once (:meth:`claim`)."""
-        if self.step is not None:
-            raise RuntimeError("a decode step is open: settle it before reserving the next")
-        reserved = self._take_next(seqs, heads)
+        marked in ``heads [batch, num_layers, kv_heads]`` (host bool) gets the page its next
+        slot falls in when it holds none, for every layer in one allocation and one copy to
+        the device. Its next slot is :attr:`lookahead` past the host length: with a step of the
+        same ``seqs`` still open, the one that step may add comes first. Until :meth:`settle`
+        the device lengths of ``seqs`` may run ahead of the host ones, and each layer is
+        written once (:meth:`claim`)."""
+        if self.steps and (len(self.steps) >= MAX_OPEN_STEPS
+                           or not torch.equal(seqs, self.steps[-1].seqs)):
+            raise RuntimeError(f"{len(self.steps)} decode steps are open (at most "
+                               f"{MAX_OPEN_STEPS - 1} of the same sequences may be open when "
+                               f"the next is reserved): settle first")
+        reserved = self._take_next(seqs, heads, self.lookahead)
         self._publish_entries(reserved)
-        self.step = (seqs, set(), reserved)
+        self.steps.append(OpenStep(seqs, set(), reserved))
 
     def claim(self, seqs: torch.Tensor, layer: int) -> None:
         """Check that a write of ``layer`` for ``seqs`` (host ``[batch]``) uses the pages of the
-        open step (:meth:`reserve_step`), once per layer; raises ``RuntimeError`` otherwise (an
-        append decided on the device could land on a page it does not own)."""
-        if self.step is None or not torch.equal(seqs, self.step[0]) or layer in self.step[1]:
+        newest open step (:meth:`reserve_step`), once per layer; raises ``RuntimeError``
+        otherwise (an append decided on the device could land on a page it does not own)."""
+        step = self.step
+        if step is None or not torch.equal(seqs, step.seqs) or layer in step.written:
             raise RuntimeError(f"a deferred write of layer {layer} for sequences "
                                f"{seqs.tolist()} needs its own reserve_step (begin_decode)")
-        self.step[1].add(layer)
+        step.written.add(layer)
 
-    def settle(self, carry: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Close the open step: read the device lengths of its sequences (every layer) back in
-        one copy, together with ``carry`` (a float64 device tensor, returned on the host; None
-        without it), and give back the pages reserved for heads that did not append. Only
-        those table entries go back to the device (the lengths there are already these)."""
-        if self.step is None:
+    def step_lengths(self) -> torch.Tensor | None:
+        """The device lengths of the newest open step's sequences, ``[batch, num_layers,
+        kv_heads]`` (a copy on the device, to read back while a later step runs), or None where
+        no step is open or the host lengths are the device's."""
+        if self.step is None or self.device_lengths is self.lengths:
+            return None
+        return self.device_lengths[to_device(self.step.seqs, self.device)]
+
+    def settle(self, carry: torch.Tensor | None = None,
+               reached: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Close the oldest open step. Its lengths: ``reached`` (host, what
+        :meth:`step_lengths` gave when its device work ended), else the device lengths of its
+        sequences read now (only when no later step is open), in one copy together with
+        ``carry`` (a float64 device tensor, returned on the host; None without it). Then the
+        pages reserved for heads that no open step can fill any more go back to the free list;
+        only those table entries go to the device (its lengths are already these)."""
+        if not self.steps:
             return None if carry is None else carry.cpu()
-        (seqs, _, reserved), self.step = self.step, None
-        if self.device_lengths is self.lengths:  # the CPU: the writes went to these lengths
-            carry = None if carry is None else carry.cpu()
-        else:
-            reached = self.device_lengths[to_device(seqs, self.device)]
+        step = self.steps.pop(0)
+        shared = self.device_lengths is self.lengths  # the CPU: the writes went to these lengths
+        if reached is None and not shared:
+            if self.steps:
+                raise RuntimeError("settle: a later step is open; pass the lengths this step "
+                                   "reached (step_lengths, read when its device work ended)")
+            reached = self.device_lengths[to_device(step.seqs, self.device)]
             if carry is not None:
                 host = torch.cat((reached.double().flatten(), carry.flatten())).cpu()
                 count = reached.numel()
                 reached, carry = host[:count].view(reached.shape), host[count:].view(carry.shape)
-            self.lengths[seqs] = reached.cpu().to(torch.int32)
-        used = pages_for(self.lengths[reserved.index[:3]].long(), self.page_size)
+        if reached is not None and not shared:
+            self.lengths[step.seqs] = reached.cpu().to(torch.int32)
+        if carry is not None:
+            carry = carry.cpu()
+        self._release_unused(step.reserved)
+        return carry
+
+    def _release_unused(self, reserved: TableEntries) -> None:
+        """Give back the ``reserved`` pages past what their heads' lengths and the slots the
+        open steps may still add need; hand the others on to the next open step, whose settle
+        checks them again."""
+        used = pages_for(self.lengths[reserved.index[:3]].long() + self.lookahead,
+                         self.page_size)
         unused = used <= reserved.column
         self._give_back(reserved.pages[unused])
         dropped = TableEntries(*(i[unused] for i in reserved.index),
                                torch.full((int(unused.sum()),), -1, dtype=torch.int32))
         self.tables[dropped.index] = dropped.pages
         self._publish_entries(dropped)
-        return carry
+        if self.steps:
+            kept = TableEntries(*(i[~unused] for i in reserved))
+            later = self.steps[0].reserved
+            self.steps[0].reserved = TableEntries(*(torch.cat(pair) for pair in zip(kept, later)))
 
     def shrink(self, seqs: torch.Tensor, layer, new_lengths: torch.Tensor) -> None:
         """Set the lengths of heads ``[seqs, layer, :]`` (``layer`` an index or a slice; never

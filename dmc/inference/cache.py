@@ -213,32 +213,38 @@ class PagedKVCache:
                       new_lengths - 1, append, k, v, torch.as_tensor(omega, device=device),
                       torch.as_tensor(positions, device=device), use_triton=use_triton)
 
-    def begin_decode(self, seq_slots, static: bool = False) -> None:
+    def begin_decode(self, seq_slots, static: bool = False, overlap: bool = False) -> None:
         """Open a decode step of ``seq_slots`` whose writes are deferred: settle the previous
-        one, then give every head at a page boundary, in every layer, its next page (``static``,
-        a captured step, changes nothing here: DMC's writes read no host state)."""
-        self.settle()
+        one, then give every head whose next slot starts a page, in every layer, that page
+        (``static``, a captured step, changes nothing here: DMC's writes read no host state).
+        ``overlap``: the previous step of the same sequences stays open (its lengths not back
+        yet), and each head's page is that of the slot after the one it may still add."""
+        if not overlap:
+            self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         self.allocator.reserve_step(seqs, self._step_heads(seqs))
 
     def _step_heads(self, seqs: torch.Tensor) -> torch.Tensor:
-        """``[batch, num_layers, kv_heads]`` host bool: heads whose next slot needs a page."""
-        return at_page_boundary(self.allocator.lengths[seqs], self.page_size)
+        """``[batch, num_layers, kv_heads]`` host bool: heads whose next slot (past the slots
+        the open steps may add) starts a page."""
+        lengths = self.allocator.lengths[seqs]
+        return at_page_boundary(lengths + self.allocator.lookahead, self.page_size)
 
     def _settle_for(self, seq_slots) -> None:
-        """Settle when the open decode step holds any of ``seq_slots`` (their host lengths lag);
+        """Settle when an open decode step holds any of ``seq_slots`` (their host lengths lag);
         a prefill chunk of another sequence in the same forward leaves the step open."""
-        step = self.allocator.step
         if isinstance(seq_slots, SeqRows):
             seq_slots = seq_slots.host
-        if step is not None and torch.isin(torch.as_tensor(seq_slots).reshape(-1), step[0]).any():
+        while self.allocator.holds(torch.as_tensor(seq_slots)):
             self.settle()
 
-    def settle(self, carry: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Close the open decode step (:meth:`BlockAllocator.settle`): its lengths come back to
-        the host in one copy with ``carry`` (a float64 device tensor of the step's other results,
-        the engine's sampled tokens; returned on the host, None without it)."""
-        return self.allocator.settle(carry)
+    def settle(self, carry: torch.Tensor | None = None,
+               reached: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Close the oldest open decode step (:meth:`BlockAllocator.settle`): its lengths come
+        back to the host in one copy with ``carry`` (a float64 device tensor of the step's
+        other results, the engine's sampled tokens; returned on the host, None without it),
+        or are ``reached``, read back while a later step ran."""
+        return self.allocator.settle(carry, reached)
 
     def begin_append(self, seq_slots) -> tuple[torch.Tensor, torch.Tensor]:
         """A vanilla decode step: every head of every layer of ``seq_slots`` gets its next slot
@@ -302,19 +308,19 @@ class PagedKVCache:
         """Decode attention of ``q [batch, q_heads, head_dim]`` over the cached slots of ``layer``.
 
         Returns ``[batch, q_heads, head_dim]``; ``scale`` defaults to ``head_dim ** -0.5``.
-        After a deferred write of ``layer`` the host lengths of a GPU cache lag by at most one
-        slot: the Triton kernel gets that bound (or ``max_length``, a fixed bound: a captured
+        While decode steps are open the host lengths of a GPU cache lag by at most a slot per
+        open step: the Triton kernel gets that bound (or ``max_length``, a fixed bound: a captured
         step's launch size), the PyTorch path reads the device lengths.
         """
         seqs, rows = self.allocator.rows(seq_slots)
         host_lengths = self.allocator.lengths[seqs, layer]  # the same tensor on CPU: exact
-        lag = self.device.type != "cpu" and self.allocator.step is not None
+        lag = self.allocator.lookahead
         return run_paged_decode(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer],
             self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
             num_splits=num_splits, max_length=max_length or int(host_lengths.max()) + lag,
-            host_lengths=None if lag else host_lengths,
+            host_lengths=host_lengths if self.device.type == "cpu" or not lag else None,
         )
 
     # ------------------------------------------------------------- eviction

@@ -75,25 +75,32 @@ class DecodeGraphs:
     def captured(self) -> list[tuple[int, bool]]:
         return sorted(self.graphs)
 
-    def decode(self, seqs: list, span: DeviceSpan | None = None) -> torch.Tensor:
+    def decode(self, seqs: list, span: DeviceSpan | None = None,
+               pending: torch.Tensor | None = None) -> torch.Tensor:
         """One token for each sequence (:class:`~dmc.inference.sequence.Sequence`, holding a
         cache slot, its newest token not cached yet): ``[2, batch]`` float64 on the device, the
         sampled tokens and their log-probabilities (see
         :func:`~dmc.inference.sampling.sample_on_device`). Valid until the next call (a graph's
         output is overwritten by its next replay). ``span`` begins when the device work is
-        launched, after the host work (the caller ends it)."""
+        launched, after the host work (the caller ends it). ``pending``: what the previous
+        step of the same sequences drew, still on the device and not taken by them yet (an
+        overlapped step, :mod:`dmc.inference.overlap`): those tokens are this step's input."""
         batch, filtering = len(seqs), needs_filter([s.params for s in seqs])
-        key = (batch, filtering)
+        key, ahead = (batch, filtering), int(pending is not None)
         buffers = self._buffers(batch)
-        buffers.ids.copy_(torch.tensor([s.last_token for s in seqs]), non_blocking=True)
-        buffers.positions.copy_(torch.tensor([s.num_tokens - 1 for s in seqs]),
+        if pending is None:
+            buffers.ids.copy_(torch.tensor([s.last_token for s in seqs]), non_blocking=True)
+        else:
+            buffers.ids.copy_(pending[0])
+        buffers.positions.copy_(torch.tensor([s.num_tokens - 1 + ahead for s in seqs]),
                                 non_blocking=True)
         settings = SamplingColumns.of([s.params for s in seqs], [s.seed for s in seqs],
-                                      [len(s.generated) for s in seqs], torch.device("cpu"))
+                                      [len(s.generated) + ahead for s in seqs],
+                                      torch.device("cpu"))
         for static, given in zip(buffers.sampling, settings):
             static.copy_(given, non_blocking=True)
         self.kv.begin_decode([s.slot for s in seqs], buffers.positions, buffers,
-                             self.max_length)
+                             self.max_length, overlap=pending is not None)
         if span is not None:
             span.begin()
         if not self.capture:

@@ -3,15 +3,12 @@
 Each :meth:`Engine.step` asks the :class:`~dmc.inference.scheduler.Scheduler` for a plan (decode
 tokens plus prefill chunks of several sequences under one token budget, pages reserved and any
 preemption done before the model runs), runs it as one forward of the
-:class:`~dmc.inference.model_runner.ModelRunner` and samples. DMC semantics are those of
-``DMCSelfAttention`` in ``eval`` mode, Algorithm 1 (:mod:`dmc.ops.algorithm1`, through
-:class:`~dmc.inference.kv_write.DMCKV`); with ``dmc.method="dms"``, DMS's delayed eviction with
-hard decisions (:class:`~dmc.inference.kv_write_dms.DMSKV` over a
-:class:`~dmc.inference.dms_cache.DMSPagedCache`); with ``dmc.merge_delay``, DMC with delayed
-merging (:class:`~dmc.inference.kv_write_delayed.DelayedDMCKV` over a
-:class:`~dmc.inference.delayed_cache.DelayedMergeCache`); prefill is exact and chunked. A preempted
-sequence restarts by prefilling its prompt and the tokens it generated (its sampler state is
-kept, so its output is the same); one that cannot fit in the whole pool alone ends with
+:class:`~dmc.inference.model_runner.ModelRunner` and samples (with ``overlap=True`` a decode
+step is launched before the previous one is read back: :mod:`dmc.inference.overlap`). The KV
+writes (:mod:`dmc.inference.kv_write`) give DMC's eval-mode Algorithm 1, DMS's delayed eviction
+(``dmc.method="dms"``) or DMC with delayed merging (``dmc.merge_delay``); prefill is exact and
+chunked. A preempted sequence restarts by prefilling its prompt and the tokens it generated (its
+sampler state is kept: same output); one that cannot fit in the whole pool alone ends with
 ``finish_reason="cache_full"``.
 """
 from __future__ import annotations
@@ -21,15 +18,13 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from dmc.inference.block_allocator import default_num_pages, pages_for
-from dmc.inference.cache import PagedKVCache
+from dmc.inference.block_allocator import pages_for
 from dmc.inference.decode_graphs import DecodeGraphs
-from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
 from dmc.inference.device_span import DeviceSpan
-from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
-from dmc.inference.kv_write import make_kv_write, make_policy
+from dmc.inference.kv_write import make_cache, make_kv_write, make_policy
 from dmc.inference.loading import load_inference_state, load_model, load_plain
 from dmc.inference.model_runner import ModelRunner, resolve_dmc, rope_frequencies
+from dmc.inference.overlap import DecodePipeline
 from dmc.inference.sampling import SamplingParams, sample_on_device
 from dmc.inference.scheduler import Scheduler, StepPlan
 from dmc.inference.scoring import score_batch
@@ -83,6 +78,9 @@ class Engine:
             graph per batch size on a GPU, eagerly on the CPU
             (:class:`~dmc.inference.decode_graphs.DecodeGraphs`); any model without a KV
             policy (under DMS, once every sequence of the step fills its window ring).
+        overlap: launch each such step before the previous one is read back, so that a step's
+            host work runs while the device works (:mod:`dmc.inference.overlap`): vanilla, GQA
+            and DMC models with ``cuda_graphs=True``.
 
     ``stats``: an :class:`EngineStats`.
     """
@@ -105,6 +103,7 @@ class Engine:
         seed: int = 0,
         policy=None,
         cuda_graphs: bool = False,
+        overlap: bool = False,
     ):
         from megatron.core import parallel_state
 
@@ -131,27 +130,12 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         self.max_seq_len = int(max_seq_len or model.max_sequence_length)
         self.page_size, self.max_batch, self.chunk_size = page_size, max_batch, chunk_size
-        dms = self.dmc is not None and self.dmc.method == "dms"
-        delay = self.dmc.merge_delay if self.dmc is not None else 0
-        if num_pages is None:
-            heads = self.num_layers * self.num_kv_heads
-            item = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
-            ring = (ring_bytes(self.dmc.dms_window, self.head_dim, item) if dms else
-                    delayed_ring_bytes(delay, self.head_dim, item) if delay else 0)
-            num_pages = default_num_pages(max_batch, self.max_seq_len, page_size, heads,
-                                          2 * page_size * self.head_dim * item, kv_cache_bytes,
-                                          self.device, reserved=max_batch * heads * ring)
-        shape = (self.num_layers, self.num_kv_heads, self.head_dim, num_pages)
-        options = dict(page_size=page_size, max_seqs=max_batch, dtype=cache_dtype or self.dtype,
-                       device=self.device, max_seq_len=self.max_seq_len,
-                       inv_freq=rope_frequencies(model, self.head_dim))
-        if dms:
-            self.cache = DMSPagedCache(*shape, self.dmc.dms_window, **options)
-        elif delay:
-            self.cache = DelayedMergeCache(*shape, delay, window=self.dmc.window, **options)
-        else:
-            self.cache = PagedKVCache(*shape, window=self.dmc.window if self.dmc else None,
-                                      **options)
+        self.cache = make_cache(self.dmc, self.num_layers, self.num_kv_heads, self.head_dim,
+                                num_pages=num_pages, kv_cache_bytes=kv_cache_bytes,
+                                page_size=page_size, max_batch=max_batch,
+                                max_seq_len=self.max_seq_len, dtype=cache_dtype or self.dtype,
+                                device=self.device,
+                                inv_freq=rope_frequencies(model, self.head_dim))
         self.policy = make_policy(policy, self.dmc, self.cache, self.num_heads, self.scale)
         self.kv = make_kv_write(self.dmc, self.cache, self.num_heads, self.scale,
                                 self.cache.inv_freq, self.policy, use_triton)
@@ -161,6 +145,7 @@ class Engine:
                              f"(got policy={policy!r}); accepted: cuda_graphs=False, or "
                              f"policy=None")
         self.graphs = DecodeGraphs(self.runner) if cuda_graphs else None
+        self.pipeline = DecodePipeline(self) if overlap else None
         self.scheduler = Scheduler(self.cache, max_batch, chunk_size,
                                    step_tokens or max_batch + chunk_size)
         self.batch_prefill = batch_prefill
@@ -221,22 +206,26 @@ class Engine:
     def step(self) -> list[GenerationResult]:
         """Run scheduled forwards (each: decode tokens plus prefill chunks under the token
         budget) until one of them decodes, sampling after each: a step gives every decoding
-        sequence one token, and prefills new ones meanwhile. Returns the requests that finished
-        during this step (and those of requests queued with :meth:`add_request` that finished
-        inside :meth:`generate`)."""
+        sequence one token (under ``overlap``, read back by the next call), and prefills new ones
+        meanwhile. Returns the requests that finished during this step (and those of requests
+        queued with :meth:`add_request` that finished inside :meth:`generate`)."""
         finished, self._unclaimed = self._unclaimed, []
         with torch.inference_mode(), cuda_rewrite_suspended():
-            while True:
-                plan = self.scheduler.schedule()
-                zero = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.long)
-                finished += [seq.result("cache_full", CompressionStats(0, zero), 0, 0, error)
-                             for seq, error in plan.failed]
-                for part in [plan] if self.batch_prefill else plan.one_at_a_time():
-                    self._run(part, finished)
-                if plan.decode or not plan.prefill:
-                    break
+            if self.pipeline is None or not self.pipeline.advance(finished):
+                self._schedule_and_run(finished)
             self.stats.preemptions = self.scheduler.preemptions
         return finished
+
+    def _schedule_and_run(self, finished: list[GenerationResult]) -> None:
+        zero = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.long)
+        while True:
+            plan = self.scheduler.schedule()
+            finished += [seq.result("cache_full", CompressionStats(0, zero), 0, 0, error)
+                         for seq, error in plan.failed]
+            for part in [plan] if self.batch_prefill else plan.one_at_a_time():
+                self._run(part, finished)
+            if plan.decode or not plan.prefill:
+                break
 
     def _run(self, plan: StepPlan, finished: list[GenerationResult]) -> None:
         """One forward of ``plan``; samples for the decode tokens and the finished prefills.
@@ -248,6 +237,8 @@ class Engine:
         rows, drawn = [], None  # logits to sample from; or the tokens a graph drew
         if (self.graphs is not None and not plan.prefill
                 and self.kv.static_ready([s.slot for s in plan.decode])):  # forward, sampling
+            if self.pipeline is not None:  # left in flight: read back by the next step
+                return self.pipeline.launch(plan.decode, started)
             drawn = self.graphs.decode(plan.decode, span)
         else:
             span.begin()
@@ -276,10 +267,7 @@ class Engine:
         if plan.prefill:
             self.stats.prefill_seconds += elapsed
         else:
-            self.stats.decode_seconds += elapsed
-            self.stats.decode_device_seconds += span.seconds()
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += len(plan.decode)
+            self.stats.add_decode(elapsed, span.seconds(), len(plan.decode))
         self._note_usage()
         if sampled:
             self._take_tokens(sampled, drawn, finished)
@@ -346,6 +334,8 @@ class Engine:
         tokens run out). ``prefill_tokens`` is one value for all or one per sequence. At most
         ``max_batch`` sequences (the cache's sequence slots); see
         :func:`dmc.inference.scoring.score_batch`."""
+        if self.pipeline is not None:  # its step in flight read back: the cache settled
+            self.pipeline.drain(self._unclaimed)
         with cuda_rewrite_suspended():
             return score_batch(self, sequences, return_logits, prefill_tokens)
 
@@ -366,25 +356,33 @@ class Engine:
         self.scheduler.preemptions = 0
 
     def _take_tokens(self, seqs: list[Sequence], drawn: torch.Tensor,
-                     finished: list[GenerationResult]) -> None:
+                     finished: list[GenerationResult],
+                     lengths: torch.Tensor | None = None) -> list[Sequence]:
         """Append each sequence's sampled token (``drawn [2, batch]`` host float64: tokens,
-        log-probabilities); end the sequences that reach a stop token or ``max_new_tokens``
-        (freeing their pages)."""
+        log-probabilities); end and return the sequences that reach a stop token or
+        ``max_new_tokens``, freeing their pages; or, with ``lengths`` (host ``[batch, layers,
+        kv]``, what their overlapped step left), their compression read there, slots kept."""
         chosen, logps = [int(t) for t in drawn[0].tolist()], drawn[1].tolist()
-        for seq, token, logp in zip(seqs, chosen, logps):
+        ended = []
+        for row, (seq, token, logp) in enumerate(zip(seqs, chosen, logps)):
             seq.generated.append(token)
             seq.logprobs.append(logp)
             seq.decoding, seq.first_token = True, seq.first_token or time.perf_counter()
             self.stats.generated_tokens += 1
             stop = token in seq.params.stop_tokens
             if stop or len(seq.generated) >= seq.params.max_new_tokens:
-                pages = int(pages_for(self.cache.head_lengths(seq.slot).long(),
-                                      self.page_size).sum())
-                finished.append(seq.result("stop" if stop else "length",
-                                           self.compression(seq.slot, seq.num_tokens - 1),
-                                           pages, self.cache.page_bytes))
-                self.cache.free_sequence(seq.slot)
+                held = (self.cache.head_lengths(seq.slot) if lengths is None
+                        else lengths[row]).long()
+                compression = (self.compression(seq.slot, seq.num_tokens - 1) if lengths is None
+                               else CompressionStats(seq.num_tokens - 1, held))
+                finished.append(seq.result("stop" if stop else "length", compression,
+                                           int(pages_for(held, self.page_size).sum()),
+                                           self.cache.page_bytes))
                 self.scheduler.running.remove(seq)
+                ended.append(seq)
+                if lengths is None:
+                    self.cache.free_sequence(seq.slot)
+        return ended
 
     def compression(self, slot: int, tokens: int) -> CompressionStats:
         """The compression of the sequence in ``slot`` after ``tokens`` tokens (with a policy:

@@ -68,6 +68,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="replay the steps that only decode from a CUDA graph per batch size "
                              "(dmc.inference.decode_graphs; on the CPU the same static step runs "
                              "eagerly)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="with --cuda-graphs: launch each decode step before the previous "
+                             "one is read back, the host's work beside the device's "
+                             "(dmc.inference.overlap; vanilla, GQA and DMC models)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     return parser
@@ -102,6 +106,9 @@ def run_generate(args: argparse.Namespace) -> int:
         from dmc.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(source)
+    if args.overlap and not args.cuda_graphs:
+        raise ValueError("--overlap needs --cuda-graphs (the decode steps it launches ahead "
+                         "replay a batch size's static step)")
     prompts = [tokenizer.encode(p) for p in args.prompt] + [_parse_ids(p) for p in args.prompt_ids]
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
@@ -120,7 +127,7 @@ def run_generate(args: argparse.Namespace) -> int:
         args.model, num_pages=num_pages, page_size=args.page_size,
         max_batch=min(args.max_batch, len(prompts)), max_seq_len=longest,
         chunk_size=args.chunk_size, cache_dtype=cache_dtype(args.cache_dtype), seed=args.seed,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=args.cuda_graphs, overlap=args.overlap,
     )
     check_tokens_fit(engine, prompts, "prompt + --max-new-tokens", args.max_new_tokens)
     results = engine.generate(prompts, params, progress=not (args.quiet or args.json))

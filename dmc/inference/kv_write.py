@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from dmc.inference.block_allocator import SeqRows, to_device
+from dmc.inference.block_allocator import SeqRows, default_num_pages, to_device
 from dmc.inference.cache import PagedKVCache
 from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.config import DMCConfig
@@ -122,7 +122,7 @@ class KVWrite:
         self.step: DecodeStep | None = None
 
     def begin_decode(self, seqs: list[int], positions: torch.Tensor, buffers=None,
-                     max_length: int | None = None) -> None:
+                     max_length: int | None = None, overlap: bool = False) -> None:
         """Host work before a decode forward of ``seqs`` at ``positions [batch]`` (device), once
         for all its layers: validate the sequences, and open the cache's step when the writes
         are decided on the device (pages of every layer reserved at once) or reserve the slots
@@ -130,7 +130,9 @@ class KVWrite:
 
         ``buffers`` (the static tensors of a captured step: ``rows [batch]``, ``pages,
         offsets [batch, layers, kv_heads]``) receive the sequence rows and reserved slots, which
-        the step then reads from there; ``max_length`` fixes the attention's launch size."""
+        the step then reads from there; ``max_length`` fixes the attention's launch size.
+        ``overlap``: the previous decode step of the same sequences is still running, its
+        lengths not back yet (:mod:`dmc.inference.overlap`)."""
         def on_device(host: torch.Tensor, name: str) -> torch.Tensor:
             if buffers is None:
                 return to_device(host, self.cache.device)
@@ -139,7 +141,7 @@ class KVWrite:
         host = self.cache.allocator.seq_index(seqs)
         rows, reserved = SeqRows(host, on_device(host, "rows")), None
         if self.defers_writes:
-            self.cache.begin_decode(rows, static=buffers is not None)
+            self.cache.begin_decode(rows, static=buffers is not None, overlap=overlap)
         elif not self.policy.compacts_in_forward:
             pages, offsets = self.cache.begin_append(rows)
             reserved = (on_device(pages, "pages"), on_device(offsets, "offsets"))
@@ -290,6 +292,38 @@ class DMCKV(KVWrite):
                      self._slot_mask(lengths, None if overwrite is None else overwrite.cpu()),
                      packed.counts[0].cpu(), packed.slot_keys[0], packed.slot_values[0],
                      tuple(x[0] for x in packed.open), overwrite)
+
+
+def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_dim: int, *,
+               num_pages: int | None, kv_cache_bytes: int | None, page_size: int,
+               max_batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device,
+               inv_freq: torch.Tensor) -> PagedKVCache:
+    """The cache of a model kind: a :class:`PagedKVCache` (vanilla, GQA, DMC), a
+    ``DMSPagedCache`` (``method="dms"``) or a ``DelayedMergeCache`` (``merge_delay``), of
+    ``num_pages`` pages or, when None, as many as :func:`default_num_pages` gives for
+    ``max_batch`` sequences of ``max_seq_len`` tokens within ``kv_cache_bytes`` (window rings
+    counted)."""
+    from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
+    from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
+
+    dms = dmc is not None and dmc.method == "dms"
+    delay = dmc.merge_delay if dmc is not None else 0
+    if num_pages is None:
+        heads = num_layers * num_kv_heads
+        item = torch.empty((), dtype=dtype).element_size()
+        ring = (ring_bytes(dmc.dms_window, head_dim, item) if dms else
+                delayed_ring_bytes(delay, head_dim, item) if delay else 0)
+        num_pages = default_num_pages(max_batch, max_seq_len, page_size, heads,
+                                      2 * page_size * head_dim * item, kv_cache_bytes, device,
+                                      reserved=max_batch * heads * ring)
+    shape = (num_layers, num_kv_heads, head_dim, num_pages)
+    options = dict(page_size=page_size, max_seqs=max_batch, dtype=dtype, device=device,
+                   max_seq_len=max_seq_len, inv_freq=inv_freq)
+    if dms:
+        return DMSPagedCache(*shape, dmc.dms_window, **options)
+    if delay:
+        return DelayedMergeCache(*shape, delay, window=dmc.window, **options)
+    return PagedKVCache(*shape, window=dmc.window if dmc else None, **options)
 
 
 def make_kv_write(dmc: DMCConfig | None, *args) -> KVWrite:

@@ -80,10 +80,14 @@ class WindowRingCache(PagedKVCache):
         self.written[seq_slot] = 0
 
     # ---------------------------------------------------------------- decode
-    def begin_decode(self, seq_slots, static: bool = False) -> None:
+    def begin_decode(self, seq_slots, static: bool = False, overlap: bool = False) -> None:
         """:meth:`PagedKVCache.begin_decode`; ``static``: a step whose writes and attention read
         no host state (every sequence's ring must be full: ValueError otherwise), its tokens
-        counted in ``written`` now, for every layer."""
+        counted in ``written`` now, for every layer. ``overlap`` is not supported (a
+        ring's leaving tokens are counted on the host step by step): ValueError."""
+        if overlap:
+            raise ValueError("a window-ring cache (DMS, delayed merging) cannot open a decode "
+                             "step before the previous one settles (overlap=False only)")
         super().begin_decode(seq_slots)
         self.static_step = static
         if static:
@@ -140,7 +144,7 @@ class WindowRingCache(PagedKVCache):
                 q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
                 self.allocator.lengths[seqs, layer], *pools, seqs * self.num_layers + layer,
                 ring, scale)
-        lag = self.allocator.step is not None  # the device lengths: + 1 at most
+        lag = self.allocator.lookahead  # the device lengths: + 1 per open step at most
         bound = max_length or int(self.allocator.lengths[seqs, layer].max()) + lag
         return dms_decode_attention(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],

@@ -188,7 +188,8 @@ class EngineStats:
     launch of the forward to the end of sampling; the rest is host work. With
     ``cuda_graphs=True`` the launch comes after the step's host work (page reservation, the
     static inputs); an eager forward does that work inside itself, where it counts as the
-    device's."""
+    device's. Under ``overlap=True`` a decode step's seconds run from the end of the previous
+    one (or its own start) to its read-back: the steady step time, host work overlapped."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -200,6 +201,13 @@ class EngineStats:
     preemptions: int = 0
     peak_running: int = 0
     peak_pages: int = 0
+
+    def add_decode(self, seconds: float, device_seconds: float, tokens: int) -> None:
+        """Count a forward of ``tokens`` decode tokens."""
+        self.decode_seconds += seconds
+        self.decode_device_seconds += device_seconds
+        self.decode_steps += 1
+        self.decode_tokens += tokens
 
     def to_dict(self) -> dict:
         return asdict(self)

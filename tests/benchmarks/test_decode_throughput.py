@@ -161,6 +161,8 @@ def test_fit_batch_is_the_largest_batch_within_the_budget():
     (["--budget-mib", "0"], "--budget-mib"),
     (["--preset", "tpu"], "--preset"),
     (["--prefill-tokens", "0"], "--prefill-tokens"),
+    (["--overlap", "on"], "--overlap: on needs --cuda-graphs"),
+    (["--overlap", "maybe", "--cuda-graphs"], "--overlap"),
 ])
 def test_bad_flags_exit_2_naming_them(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -255,6 +257,60 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     assert dms["step_bytes"]["dmc_state"] == dms["memory"]["dms_ring"]  # the ring it attends
     assert delay["step_bytes"]["dmc_state"] == (delay["memory"]["dmc_state"]
                                                 + delay["memory"]["delay_ring"])
+
+
+def test_overlapped_twins_run_in_blocks(tmp_path):
+    """``--overlap both``: vanilla and DMC twice (with ``Engine(overlap=True)``), DMS once (a
+    window-ring cache does not overlap); every mode runs blocks of steps, the first of each not
+    timed, and the overlapped twins draw what their plain twins draw."""
+    from dmc.eval.decode_modes import Mode
+
+    built = {Mode("vanilla"): 1, Mode("dms", 2.0): 2, Mode("dmc", 4.0): 3}
+    assert list(bench.with_overlap(built, "both").items()) == [
+        (Mode("vanilla"), 1), (Mode("vanilla", overlap=True), 1), (Mode("dms", 2.0), 2),
+        (Mode("dmc", 4.0), 3), (Mode("dmc", 4.0, overlap=True), 3)]
+    assert list(bench.with_overlap(built, "on")) == [
+        Mode("vanilla", overlap=True), Mode("dms", 2.0), Mode("dmc", 4.0, overlap=True)]
+    assert bench.with_overlap(built, "off") is built
+    out = tmp_path / "decode.json"
+    assert bench.main([
+        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
+        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "40", "--steady", "8",
+        "--budget-mib", "0.25", "--modes", "vanilla,dmc:4,dms:2", "--dms-window", "8",
+        "--cuda-graphs", "--overlap", "both", "--out", str(out)]) == 0
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"vanilla", "vanilla overlap", "dmc 4x", "dmc 4x overlap", "dms 2x"}
+    for name, row in rows.items():
+        assert row["overlap"] == name.endswith("overlap")
+        assert row["steady_steps"] == 8 and row["steady_tokens"] == 8 * row["batch"]
+    for kind in ("vanilla", "dmc 4x"):
+        plain, twin = rows[kind], rows[f"{kind} overlap"]
+        assert twin["batch"] == plain["batch"] and twin["measured_cr"] == plain["measured_cr"]
+    assert rows["vanilla overlap"]["speedup_vs_vanilla"] == 1.0  # against vanilla overlapped
+    assert rows["dmc 4x overlap"]["speedup_vs_vanilla"] == pytest.approx(
+        rows["dmc 4x overlap"]["tokens_per_s"] / rows["vanilla overlap"]["tokens_per_s"])
+
+
+def test_a_mode_that_fails_leaves_the_others_figures(tmp_path, monkeypatch, capsys):
+    """A mode whose engine raises in the timed run is reported (its row's ``error``, the table,
+    exit 1); the other modes run to the end and are written."""
+    real_step = bench.Run.step
+
+    def step(self, cuda, first=True):
+        if self.mode.kind == "dmc" and len(self.steps) == 3:
+            raise RuntimeError("injected fault")
+        real_step(self, cuda, first)
+
+    monkeypatch.setattr(bench.Run, "step", step)
+    out = tmp_path / "decode.json"
+    assert bench.main([
+        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
+        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "10", "--steady", "4",
+        "--budget-mib", "0.25", "--modes", "vanilla,dmc:4", "--out", str(out)]) == 1
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["dmc 4x"]["error"] == "RuntimeError: injected fault"
+    assert rows["vanilla"]["steady_steps"] == 4 and "error" not in rows["vanilla"]
+    assert "dmc 4x | failed: RuntimeError: injected fault" in capsys.readouterr().out
 
 
 def test_roofline_counts_and_bound(parallel_1x1):

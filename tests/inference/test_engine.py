@@ -318,6 +318,12 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     assert run_generate(parser.parse_args([*map(str, args_list), "--cuda-graphs"])) == 0
     graphs = json.loads(capsys.readouterr().out)  # the static step (eager on the CPU)
     assert [r["tokens"] for r in graphs["results"]] == [r.tokens for r in direct]
+    assert run_generate(parser.parse_args([*map(str, args_list), "--cuda-graphs",
+                                           "--overlap"])) == 0
+    overlapped = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in overlapped["results"]] == [r.tokens for r in direct]
+    with pytest.raises(ValueError, match="--overlap needs --cuda-graphs"):
+        run_generate(parser.parse_args([*map(str, args_list), "--overlap"]))
     assert out["results"][0]["compression"]["cr"] == pytest.approx(direct[0].compression.overall)
     with pytest.raises(ValueError, match="--tokenizer"):
         run_generate(parser.parse_args(["--state-dict", str(path), "--prompt", "hello"]))

@@ -95,3 +95,48 @@ def test_ring_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1, kin
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
                                    atol=1e-4, rtol=0)
     assert engine.cache.pages_in_use == 0
+
+
+@pytest.mark.parametrize("groups,window", [(4, None), (2, 3), (2, "vanilla")])
+def test_overlapped_steps_on_cuda_equal_steps_without_overlap(parallel_1x1, groups, window):
+    """Decode steps launched before the previous one is read back (``overlap=True``) give the
+    tokens and slots of the engine without overlap, both replaying CUDA graphs (batches 3, 2,
+    1 as requests end; sampled)."""
+    model, _ = build(groups, window)
+    prompt_list = prompts()
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8) for n in (24, 12, 32)]
+    options = dict(page_size=4, max_batch=4, chunk_size=5, cuda_graphs=True)
+    plain = Engine(model, **options).generate(prompt_list, params)
+    engine = Engine(model, overlap=True, **options)
+    results = engine.generate(prompt_list, params)
+    for a, b in zip(results, plain):
+        assert a.tokens == b.tokens
+        assert torch.equal(a.compression.slots, b.compression.slots)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-4, rtol=0)
+    assert engine.cache.pages_in_use == 0 and not engine.pipeline.busy
+
+
+@pytest.mark.parametrize("window", [3, "vanilla"])
+def test_overlapped_decode_step_makes_no_synchronising_call(parallel_1x1, window):
+    """In the steady state an overlapped step launches the next graph replay before it reads
+    the previous step back, and that read waits on the copy's event: no call the sync debug
+    mode flags (a step without overlap makes one: the test above)."""
+    model, _ = build(2, window)
+    engine = Engine(model, page_size=4, max_batch=2, chunk_size=16, cuda_graphs=True,
+                    overlap=True)
+    for prompt in prompts((9, 13)):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=12, temperature=0.7))
+    for _ in range(4):  # prefill; batch 2 warmed up, captured, replayed
+        engine.step()
+    assert engine.graphs.captured == [(2, False)] and engine.pipeline.flight is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+    assert engine.pipeline.flight is not None

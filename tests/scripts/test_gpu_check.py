@@ -56,7 +56,9 @@ def test_summary_of_a_results_folder(tmp_path):
     rows = [{"mode": "vanilla", "measured_cr": 1.0, "batch": 6, "tokens_per_s": 100.0,
              "speedup_vs_vanilla": 1.0},
             {"mode": "dmc 4x", "measured_cr": 4.1, "batch": 19, "tokens_per_s": 300.0,
-             "speedup_vs_vanilla": 3.0, "median_host_seconds": 0.0025}]
+             "speedup_vs_vanilla": 3.0, "median_host_seconds": 0.0025},
+            {"mode": "dmc 4x overlap", "probe_cr": 4.1, "batch": 19,
+             "error": "RuntimeError: a fault"}]
     (tmp_path / "decode_throughput.json").write_text(json.dumps({"rows": rows}))
     (tmp_path / "paged_kernel.json").write_text(json.dumps({"paths": {
         "compiled": {"kernel_GBps": 9.5, "copy_GBps": 20.0, "fraction_of_copy": 0.475},
@@ -80,6 +82,7 @@ def test_summary_of_a_results_folder(tmp_path):
         "dmc-dense", "dmc-flex", "dmc-flex+torch-sums"]
     text = (tmp_path / "summary.txt").read_text()
     assert "x3.00 vanilla  host 2.50 ms/step" in text and "x1.00 vanilla\n" in text
+    assert "decode dmc 4x overlap   failed: RuntimeError: a fault" in text
     assert "train_step         skipped (no time left before DMC_CHECK_DEADLINE)" in text
     assert "paged kernel (compiled): 9.5 GB/s, 0.475 of copy" in text
     assert ("train step dmc-dense: x1.200 vanilla time, x1.500 vanilla peak memory, x1.250 "

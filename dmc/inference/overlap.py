@@ -1,0 +1,186 @@
+"""Overlap of a decode step's host work with the previous step's device work (the idea of vLLM's
+async scheduling and SGLang's overlap scheduler), for :class:`~dmc.inference.engine.Engine`
+with ``overlap=True``.
+
+Without it a decode step runs its host work (the page reservation, the step's inputs, reading
+the sampled tokens back, the bookkeeping of every sequence) while the device waits, then its
+device work while the host waits. In the steady state of generation (the same sequences decode
+again, nothing waits to join the batch) the next step does not need the host to know what this
+one drew: its input tokens are this step's output, still on the device, and its pages can be
+reserved for the worst case of both steps (a head gains at most one slot per step). So
+:class:`DecodePipeline` launches step n + 1 (through
+:class:`~dmc.inference.decode_graphs.DecodeGraphs`, its inputs from step n's output), then
+reads step n back: the tokens and the lengths its deferred DMC writes reached come to the host
+in one non-blocking copy into pinned memory started when step n's device work was launched
+(:class:`Readback`), and the host waits for that copy only, while the device runs step n + 1.
+
+What it takes (and what the eager engine does not need):
+- pages one step ahead: the cache keeps up to two decode steps of the same sequences open
+  (:meth:`~dmc.inference.block_allocator.BlockAllocator.reserve_step`), each head holding a
+  page for every slot they may add, and settles the older one from the lengths it reached;
+- stop tokens learned one step late: a sequence that draws one at step n ends with it (its
+  result is that of the eager engine: tokens, log-probabilities and compression as after step
+  n), the token step n + 1 drew for it is dropped, and its slot is freed once step n + 1 is
+  back;
+- a drain (:meth:`DecodePipeline.drain`) whenever the next step is not the same decode batch:
+  a sequence ended or reaches ``max_new_tokens`` with the step in flight, a waiting request
+  could join, the pages for the worst case of two steps are not free (the scheduler then
+  preempts as usual), or prefill work. After a drain the engine schedules as without overlap.
+
+Supported: vanilla, GQA and DMC models under ``cuda_graphs=True``, no KV policy (DMS's and
+delayed merging's window rings count their leaving tokens on the host step by step). On the CPU
+every step runs to its end when launched; the bookkeeping is the same, which the tests compare
+with the engine without overlap.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+
+from dmc.inference.block_allocator import CacheFullError
+from dmc.inference.cache import PagedKVCache
+from dmc.inference.device_span import DeviceSpan
+from dmc.inference.sequence import GenerationResult, Sequence
+
+
+class Readback:
+    """A step's results on their way to the host: ``drawn [2, batch]`` (float64 device tokens
+    and log-probabilities) and ``lengths [batch, layers, kv_heads]`` (the slots of every head
+    after the step: device values are copied with ``drawn`` in one transfer; host ones are
+    kept as they are). On a GPU the copy goes into pinned memory without waiting, and
+    :meth:`wait` waits for that copy only (a CUDA event), not for later work."""
+
+    def __init__(self, drawn: torch.Tensor, lengths: torch.Tensor):
+        self.count = drawn.numel()
+        self.shapes = (drawn.shape, lengths.shape)
+        self.lengths = None if lengths.device == drawn.device else lengths.clone()
+        flat = drawn.flatten() if self.lengths is not None else torch.cat(
+            (drawn.flatten(), lengths.double().flatten()))
+        self.event = None
+        if flat.is_cuda:
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flat.clone()
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(drawn, lengths)`` on the host (lengths int32)."""
+        if self.event is not None:
+            self.event.synchronize()
+        drawn = self.host[:self.count].view(self.shapes[0])
+        lengths = (self.lengths if self.lengths is not None
+                   else self.host[self.count:].view(self.shapes[1]))
+        return drawn, lengths.to(torch.int32)
+
+
+class InFlight(NamedTuple):
+    """A decode step launched and not read back: its sequences (in batch order), what it drew
+    (device, the next step's input), its :class:`Readback`, when its host work began and its
+    device span."""
+
+    seqs: list[Sequence]
+    drawn: torch.Tensor
+    readback: Readback
+    started: float
+    span: DeviceSpan
+
+
+class DecodePipeline:
+    """Decode steps launched one ahead of their read-back (see the module docstring).
+
+    ``engine``: the :class:`~dmc.inference.engine.Engine` whose graphs, cache, scheduler and
+    bookkeeping (``stats``, ``_take_tokens``, ``_note_usage``) it drives."""
+
+    def __init__(self, engine):
+        if engine.graphs is None or type(engine.cache) is not PagedKVCache:
+            raise ValueError(f"Engine: overlap=True needs cuda_graphs=True and a vanilla, GQA or "
+                             f"DMC model (got cuda_graphs={engine.graphs is not None}, "
+                             f"{type(engine.cache).__name__}); accepted: overlap=False")
+        self.engine = engine
+        self.flight: InFlight | None = None
+        self.ended: list[Sequence] = []  # ended at the step read back, in the step in flight
+        self.last_done = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step is in flight or ended sequences wait for it to free their slots."""
+        return self.flight is not None or bool(self.ended)
+
+    def launch(self, seqs: list[Sequence], started: float, pending: InFlight | None = None):
+        """Launch a decode step of ``seqs`` (their newest token, or what ``pending`` drew for
+        them) and leave it in flight; its read-back copy starts now."""
+        span = DeviceSpan(self.engine.device)
+        drawn = self.engine.graphs.decode(seqs, span,
+                                          None if pending is None else pending.drawn)
+        span.end()
+        allocator = self.engine.cache.allocator
+        lengths = allocator.step_lengths()
+        if lengths is None:  # the host lengths are exact: vanilla, or the CPU
+            lengths = allocator.lengths[allocator.seq_index([s.slot for s in seqs])]
+        self.flight = InFlight(seqs, drawn, Readback(drawn, lengths), started, span)
+        for seq in seqs:
+            seq.cached += 1
+
+    def advance(self, finished: list[GenerationResult]) -> bool:
+        """Launch the next step of the batch in flight, then read the one in flight back
+        (appending the requests that ended to ``finished``): True. When the next step is not the
+        same decode batch or its pages are not free, :meth:`drain` instead: False (the engine
+        schedules then)."""
+        flight = self.flight
+        if flight is not None and not self.ended and self._continues(flight.seqs):
+            try:
+                self.launch(flight.seqs, time.perf_counter(), pending=flight)
+            except CacheFullError:
+                pass
+            else:
+                self._read_back(flight, finished)
+                if not self.engine.scheduler.has_unfinished():  # all ended: nothing to wait for
+                    self.drain(finished)
+                return True
+        self.drain(finished)
+        return False
+
+    def drain(self, finished: list[GenerationResult]) -> None:
+        """Read the step in flight back and free the slots of the sequences that ended."""
+        if self.flight is not None:
+            flight, self.flight = self.flight, None
+            self._read_back(flight, finished)
+        for seq in self.ended:
+            self.engine.cache.free_sequence(seq.slot)
+        self.ended = []
+
+    def _continues(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step decodes exactly ``seqs`` again: all still running, each
+        wanting a token past the one in flight, and no waiting request that could join."""
+        scheduler = self.engine.scheduler
+        if len(scheduler.running) != len(seqs) or (
+                scheduler.waiting and len(scheduler.running) < scheduler.max_batch):
+            return False
+        return all(len(s.generated) + 2 <= s.params.max_new_tokens for s in seqs)
+
+    def _read_back(self, flight: InFlight, finished: list[GenerationResult]) -> None:
+        """Wait for ``flight``'s copy, settle its step, take its tokens (dropping those of
+        sequences that ended at the previous step) and record its time."""
+        drawn, lengths = flight.readback.wait()
+        cache = self.engine.cache
+        if cache.allocator.steps:
+            cache.settle(reached=lengths)
+        ended_ids = {id(seq) for seq in self.ended}
+        live = [row for row, seq in enumerate(flight.seqs) if id(seq) not in ended_ids]
+        seqs = [flight.seqs[row] for row in live]
+        done = time.perf_counter()
+        self.engine.stats.add_decode(done - max(flight.started, self.last_done),
+                                     flight.span.seconds(), len(flight.seqs))
+        self.engine._note_usage()
+        self.last_done = done
+        index = torch.tensor(live, dtype=torch.long)
+        ended = self.engine._take_tokens(seqs, drawn[:, index], finished, lengths[index])
+        if self.flight is not None:  # their slots are still written by the step in flight
+            self.ended += ended
+        else:
+            for seq in ended:
+                cache.free_sequence(seq.slot)
