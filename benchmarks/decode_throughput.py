@@ -156,7 +156,7 @@ def parse_args(argv=None):
                    help="decode-only steps replayed from a CUDA graph per batch size (eager on "
                         "the CPU); vanilla, GQA and DMC modes (policies and DMS run eagerly)")
     p.add_argument("--overlap", choices=["off", "on", "both"], default="off",
-                   help="with --cuda-graphs: serve vanilla, GQA, DMC and model modes with "
+                   help="with --cuda-graphs: serve every mode but the policies with "
                         "Engine(overlap=True) (a step's host work while the previous step's "
                         "device work runs): on; both: each such mode twice, with and without")
     p.add_argument("--profile", action="store_true",

@@ -127,9 +127,11 @@ class PagedKVCache:
         self._settle_for([seq_slot])
         return self.allocator.lengths[seq_slot].clone()
 
-    def held_slots(self, seq_slot: int) -> torch.Tensor:
-        """Slots a query of the sequence attends, ``[num_layers, num_kv_heads]`` (host long)."""
-        return self.head_lengths(seq_slot).long()
+    def held_slots(self, seq_slot: int, paged: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots a query of the sequence attends, ``[num_layers, num_kv_heads]`` (host long);
+        ``paged``: its heads' lengths as a step left them (an overlapped step's read-back)
+        instead of the current ones."""
+        return (self.head_lengths(seq_slot) if paged is None else paged).long()
 
     def paged_growth(self, seq_slots: list, tokens: int) -> torch.Tensor:
         """Paged slots each head gains at most from ``tokens`` more: all, ``[n, layers, kv]``
@@ -313,14 +315,14 @@ class PagedKVCache:
         step's launch size), the PyTorch path reads the device lengths.
         """
         seqs, rows = self.allocator.rows(seq_slots)
-        host_lengths = self.allocator.lengths[seqs, layer]  # the same tensor on CPU: exact
+        host_lengths = self.allocator.lengths[seqs, layer]  # exact where no step is ahead
         lag = self.allocator.lookahead
         return run_paged_decode(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer],
             self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
             num_splits=num_splits, max_length=max_length or int(host_lengths.max()) + lag,
-            host_lengths=host_lengths if self.device.type == "cpu" or not lag else None,
+            host_lengths=None if lag else host_lengths,
         )
 
     # ------------------------------------------------------------- eviction

@@ -79,8 +79,8 @@ class Engine:
             (:class:`~dmc.inference.decode_graphs.DecodeGraphs`); any model without a KV
             policy (under DMS, once every sequence of the step fills its window ring).
         overlap: launch each such step before the previous one is read back, so that a step's
-            host work runs while the device works (:mod:`dmc.inference.overlap`): vanilla, GQA
-            and DMC models with ``cuda_graphs=True``.
+            host work runs while the device works (:mod:`dmc.inference.overlap`); needs
+            ``cuda_graphs=True``.
 
     ``stats``: an :class:`EngineStats`.
     """
@@ -374,7 +374,8 @@ class Engine:
                 held = (self.cache.head_lengths(seq.slot) if lengths is None
                         else lengths[row]).long()
                 compression = (self.compression(seq.slot, seq.num_tokens - 1) if lengths is None
-                               else CompressionStats(seq.num_tokens - 1, held))
+                               else CompressionStats(seq.num_tokens - 1,
+                                                     self.cache.held_slots(seq.slot, held)))
                 finished.append(seq.result("stop" if stop else "length", compression,
                                            int(pages_for(held, self.page_size).sum()),
                                            self.cache.page_bytes))

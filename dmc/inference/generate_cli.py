@@ -71,7 +71,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--overlap", action="store_true",
                         help="with --cuda-graphs: launch each decode step before the previous "
                              "one is read back, the host's work beside the device's "
-                             "(dmc.inference.overlap; vanilla, GQA and DMC models)")
+                             "(dmc.inference.overlap)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     return parser

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_allocator import at_page_boundary, rows_or_zeros, to_device
+from .block_allocator import rows_or_zeros, to_device
 from .cache import PagedKVCache
 from .kernels import resolve_use_triton
 from .kernels.dms_decode import dms_decode_attention, dms_decode_attention_cpu
@@ -59,11 +59,12 @@ class WindowRingCache(PagedKVCache):
         seqs = self.allocator.seq_index(seq_slots)
         return self.written[seqs, layer].clamp(max=self.ring_size)
 
-    def held_slots(self, seq_slot: int) -> torch.Tensor:
+    def held_slots(self, seq_slot: int, paged: torch.Tensor | None = None) -> torch.Tensor:
         """Slots a query of the sequence attends per head, ``[num_layers, num_kv_heads]`` (host
-        long): its paged slots plus its filled ring rows."""
+        long): its paged slots (``paged``: as a step left them) plus its filled ring rows
+        (full in an overlapped step, which is static, as in the step read back)."""
         ring = self.written[seq_slot].clamp(max=self.ring_size)
-        return self.head_lengths(seq_slot).long() + ring[:, None]
+        return super().held_slots(seq_slot, paged) + ring[:, None]
 
     def paged_growth(self, seq_slots: list, tokens: int) -> torch.Tensor:
         """At most one paged slot per token that leaves the ring during the next ``tokens``
@@ -83,12 +84,13 @@ class WindowRingCache(PagedKVCache):
     def begin_decode(self, seq_slots, static: bool = False, overlap: bool = False) -> None:
         """:meth:`PagedKVCache.begin_decode`; ``static``: a step whose writes and attention read
         no host state (every sequence's ring must be full: ValueError otherwise), its tokens
-        counted in ``written`` now, for every layer. ``overlap`` is not supported (a
-        ring's leaving tokens are counted on the host step by step): ValueError."""
-        if overlap:
-            raise ValueError("a window-ring cache (DMS, delayed merging) cannot open a decode "
-                             "step before the previous one settles (overlap=False only)")
-        super().begin_decode(seq_slots)
+        counted in ``written`` now, for every layer. ``overlap`` (the previous step still
+        open) needs a static step: ValueError otherwise."""
+        if overlap and not static:
+            raise ValueError("a window-ring cache (DMS, delayed merging) opens a decode step "
+                             "before the previous one settles only when it is static (every "
+                             "ring full)")
+        super().begin_decode(seq_slots, overlap=overlap)
         self.static_step = static
         if static:
             seqs = self.allocator.seq_index(seq_slots)
@@ -105,7 +107,7 @@ class WindowRingCache(PagedKVCache):
         """Heads whose next paged slot needs a page: a token leaves their full ring this step
         and their slots fill whole pages (``[batch, num_layers, kv_heads]`` host bool)."""
         leaving = (self.written[seqs] >= self.ring_size)[..., None]
-        return leaving & at_page_boundary(self.allocator.lengths[seqs], self.page_size)
+        return leaving & super()._step_heads(seqs)
 
     def _leaving(self, layer: int, seqs: torch.Tensor, rows: torch.Tensor,
                  positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,12 +140,11 @@ class WindowRingCache(PagedKVCache):
         else:
             ring = to_device(self.ring_occupancy(seq_slots, layer), self.device)
         triton = resolve_use_triton(self.device, use_triton)
-        if self.device.type == "cpu" and not triton:  # the host lengths are the device's: exact
+        if self.device.type == "cpu" and not triton:  # the device lengths are on the host
             pools = (self.ring_k.flatten(0, 1), self.ring_v.flatten(0, 1))  # views
             return dms_decode_attention_cpu(
                 q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
-                self.allocator.lengths[seqs, layer], *pools, seqs * self.num_layers + layer,
-                ring, scale)
+                self.lengths[rows, layer], *pools, seqs * self.num_layers + layer, ring, scale)
         lag = self.allocator.lookahead  # the device lengths: + 1 per open step at most
         bound = max_length or int(self.allocator.lengths[seqs, layer].max()) + lag
         return dms_decode_attention(

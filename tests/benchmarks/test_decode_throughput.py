@@ -260,17 +260,18 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
 
 
 def test_overlapped_twins_run_in_blocks(tmp_path):
-    """``--overlap both``: vanilla and DMC twice (with ``Engine(overlap=True)``), DMS once (a
-    window-ring cache does not overlap); every mode runs blocks of steps, the first of each not
-    timed, and the overlapped twins draw what their plain twins draw."""
+    """``--overlap both``: every mode but the policy twice (with ``Engine(overlap=True)``);
+    every mode runs blocks of steps, the first of each not timed, and the overlapped twins draw
+    what their plain twins draw."""
     from dmc.eval.decode_modes import Mode
 
-    built = {Mode("vanilla"): 1, Mode("dms", 2.0): 2, Mode("dmc", 4.0): 3}
+    tova = Mode("policy", 2.0, "tova")
+    built = {Mode("vanilla"): 1, tova: 2, Mode("dmc", 4.0): 3}
     assert list(bench.with_overlap(built, "both").items()) == [
-        (Mode("vanilla"), 1), (Mode("vanilla", overlap=True), 1), (Mode("dms", 2.0), 2),
+        (Mode("vanilla"), 1), (Mode("vanilla", overlap=True), 1), (tova, 2),
         (Mode("dmc", 4.0), 3), (Mode("dmc", 4.0, overlap=True), 3)]
     assert list(bench.with_overlap(built, "on")) == [
-        Mode("vanilla", overlap=True), Mode("dms", 2.0), Mode("dmc", 4.0, overlap=True)]
+        Mode("vanilla", overlap=True), tova, Mode("dmc", 4.0, overlap=True)]
     assert bench.with_overlap(built, "off") is built
     out = tmp_path / "decode.json"
     assert bench.main([
@@ -279,11 +280,12 @@ def test_overlapped_twins_run_in_blocks(tmp_path):
         "--budget-mib", "0.25", "--modes", "vanilla,dmc:4,dms:2", "--dms-window", "8",
         "--cuda-graphs", "--overlap", "both", "--out", str(out)]) == 0
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"vanilla", "vanilla overlap", "dmc 4x", "dmc 4x overlap", "dms 2x"}
+    assert set(rows) == {"vanilla", "vanilla overlap", "dmc 4x", "dmc 4x overlap", "dms 2x",
+                         "dms 2x overlap"}
     for name, row in rows.items():
         assert row["overlap"] == name.endswith("overlap")
         assert row["steady_steps"] == 8 and row["steady_tokens"] == 8 * row["batch"]
-    for kind in ("vanilla", "dmc 4x"):
+    for kind in ("vanilla", "dmc 4x", "dms 2x"):
         plain, twin = rows[kind], rows[f"{kind} overlap"]
         assert twin["batch"] == plain["batch"] and twin["measured_cr"] == plain["measured_cr"]
     assert rows["vanilla overlap"]["speedup_vs_vanilla"] == 1.0  # against vanilla overlapped

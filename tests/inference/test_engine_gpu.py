@@ -140,3 +140,25 @@ def test_overlapped_decode_step_makes_no_synchronising_call(parallel_1x1, window
         torch.cuda.set_sync_debug_mode("default")
     assert not [str(w.message) for w in caught if "synchronizing" in str(w.message)]
     assert engine.pipeline.flight is not None
+
+
+@pytest.mark.parametrize("kind", ["dms", "merge_delay"])
+def test_overlapped_ring_steps_on_cuda_equal_steps_without_overlap(parallel_1x1, kind):
+    """DMS (window 4) and DMC with delayed merging (delay 4): once every ring is full the steps
+    overlap, and give the tokens and slots of the engine without overlap."""
+    from test_delayed_engine import build_delayed
+    from test_dms_engine import build_dms
+
+    model = build_dms(2, 4) if kind == "dms" else build_delayed(2, 4)
+    prompt_list = prompts()
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8) for n in (24, 12, 32)]
+    options = dict(page_size=4, max_batch=4, chunk_size=5, cuda_graphs=True)
+    plain = Engine(model, **options).generate(prompt_list, params)
+    engine = Engine(model, overlap=True, **options)
+    results = engine.generate(prompt_list, params)
+    for a, b in zip(results, plain):
+        assert a.tokens == b.tokens
+        assert torch.equal(a.compression.slots, b.compression.slots)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-4, rtol=0)
+    assert engine.cache.pages_in_use == 0 and not engine.pipeline.busy

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from dmc.inference import Engine, SamplingParams
+from dmc.inference.block_allocator import BlockAllocator
 from dmc.policies import get_policy
+from test_delayed_engine import build_delayed
 from test_dms_engine import build_dms
 from test_engine import build, check_against_model, prompts
 
@@ -65,6 +67,60 @@ def test_overlapped_steps_equal_the_engine_without_overlap(parallel_1x1, groups,
         check_against_model(model, results, prompts(LENGTHS), dmc=runtime is not None)
 
 
+@pytest.mark.parametrize("kind", ["dms", "merge_delay"])
+@pytest.mark.parametrize("groups,window", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_overlapped_ring_steps_equal_the_engine_without_overlap(parallel_1x1, kind, groups,
+                                                                window, temperature):
+    """DMS and DMC with delayed merging (``window`` the delay): a step overlaps once every
+    sequence of its batch fills its window ring (static steps), eagerly before; the same
+    tokens, log-probabilities, compression (paged slots and the full rings) and pages."""
+    model = build_dms(groups, window) if kind == "dms" else build_delayed(groups, window)
+    params = [SamplingParams(max_new_tokens=n, temperature=temperature) for n in (20, 9, 30, 14)]
+    plain_engine, plain, _ = serve(model, groups, False, params)
+    engine, results, continued = serve(model, groups, True, params)
+    same_results(plain, results)
+    assert engine.stats.preemptions == plain_engine.stats.preemptions
+    assert continued >= engine.stats.decode_steps // 3, (continued, engine.stats.decode_steps)
+    assert engine.cache.pages_in_use == 0 and not engine.pipeline.busy
+
+
+def keep_device_copies_apart(monkeypatch):
+    """From now on, block tables and lengths whose device copies are tensors of their own, as
+    on a GPU (on the CPU they are the host tensors): the host lengths lag behind the device's
+    writes until a step settles, so a step reserved while another is open must look ahead."""
+    init = BlockAllocator.__init__
+
+    def apart(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.device_tables, self.device_lengths = self.tables.clone(), self.lengths.clone()
+
+    monkeypatch.setattr(BlockAllocator, "__init__", apart)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "dmc", "exact", "dms", "merge_delay"])
+def test_overlap_with_device_copies_apart(parallel_1x1, monkeypatch, kind):
+    """With the host lengths lagging as on a GPU, overlapped steps (reserved one slot ahead of
+    the step in flight, settled from the lengths read back) and plain ones end every request
+    as the engine with the CPU's shared tensors does."""
+    groups = 2
+    model = (build(groups, "vanilla")[0] if kind == "vanilla" else
+             build(groups, 3 if kind == "dmc" else None)[0] if kind in ("dmc", "exact") else
+             build_dms(groups, 4) if kind == "dms" else build_delayed(groups, 4))
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8) for n in (20, 9, 30, 14)]
+    _, shared, _ = serve(model, groups, False, params)
+    keep_device_copies_apart(monkeypatch)
+    _, plain, _ = serve(model, groups, False, params)
+    engine, results, continued = serve(model, groups, True, params)
+    allocator = engine.cache.allocator
+    assert allocator.device_lengths is not allocator.lengths and continued > 0
+    same_results(shared, plain)
+    same_results(shared, results)
+    assert engine.cache.pages_in_use == 0 and not engine.pipeline.busy
+    assert torch.equal(allocator.device_tables, allocator.tables)
+    assert torch.equal(allocator.device_lengths, allocator.lengths)
+
+
 @pytest.mark.parametrize("groups,window", [(2, "vanilla"), (2, 3)])
 def test_stop_tokens_and_waiting_requests(parallel_1x1, groups, window):
     """Six requests on four sequence slots, two of them ending at a stop token drawn mid-way
@@ -102,8 +158,11 @@ def test_overlap_drains_for_score_and_refuses_what_it_cannot_run(parallel_1x1):
     assert sorted(len(r.tokens) for r in results) == [6, 6]
     with pytest.raises(ValueError, match="overlap=True needs cuda_graphs=True"):
         Engine(model, page_size=4, max_batch=2, overlap=True)
-    with pytest.raises(ValueError, match="DMSPagedCache"):
-        Engine(build_dms(2, 4), page_size=4, max_batch=2, cuda_graphs=True, overlap=True)
+    dms = Engine(build_dms(2, 4), page_size=4, max_batch=2, cuda_graphs=True, overlap=True)
+    dms.add_request(prompts((3,))[0], SamplingParams(max_new_tokens=4))
+    dms.step()  # 3 tokens written: the ring of 5 not full
+    with pytest.raises(ValueError, match="only when it is static"):
+        dms.cache.begin_decode([0], static=False, overlap=True)
     vanilla, _ = build(2, "vanilla")
     with pytest.raises(ValueError, match="policy"):
         Engine(vanilla, page_size=4, max_batch=2, cuda_graphs=True, overlap=True,
