@@ -71,7 +71,8 @@ mode), vanilla, DMC 2x / 4x, GQA 2x / 4x (add ``dms:4`` for DMS, ``delay:4`` for
 merging). Any flag overrides its preset
 value.
 
-Prints a table; ``--out FILE.json`` writes every number. On CUDA the Triton kernels run, on CPU
+Prints a table; ``--out FILE.json`` writes every number (and, every :data:`PARTIAL_EVERY`
+interleaved steps of the timed run, the figures so far, marked ``"partial": true``). On CUDA the Triton kernels run, on CPU
 the PyTorch ones.
 """
 from __future__ import annotations
@@ -102,6 +103,7 @@ warnings.filterwarnings("ignore", module="megatron")
 
 STARTED = time.perf_counter()
 OVERLAP_BLOCK = 16  # steps a mode runs in turn when some mode overlaps its steps
+PARTIAL_EVERY = 128  # interleaved steps between two partial writes of --out
 PRESETS = {
     "gpu": dict(layers=16, hidden=2048, heads=16, groups=16, ffn=5504, vocab=32000,
                 prompt_len=2048, gen_len=2048, steady=512, budget_mib=12 * 1024,
@@ -377,9 +379,12 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
             "probe_cr": comp.overall, "probe_cr_per_layer": comp.per_layer}
 
 
-def run_all(args, models: dict, budget: int) -> list[dict]:
-    """Probe every mode, size its batch to the budget, run all modes interleaved; the rows."""
-    from dmc.inference import CompressionStats, SamplingParams
+def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
+    """Probe every mode, size its batch to the budget, run all modes interleaved; the rows.
+    ``save(rows)``, when given, receives the rows measured so far every
+    :data:`PARTIAL_EVERY` interleaved steps (no rooflines: a run stopped by a time limit still
+    leaves figures)."""
+    from dmc.inference import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.gen_len, temperature=1.0)
     runs, rows = [], {}
@@ -428,21 +433,36 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
         rounds += 1
         if rounds * block % 256 == 0:
             progress(f"{rounds * block} interleaved steps")
+        if save is not None and rounds * block % PARTIAL_EVERY < block:
+            save(measure(args, runs, rows))
     progress(f"timed run done after {rounds} rounds")
-    for run in [r for r in runs if r.error]:
-        rows[run.mode]["error"] = run.error
-    runs = [r for r in runs if not r.error]
     for run in runs:
-        row = rows[run.mode]
         failed = [r.error for r in run.results if r.error]
-        if failed:
+        if failed and not run.error:
             raise RuntimeError(f"{run.mode.label}: {len(failed)} requests did not finish: "
                                f"{failed[0]}")
+        steps = run.steady(args.steady)[0]
+        if steps < args.steady and not run.error:
+            print(f"warning: {run.mode.label}: only {steps} decode steps ran at the full batch "
+                  f"(--steady {args.steady}); the figure averages those")
+    measure(args, runs, rows)
+    add_rooflines(args, [r for r in runs if not r.error], rows)
+    return list(rows.values())
+
+
+def measure(args, runs: list[Run], rows: dict) -> list[dict]:
+    """Each row's figures from its run's steps and finished requests so far (a failed run: its
+    ``error``), each as a multiple of vanilla's; returns the rows."""
+    from dmc.inference import CompressionStats
+
+    for run in runs:
+        row = rows[run.mode]
+        if run.error:
+            row["error"] = run.error
+            continue
         steps, tokens, seconds, median = run.steady(args.steady)
-        comp = CompressionStats.combine([r.compression for r in run.results])
         stats = run.engine.stats
         row.update(
-            measured_cr=comp.overall, measured_cr_per_layer=comp.per_layer,
             steady_steps=steps, steady_tokens=tokens, steady_seconds=seconds,
             tokens_per_s=tokens / seconds if seconds else 0.0,
             median_step_tokens_per_s=run.batch / median if median else 0.0,
@@ -452,11 +472,10 @@ def run_all(args, models: dict, budget: int) -> list[dict]:
             wall_seconds=sum(s[0] for s in run.steps), preemptions=stats.preemptions,
             peak_pages=stats.peak_pages,
         )
-        if steps < args.steady:
-            print(f"warning: {run.mode.label}: only {steps} decode steps ran at the full batch "
-                  f"(--steady {args.steady}); the figure averages those")
-    add_rooflines(args, runs, rows)
-    done = [r for r in rows.values() if "error" not in r]
+        if run.results:
+            comp = CompressionStats.combine([r.compression for r in run.results])
+            row.update(measured_cr=comp.overall, measured_cr_per_layer=comp.per_layer)
+    done = [r for r in rows.values() if "error" not in r and "tokens_per_s" in r]
     for row in done:  # against vanilla served the same way (with or without overlap)
         vanilla = next((r for r in sorted(done, key=lambda r: r["overlap"] != row["overlap"])
                         if r["kind"] == "vanilla"), None)
@@ -555,8 +574,17 @@ def main(argv=None) -> int:
             progress(f"--budget-mib: the preset's {args.budget_mib:g} MiB per mode do not fit "
                      f"{len(models)} modes on this GPU; {budget / 2**20:.0f} MiB each")
             args.budget_mib = budget / 2**20
-    rows = run_all(args, models, budget)
     device = torch.cuda.get_device_name() if args.cuda else "cpu (PyTorch kernels)"
+    config = {k: v for k, v in vars(args).items() if k != "mode_list"}
+
+    def save(rows, partial=True):
+        if args.out:  # a partial file first, renamed: a kill leaves the last whole one
+            with open(args.out + ".partial", "w") as f:
+                json.dump({"device": device, "args": config, "budget_bytes": budget,
+                           "partial": partial, "rows": rows}, f, indent=2)
+            os.replace(args.out + ".partial", args.out)
+
+    rows = run_all(args, models, budget, save)
     print(f"decode throughput on {device} ({args.preset} preset): {args.layers} layers, hidden "
           f"{args.hidden}, {args.heads} heads / {args.groups} KV heads, {args.dtype}, prompt "
           f"{args.prompt_len} + {args.gen_len} generated, page {args.page_size}, budget "
@@ -567,10 +595,7 @@ def main(argv=None) -> int:
              "on a GPU)" if args.cuda_graphs else ""))
     print(table(rows))
     if args.out:
-        config = {k: v for k, v in vars(args).items() if k != "mode_list"}
-        with open(args.out, "w") as f:
-            json.dump({"device": device, "args": config, "budget_bytes": budget, "rows": rows},
-                      f, indent=2)
+        save(rows, partial=False)
         print(f"wrote {args.out}")
     return 1 if any("error" in row for row in rows) else 0
 

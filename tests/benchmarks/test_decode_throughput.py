@@ -225,6 +225,7 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
         "--merge-delay", "4", "--out", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
+    assert data["partial"] is False and not (tmp_path / "decode.json.partial").exists()
     rows = {row["mode"]: row for row in data["rows"]}
     assert set(rows) == {"vanilla", "dmc 4x", "gqa 2x", "streamingllm 2x", "dms 2x",
                          "dmc delay 4x"}
@@ -291,6 +292,30 @@ def test_overlapped_twins_run_in_blocks(tmp_path):
     assert rows["vanilla overlap"]["speedup_vs_vanilla"] == 1.0  # against vanilla overlapped
     assert rows["dmc 4x overlap"]["speedup_vs_vanilla"] == pytest.approx(
         rows["dmc 4x overlap"]["tokens_per_s"] / rows["vanilla overlap"]["tokens_per_s"])
+
+
+def test_partial_figures_are_written_during_the_run(tmp_path, monkeypatch):
+    """Every PARTIAL_EVERY interleaved steps ``--out`` holds the figures so far ("partial":
+    true; no rooflines), so a run stopped by a time limit leaves them."""
+    monkeypatch.setattr(bench, "PARTIAL_EVERY", 4)
+    seen = []
+    real_save = json.dump
+
+    def spy(obj, f, **kwargs):
+        seen.append(json.loads(json.dumps(obj)))
+        real_save(obj, f, **kwargs)
+
+    monkeypatch.setattr(bench.json, "dump", spy)
+    out = tmp_path / "decode.json"
+    assert bench.main([
+        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
+        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "16", "--steady", "4",
+        "--budget-mib", "0.25", "--modes", "vanilla,dmc:4", "--out", str(out)]) == 0
+    partial = [d for d in seen if d["partial"]]
+    assert len(partial) >= 3 and not seen[-1]["partial"]
+    later = {row["mode"]: row for row in partial[-1]["rows"]}
+    assert later["dmc 4x"]["steady_steps"] > 0 and later["dmc 4x"]["speedup_vs_vanilla"] > 0
+    assert "roofline" not in later["dmc 4x"] and "roofline" in seen[-1]["rows"][1]
 
 
 def test_a_mode_that_fails_leaves_the_others_figures(tmp_path, monkeypatch, capsys):
