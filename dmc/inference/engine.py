@@ -238,7 +238,8 @@ class Engine:
         if (self.graphs is not None and not plan.prefill
                 and self.kv.static_ready([s.slot for s in plan.decode])):  # forward, sampling
             if self.pipeline is not None:  # left in flight: read back by the next step
-                return self.pipeline.launch(plan.decode, started)
+                self.pipeline.launch(plan.decode, started)
+                return
             drawn = self.graphs.decode(plan.decode, span)
         else:
             span.begin()
@@ -371,13 +372,13 @@ class Engine:
             self.stats.generated_tokens += 1
             stop = token in seq.params.stop_tokens
             if stop or len(seq.generated) >= seq.params.max_new_tokens:
-                held = (self.cache.head_lengths(seq.slot) if lengths is None
-                        else lengths[row]).long()
+                paged = (self.cache.head_lengths(seq.slot) if lengths is None
+                         else lengths[row]).long()
                 compression = (self.compression(seq.slot, seq.num_tokens - 1) if lengths is None
                                else CompressionStats(seq.num_tokens - 1,
-                                                     self.cache.held_slots(seq.slot, held)))
+                                                     self.cache.held_slots(seq.slot, paged)))
                 finished.append(seq.result("stop" if stop else "length", compression,
-                                           int(pages_for(held, self.page_size).sum()),
+                                           int(pages_for(paged, self.page_size).sum()),
                                            self.cache.page_bytes))
                 self.scheduler.running.remove(seq)
                 ended.append(seq)
