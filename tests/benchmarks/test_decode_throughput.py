@@ -13,6 +13,8 @@ from tiny_models import build_tiny
 from conftest import load_benchmark
 
 bench = load_benchmark("decode_throughput")
+TINY = ["--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
+        "--ffn", "64", "--vocab", "64", "--prompt-len", "24"]  # a model of a few kB, P = 24
 
 
 def allocated_bytes(root, device: torch.device) -> int:
@@ -204,8 +206,7 @@ def test_prompts_prefilled_over_several_steps(tmp_path):
     still holds full-batch decode steps only."""
     out = tmp_path / "decode.json"
     assert bench.main([
-        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
-        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "24", "--steady", "4",
+        *TINY, "--gen-len", "24", "--steady", "4",
         "--budget-mib", "0.25", "--modes", "vanilla,dmc:4", "--prefill-tokens", "60",
         "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -218,8 +219,7 @@ def test_prompts_prefilled_over_several_steps(tmp_path):
 def test_tiny_run_end_to_end(tmp_path, capsys):
     out = tmp_path / "decode.json"
     code = bench.main([
-        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
-        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "10", "--steady", "4",
+        *TINY, "--gen-len", "10", "--steady", "4",
         "--budget-mib", "0.25", "--modes",
         "vanilla,dmc:4,gqa:2,policy:streamingllm:2,dms:2,delay:4", "--dms-window", "8",
         "--merge-delay", "4", "--out", str(out)])
@@ -276,8 +276,7 @@ def test_overlapped_twins_run_in_blocks(tmp_path):
     assert bench.with_overlap(built, "off") is built
     out = tmp_path / "decode.json"
     assert bench.main([
-        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
-        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "40", "--steady", "8",
+        *TINY, "--gen-len", "40", "--steady", "8",
         "--budget-mib", "0.25", "--modes", "vanilla,dmc:4,dms:2", "--dms-window", "8",
         "--cuda-graphs", "--overlap", "both", "--out", str(out)]) == 0
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
@@ -308,8 +307,7 @@ def test_partial_figures_are_written_during_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.json, "dump", spy)
     out = tmp_path / "decode.json"
     assert bench.main([
-        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
-        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "16", "--steady", "4",
+        *TINY, "--gen-len", "16", "--steady", "4",
         "--budget-mib", "0.25", "--modes", "vanilla,dmc:4", "--out", str(out)]) == 0
     partial = [d for d in seen if d["partial"]]
     assert len(partial) >= 3 and not seen[-1]["partial"]
@@ -331,8 +329,7 @@ def test_a_mode_that_fails_leaves_the_others_figures(tmp_path, monkeypatch, caps
     monkeypatch.setattr(bench.Run, "step", step)
     out = tmp_path / "decode.json"
     assert bench.main([
-        "--preset", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
-        "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "10", "--steady", "4",
+        *TINY, "--gen-len", "10", "--steady", "4",
         "--budget-mib", "0.25", "--modes", "vanilla,dmc:4", "--out", str(out)]) == 1
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows["dmc 4x"]["error"] == "RuntimeError: injected fault"

@@ -43,16 +43,21 @@ def test_decode_step_waits_for_the_device_once(parallel_1x1, window, cuda_graphs
     if cuda_graphs:
         engine.step()  # batch 2 captured (and replayed)
         assert engine.graphs.captured == [(2, True)]  # batch 2, top-p: the sorting graph
+    syncs = synchronising_calls(engine.step)
+    assert len(syncs) == 1, syncs
+
+
+def synchronising_calls(step) -> list[str]:
+    """The calls the sync debug mode flags while ``step()`` runs (from an idle device)."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            engine.step()
+            step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchronizing" in str(w.message)]
-    assert len(syncs) == 1, syncs
+    return [str(w.message) for w in caught if "synchronizing" in str(w.message)]
 
 
 @pytest.mark.parametrize("groups,window", [(4, None), (2, 3), (2, "vanilla")])
@@ -97,12 +102,18 @@ def test_ring_steps_replayed_from_cuda_graphs_equal_eager_ones(parallel_1x1, kin
     assert engine.cache.pages_in_use == 0
 
 
-@pytest.mark.parametrize("groups,window", [(4, None), (2, 3), (2, "vanilla")])
-def test_overlapped_steps_on_cuda_equal_steps_without_overlap(parallel_1x1, groups, window):
+@pytest.mark.parametrize("kind", ["exact", "dmc", "vanilla", "dms", "merge_delay"])
+def test_overlapped_steps_on_cuda_equal_steps_without_overlap(parallel_1x1, kind):
     """Decode steps launched before the previous one is read back (``overlap=True``) give the
     tokens and slots of the engine without overlap, both replaying CUDA graphs (batches 3, 2,
-    1 as requests end; sampled)."""
-    model, _ = build(groups, window)
+    1 as requests end; sampled): DMC (4 KV heads, exact; 2, window 3), vanilla GQA, DMS
+    (window 4) and DMC with delayed merging (delay 4: steps overlap once every ring is full)."""
+    from test_delayed_engine import build_delayed
+    from test_dms_engine import build_dms
+
+    model = {"exact": lambda: build(4, None)[0], "dmc": lambda: build(2, 3)[0],
+             "vanilla": lambda: build(2, "vanilla")[0], "dms": lambda: build_dms(2, 4),
+             "merge_delay": lambda: build_delayed(2, 4)}[kind]()
     prompt_list = prompts()
     params = [SamplingParams(max_new_tokens=n, temperature=0.8) for n in (24, 12, 32)]
     options = dict(page_size=4, max_batch=4, chunk_size=5, cuda_graphs=True)
@@ -130,35 +141,5 @@ def test_overlapped_decode_step_makes_no_synchronising_call(parallel_1x1, window
     for _ in range(4):  # prefill; batch 2 warmed up, captured, replayed
         engine.step()
     assert engine.graphs.captured == [(2, False)] and engine.pipeline.flight is not None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert not [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+    assert synchronising_calls(engine.step) == []
     assert engine.pipeline.flight is not None
-
-
-@pytest.mark.parametrize("kind", ["dms", "merge_delay"])
-def test_overlapped_ring_steps_on_cuda_equal_steps_without_overlap(parallel_1x1, kind):
-    """DMS (window 4) and DMC with delayed merging (delay 4): once every ring is full the steps
-    overlap, and give the tokens and slots of the engine without overlap."""
-    from test_delayed_engine import build_delayed
-    from test_dms_engine import build_dms
-
-    model = build_dms(2, 4) if kind == "dms" else build_delayed(2, 4)
-    prompt_list = prompts()
-    params = [SamplingParams(max_new_tokens=n, temperature=0.8) for n in (24, 12, 32)]
-    options = dict(page_size=4, max_batch=4, chunk_size=5, cuda_graphs=True)
-    plain = Engine(model, **options).generate(prompt_list, params)
-    engine = Engine(model, overlap=True, **options)
-    results = engine.generate(prompt_list, params)
-    for a, b in zip(results, plain):
-        assert a.tokens == b.tokens
-        assert torch.equal(a.compression.slots, b.compression.slots)
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
-                                   atol=1e-4, rtol=0)
-    assert engine.cache.pages_in_use == 0 and not engine.pipeline.busy
