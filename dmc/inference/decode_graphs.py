@@ -84,21 +84,24 @@ class DecodeGraphs:
         output is overwritten by its next replay). ``span`` begins when the device work is
         launched, after the host work (the caller ends it). ``pending``: what the previous
         step of the same sequences drew, still on the device and not taken by them yet (an
-        overlapped step, :mod:`dmc.inference.overlap`): those tokens are this step's input."""
+        overlapped step, :mod:`dmc.inference.overlap`): those tokens are this step's input, and
+        the buffers, which that step filled, advance on the device (positions and the sampled
+        token's index one on) instead of being filled from the host."""
         batch, filtering = len(seqs), needs_filter([s.params for s in seqs])
-        key, ahead = (batch, filtering), int(pending is not None)
+        key = (batch, filtering)
         buffers = self._buffers(batch)
         if pending is None:
             buffers.ids.copy_(torch.tensor([s.last_token for s in seqs]), non_blocking=True)
+            buffers.positions.copy_(torch.tensor([s.num_tokens - 1 for s in seqs]),
+                                    non_blocking=True)
+            settings = SamplingColumns.of([s.params for s in seqs], [s.seed for s in seqs],
+                                          [len(s.generated) for s in seqs], torch.device("cpu"))
+            for static, given in zip(buffers.sampling, settings):
+                static.copy_(given, non_blocking=True)
         else:
             buffers.ids.copy_(pending[0])
-        buffers.positions.copy_(torch.tensor([s.num_tokens - 1 + ahead for s in seqs]),
-                                non_blocking=True)
-        settings = SamplingColumns.of([s.params for s in seqs], [s.seed for s in seqs],
-                                      [len(s.generated) + ahead for s in seqs],
-                                      torch.device("cpu"))
-        for static, given in zip(buffers.sampling, settings):
-            static.copy_(given, non_blocking=True)
+            buffers.positions.add_(1)
+            buffers.sampling.position.add_(1)
         self.kv.begin_decode([s.slot for s in seqs], buffers.positions, buffers,
                              self.max_length, overlap=pending is not None)
         if span is not None:

@@ -120,7 +120,7 @@ class DecodePipeline:
         allocator = self.engine.cache.allocator
         lengths = allocator.step_lengths()
         if lengths is None:  # the host lengths are exact: vanilla, or the CPU
-            lengths = allocator.lengths[allocator.seq_index([s.slot for s in seqs])]
+            lengths = allocator.lengths[self.engine.kv.step.seqs.host]
         self.flight = InFlight(seqs, drawn, Readback(drawn, lengths), started, span)
         for seq in seqs:
             seq.cached += 1
