@@ -372,18 +372,19 @@ class BlockAllocator:
 
     def _release_unused(self, reserved: TableEntries) -> None:
         """Give back the ``reserved`` pages past what their heads' lengths and the slots the
-        open steps may still add need; hand the others on to the next open step, whose settle
-        checks them again."""
-        used = pages_for(self.lengths[reserved.index[:3]].long() + self.lookahead,
-                         self.page_size)
-        unused = used <= reserved.column
+        open steps may still add need; hand those the open steps may still fill (past the
+        lengths, within the look-ahead) on to the next open step, whose settle checks them
+        again."""
+        lengths = self.lengths[reserved.index[:3]].long()
+        unused = pages_for(lengths + self.lookahead, self.page_size) <= reserved.column
         self._give_back(reserved.pages[unused])
         dropped = TableEntries(*(i[unused] for i in reserved.index),
                                torch.full((int(unused.sum()),), -1, dtype=torch.int32))
         self.tables[dropped.index] = dropped.pages
         self._publish_entries(dropped)
         if self.steps:
-            kept = TableEntries(*(i[~unused] for i in reserved))
+            undecided = ~unused & (pages_for(lengths, self.page_size) <= reserved.column)
+            kept = TableEntries(*(i[undecided] for i in reserved))
             later = self.steps[0].reserved
             self.steps[0].reserved = TableEntries(*(torch.cat(pair) for pair in zip(kept, later)))
 

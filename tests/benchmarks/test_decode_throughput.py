@@ -284,6 +284,7 @@ def test_overlapped_twins_run_in_blocks(tmp_path):
                          "dms 2x overlap"}
     for name, row in rows.items():
         assert row["overlap"] == name.endswith("overlap")
+        assert (row["median_host_seconds"] is None) == row["overlap"]
         assert row["steady_steps"] == 8 and row["steady_tokens"] == 8 * row["batch"]
     for kind in ("vanilla", "dmc 4x", "dms 2x"):
         plain, twin = rows[kind], rows[f"{kind} overlap"]

@@ -168,3 +168,31 @@ def test_settle_of_an_older_step_needs_its_lengths_while_a_later_one_is_open():
         alloc.reserve_step(seqs, torch.ones(1, LAYERS, HEADS, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="pass the lengths"):
         alloc.settle()
+
+
+def test_a_pipeline_of_steps_tracks_only_the_pages_still_undecided():
+    """Steps of the same sequences opened one ahead of the settle, as the engine's overlap does
+    for many steps: at every settle the next open step tracks at most one reserved page per
+    head (those a step in flight may still fill), not every page ever reserved; at the end
+    each head holds exactly the pages its length needs."""
+    gen = torch.Generator().manual_seed(2)
+    alloc = separate_device_copies()
+    seqs = torch.tensor([alloc.add_sequence() for _ in range(2)])
+    every = torch.ones(2, LAYERS, HEADS, dtype=torch.bool)
+
+    def device_step():
+        assert writable(alloc, seqs)
+        alloc.device_lengths[seqs] += torch.randint(0, 2, (2, LAYERS, HEADS), generator=gen,
+                                                    dtype=torch.int32)
+        return alloc.step_lengths().clone()
+
+    alloc.reserve_step(seqs, every)
+    reached = device_step()
+    for _ in range(40):  # lengths grow by at most 41 of the 48 slots a head may hold
+        alloc.reserve_step(seqs, every)
+        next_reached = device_step()
+        alloc.settle(reached=reached)
+        reached = next_reached
+        assert len(alloc.steps[0].reserved.pages) <= 2 * LAYERS * HEADS
+    alloc.settle()
+    check(alloc)
