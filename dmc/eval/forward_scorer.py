@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from dmc.inference.block_allocator import pages_for
+from dmc.inference.paging import pages_for
 from dmc.inference.sequence import CompressionStats, ScoreResult
 
 

@@ -15,13 +15,11 @@ With ``window=w`` the rows (``rows = w``) are a ring of the open slot's last ``w
 ``j`` of the slot in row ``j % w``) with their omegas. With ``window=None`` (exact Eq. 9) there is
 one row: the running pre-RoPE mean and its running weight ``z``.
 
-A decode step's DMC writes may be deferred (``write(..., defer=True)``): the append-or-merge
-decisions stay on the device. :meth:`begin_decode` opens the step before its first layer: every
-head of every layer at a page boundary gets its next page (the scheduler made room), so the
-layers' writes take no page and make no host work. :meth:`settle` closes it, reading the lengths
-of all layers back in one copy (with the engine's sampled tokens) and returning the pages of the
-heads that merged. Until then the host lengths lag behind on a GPU; every method but
-:meth:`write` and :meth:`attention` settles first when the step holds its sequences.
+A decode step's DMC writes may be deferred (``write(..., defer=True)``: decided on the device)
+between :meth:`begin_decode` (every layer's next pages reserved at once, so the writes take no
+page and make no host work) and :meth:`settle` (the lengths read back in one copy with the
+engine's sampled tokens, the pages of heads that merged returned). Until then the host lengths
+lag on a GPU; every method but :meth:`write` and :meth:`attention` settles first.
 """
 from __future__ import annotations
 
@@ -31,7 +29,8 @@ import torch
 
 from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
-from .block_allocator import BlockAllocator, SeqRows, at_page_boundary, pages_for, to_device
+from .block_allocator import BlockAllocator, SeqRows
+from .paging import at_page_boundary, pages_for, to_device
 from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
 
 
@@ -129,8 +128,7 @@ class PagedKVCache:
 
     def held_slots(self, seq_slot: int, paged: torch.Tensor | None = None) -> torch.Tensor:
         """Slots a query of the sequence attends, ``[num_layers, num_kv_heads]`` (host long);
-        ``paged``: its heads' lengths as a step left them (an overlapped step's read-back)
-        instead of the current ones."""
+        ``paged``: its lengths as an overlapped step left them, instead of the current ones."""
         return (self.head_lengths(seq_slot) if paged is None else paged).long()
 
     def paged_growth(self, seq_slots: list, tokens: int) -> torch.Tensor:
@@ -217,24 +215,21 @@ class PagedKVCache:
 
     def begin_decode(self, seq_slots, static: bool = False, overlap: bool = False) -> None:
         """Open a decode step of ``seq_slots`` whose writes are deferred: settle the previous
-        one, then give every head whose next slot starts a page, in every layer, that page
-        (``static``, a captured step, changes nothing here: DMC's writes read no host state).
-        ``overlap``: the previous step of the same sequences stays open (its lengths not back
-        yet), and each head's page is that of the slot after the one it may still add."""
+        one (unless ``overlap``: it stays open, its lengths not back yet), then give every head
+        whose next slot starts a page, in every layer, that page (``static``, a captured step,
+        changes nothing here: DMC's writes read no host state)."""
         if not overlap:
             self.settle()
         seqs = self.allocator.seq_index(seq_slots)
         self.allocator.reserve_step(seqs, self._step_heads(seqs))
 
     def _step_heads(self, seqs: torch.Tensor) -> torch.Tensor:
-        """``[batch, num_layers, kv_heads]`` host bool: heads whose next slot (past the slots
-        the open steps may add) starts a page."""
+        """``[batch, layers, kv_heads]`` host bool: the next slot past the open steps' starts a page."""
         lengths = self.allocator.lengths[seqs]
         return at_page_boundary(lengths + self.allocator.lookahead, self.page_size)
 
     def _settle_for(self, seq_slots) -> None:
-        """Settle when an open decode step holds any of ``seq_slots`` (their host lengths lag);
-        a prefill chunk of another sequence in the same forward leaves the step open."""
+        """Settle the open decode steps holding any of ``seq_slots`` (their host lengths lag)."""
         if isinstance(seq_slots, SeqRows):
             seq_slots = seq_slots.host
         while self.allocator.holds(torch.as_tensor(seq_slots)):
@@ -242,10 +237,8 @@ class PagedKVCache:
 
     def settle(self, carry: torch.Tensor | None = None,
                reached: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Close the oldest open decode step (:meth:`BlockAllocator.settle`): its lengths come
-        back to the host in one copy with ``carry`` (a float64 device tensor of the step's
-        other results, the engine's sampled tokens; returned on the host, None without it),
-        or are ``reached``, read back while a later step ran."""
+        """Close the oldest open decode step: :meth:`BlockAllocator.settle` (``carry``, the
+        engine's sampled tokens, comes back with its lengths; ``reached``: lengths read before)."""
         return self.allocator.settle(carry, reached)
 
     def begin_append(self, seq_slots) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,9 +303,9 @@ class PagedKVCache:
         """Decode attention of ``q [batch, q_heads, head_dim]`` over the cached slots of ``layer``.
 
         Returns ``[batch, q_heads, head_dim]``; ``scale`` defaults to ``head_dim ** -0.5``.
-        While decode steps are open the host lengths of a GPU cache lag by at most a slot per
-        open step: the Triton kernel gets that bound (or ``max_length``, a fixed bound: a captured
-        step's launch size), the PyTorch path reads the device lengths.
+        While decode steps are open the host lengths of a GPU cache lag by a slot per open step at
+        most: the Triton kernel gets that bound (or ``max_length``, a captured step's launch
+        size), the PyTorch path reads the device lengths.
         """
         seqs, rows = self.allocator.rows(seq_slots)
         host_lengths = self.allocator.lengths[seqs, layer]  # exact where no step is ahead

@@ -43,7 +43,7 @@ import torch
 
 from dmc.ops.mask import bias_from_log_keep
 
-from .block_allocator import to_device
+from .paging import to_device
 from .kernels.native import native_dms_write
 from .ring_cache import WindowRingCache
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from dmc.inference.block_allocator import pages_for
+from dmc.inference.paging import pages_for
 from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.inference.device_span import DeviceSpan
 from dmc.inference.kv_write import make_cache, make_kv_write, make_policy

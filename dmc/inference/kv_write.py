@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from dmc.inference.block_allocator import SeqRows, default_num_pages, to_device
+from dmc.inference.block_allocator import SeqRows
+from dmc.inference.paging import default_num_pages, to_device
 from dmc.inference.cache import PagedKVCache
 from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.config import DMCConfig

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmc.inference.block_allocator import to_device
+from dmc.inference.paging import to_device
 from dmc.inference.kv_write import KVWrite
 from dmc.inference.kv_write_dms import append_adapter_logits
 from dmc.megatron.config import DMCConfig

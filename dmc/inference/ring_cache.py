@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_allocator import rows_or_zeros, to_device
+from .paging import rows_or_zeros, to_device
 from .cache import PagedKVCache
 from .kernels import resolve_use_triton
 from .kernels.dms_decode import dms_decode_attention, dms_decode_attention_cpu

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from dmc.inference.block_allocator import to_device
+from dmc.inference.paging import to_device
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dmc.inference.block_allocator import pages_for, rows_or_zeros
+from dmc.inference.paging import pages_for, rows_or_zeros
 from dmc.inference.cache import PagedKVCache
 from dmc.inference.model_runner import Segment
 from dmc.inference.sequence import Sequence

@@ -7,12 +7,7 @@ import random
 import pytest
 import torch
 
-from dmc.inference.block_allocator import (
-    BlockAllocator,
-    at_page_boundary,
-    page_and_offset,
-    pages_for,
-)
+from dmc.inference.block_allocator import BlockAllocator
 
 LAYERS, HEADS, PAGES, PAGE, SEQS, WIDTH = 3, 2, 200, 4, 6, 12
 
@@ -90,16 +85,6 @@ def test_settle_gives_back_exactly_the_reserved_pages_of_heads_that_did_not_appe
     assert carry.tolist() == [7.0]
     assert alloc.free_pages == free - 1 and alloc.lengths[seq, 0, 0] == PAGE + 1
     check(alloc)
-
-
-@pytest.mark.parametrize("page", [1, 3, 4, 16, 24])
-def test_page_arithmetic_equals_python_divmod(page):
-    slots = torch.arange(0, 200, dtype=torch.int32)
-    column, offset = page_and_offset(slots, page)
-    assert column.tolist() == [n // page for n in range(200)]
-    assert offset.tolist() == [n % page for n in range(200)]
-    assert pages_for(slots, page).tolist() == [-(-n // page) for n in range(200)]
-    assert at_page_boundary(slots, page).tolist() == [n % page == 0 for n in range(200)]
 
 
 def test_a_step_reserves_the_page_of_a_marked_heads_next_slot_where_it_holds_none():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dmc.inference import CacheFullError
-from dmc.inference.block_allocator import pages_for
+from dmc.inference.paging import pages_for
 from dmc.inference.dms_cache import DMSPagedCache
 from dmc.ops.reference import dms_attention_bias_reference
 

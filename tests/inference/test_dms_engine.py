@@ -10,7 +10,7 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
 from dmc.inference import Engine, SamplingParams
-from dmc.inference.block_allocator import pages_for
+from dmc.inference.paging import pages_for
 from dmc.megatron.config import DMCConfig
 from dmc.megatron.dms_attention import DMSSelfAttention
 from dmc.megatron.model import build_gpt_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dmc.inference import Engine, SamplingParams
-from dmc.inference.block_allocator import pages_for
+from dmc.inference.paging import pages_for
 from dmc.megatron.model import build_gpt_model, llama_transformer_config
 from dmc.policies import get_policy
 
