@@ -72,7 +72,8 @@ merging). Any flag overrides its preset
 value.
 
 Prints a table; ``--out FILE.json`` writes every number (and, every :data:`PARTIAL_EVERY`
-interleaved steps of the timed run, the figures so far, marked ``"partial": true``). On CUDA the Triton kernels run, on CPU
+interleaved steps of the timed run, the figures so far, marked ``"partial": true``). On CUDA
+the Triton kernels run, on CPU
 the PyTorch ones.
 """
 from __future__ import annotations

@@ -224,9 +224,9 @@ class PagedKVCache:
         self.allocator.reserve_step(seqs, self._step_heads(seqs))
 
     def _step_heads(self, seqs: torch.Tensor) -> torch.Tensor:
-        """``[batch, layers, kv_heads]`` host bool: the next slot past the open steps' starts a page."""
-        lengths = self.allocator.lengths[seqs]
-        return at_page_boundary(lengths + self.allocator.lookahead, self.page_size)
+        """``[batch, layers, kv]`` host bool: the next slot past the open steps' starts a page."""
+        ahead = self.allocator.lookahead
+        return at_page_boundary(self.allocator.lengths[seqs] + ahead, self.page_size)
 
     def _settle_for(self, seq_slots) -> None:
         """Settle the open decode steps holding any of ``seq_slots`` (their host lengths lag)."""
