@@ -107,6 +107,8 @@ def reference(retrofit_args, tmp_path_factory):
     return _metrics(run_dir)
 
 
+@pytest.mark.slow  # ~85 s on 2 cores (a single-process reference and two 2-process runs); the
+# fast suite keeps the TP2 KL check above and the undistilled layouts (test_distributed_training)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_distilled_retrofit_matches_single_process(layout, retrofit_args, reference, tmp_path):
     _dmc("retrofit", "--nproc", "2", *retrofit_args(tmp_path), *LAYOUTS[layout])
