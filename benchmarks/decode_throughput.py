@@ -88,14 +88,7 @@ import warnings
 
 import torch
 
-from dmc.eval.decode_modes import (
-    FORCED,
-    MODE_SYNTAX,
-    OVERLAP_KINDS,
-    Mode,
-    build_models,
-    parse_mode,
-)
+from dmc.eval.decode_modes import FORCED, MODE_SYNTAX, Mode, build_models, parse_mode
 from dmc.eval.kv_budget import cache_allocation, fit_batch
 from dmc.eval.roofline import attention_flops, measure_machine, roofline, weight_bytes_and_flops
 from dmc.inference.ring_cache import WindowRingCache
@@ -305,15 +298,17 @@ def engine_for(model, dmc, policy, args, max_batch: int, num_pages: int | None,
 
 
 def with_overlap(models: dict, how: str) -> dict:
-    """``models`` with the modes ``Engine(overlap=True)`` serves overlapped (``how`` "on") or
-    also overlapped ("both": each followed by its twin, the same model); "off": unchanged."""
+    """``models`` (``{mode: (model, dmc, policy)}``) with the modes ``Engine(overlap=True)``
+    serves (every one without a policy: those the CUDA graphs serve) overlapped (``how`` "on")
+    or also overlapped ("both": each followed by its twin, the same model); "off": unchanged."""
     if how == "off":
         return models
     out = {}
     for mode, built in models.items():
-        if how == "both" or mode.kind not in OVERLAP_KINDS:
+        served = built[2] is None
+        if how == "both" or not served:
             out[mode] = built
-        if mode.kind in OVERLAP_KINDS:
+        if served:
             out[mode._replace(overlap=True)] = built
     return out
 

@@ -36,7 +36,6 @@ class Mode(NamedTuple):
 
 MODE_SYNTAX = "vanilla, model, dmc:CR, delay:CR, dms:CR, gqa:FACTOR, policy:NAME:CR"
 FORCED = ("dmc", "delay", "dms")  # random models with forced decisions
-OVERLAP_KINDS = ("vanilla", "dmc", "delay", "dms", "gqa", "model")  # Engine(overlap=True)
 
 
 def parse_mode(text: str) -> Mode:

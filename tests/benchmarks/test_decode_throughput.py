@@ -267,10 +267,11 @@ def test_overlapped_twins_run_in_blocks(tmp_path):
     from dmc.eval.decode_modes import Mode
 
     tova = Mode("policy", 2.0, "tova")
-    built = {Mode("vanilla"): 1, tova: 2, Mode("dmc", 4.0): 3}
+    one, two, three = ("base", None, None), ("base", None, "tova"), ("base", "dmc", None)
+    built = {Mode("vanilla"): one, tova: two, Mode("dmc", 4.0): three}
     assert list(bench.with_overlap(built, "both").items()) == [
-        (Mode("vanilla"), 1), (Mode("vanilla", overlap=True), 1), (tova, 2),
-        (Mode("dmc", 4.0), 3), (Mode("dmc", 4.0, overlap=True), 3)]
+        (Mode("vanilla"), one), (Mode("vanilla", overlap=True), one), (tova, two),
+        (Mode("dmc", 4.0), three), (Mode("dmc", 4.0, overlap=True), three)]
     assert list(bench.with_overlap(built, "on")) == [
         Mode("vanilla", overlap=True), tova, Mode("dmc", 4.0, overlap=True)]
     assert bench.with_overlap(built, "off") is built
