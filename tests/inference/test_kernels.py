@@ -332,3 +332,86 @@ def test_inplace_write_matches_reference(window, dtype, native):
     for name, want in results[0].items():
         torch.testing.assert_close(results[1][name], want, atol=1e-6, rtol=1e-6)
     assert not torch.equal(results[1]["open_k"], state["open_k"])
+
+
+def unreserved_page_calls(entry: int):
+    """One call of each compiled kernel on a small state whose block table has ``entry`` (-1:
+    never reserved, or a page past the pool) where sequence slot 3's KV head 1 of layer 1 needs
+    a page; returns ``{kernel: (call, pools)}``."""
+    gen = torch.Generator().manual_seed(5)
+    seqs, layers, heads, dim, pages, size, window, ring = 5, 2, 3, 8, 64, 4, 3, 4
+
+    def state():
+        tables = torch.randperm(pages, generator=gen)[:seqs * layers * heads * 2]
+        tables = tables.reshape(seqs, layers, heads, 2).int()
+        tables[3, 1, 1, 0] = entry
+        pools = [torch.randn(pages, size, dim, generator=gen) for _ in range(2)]
+        return pools, tables
+
+    seq_slots, positions = torch.tensor([3, 0]), torch.tensor([6, 5])
+    keys, values = (torch.randn(2, heads, dim, generator=gen) for _ in range(2))
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2).float() / dim)
+    merge_state = [torch.randn(seqs, layers, heads, window, dim, generator=gen),
+                   torch.randn(seqs, layers, heads, window, dim, generator=gen),
+                   torch.rand(seqs, layers, heads, window, generator=gen) + 0.1,
+                   torch.ones(seqs, layers, heads, dtype=torch.int32)]
+    lengths = torch.ones(seqs, layers, heads, dtype=torch.int32)  # slot 0 / 1: page column 0
+    calls = {}
+    pools, tables = state()
+    calls["DMC write"] = (lambda: native_kernels.native_dmc_write(
+        *pools, tables, *merge_state, inv_freq, window, 1, seq_slots,
+        torch.zeros(2, heads, dtype=torch.long), torch.ones(2, heads, dtype=torch.bool), keys,
+        values, torch.ones(2, heads), positions), pools)
+    pools_dms, tables_dms = state()
+    rings = [torch.randn(seqs, layers, heads, ring, dim, generator=gen) for _ in range(2)]
+    calls["DMS write"] = (lambda: native_kernels.native_dms_write(
+        *pools_dms, tables_dms, lengths.clone(), *rings,
+        torch.zeros(seqs, layers, heads, ring, dtype=torch.bool), 1, seq_slots, positions, keys,
+        values, torch.zeros(2, heads, dtype=torch.bool)), pools_dms)
+    pools_delay, tables_delay = state()
+    cache = type("DelayedState", (), dict(
+        k_pages=pools_delay[0], v_pages=pools_delay[1], block_tables=tables_delay,
+        open_k=merge_state[0].clone(), open_v=merge_state[1].clone(),
+        open_omega=merge_state[2].clone(), open_count=merge_state[3].clone(),
+        ring_k=rings[0].clone(), ring_v=rings[1].clone(),
+        ring_alpha=torch.zeros(seqs, layers, heads, ring), ring_omega=torch.ones(seqs, layers,
+                                                                                heads, ring),
+        lengths=lengths.clone(), window=window, head_dim=dim, inv_freq=inv_freq, ring_size=ring))
+    calls["delayed-merging write"] = (lambda: native_kernels.native_delayed_write(
+        cache, 1, seq_slots, positions, keys, values, torch.zeros(2, heads),
+        torch.ones(2, heads)), pools_delay)
+    pools_read, tables_read = state()
+    rows = tables_read[seq_slots, 1]  # [batch, heads, 2]: the layer's rows of the two sequences
+    calls["paged decode attention"] = (lambda: native_kernels.native_paged_decode(
+        torch.randn(2, heads, dim, generator=gen), *pools_read, rows,
+        torch.full((2, heads), 3, dtype=torch.int32), 1.0), pools_read)
+    return calls
+
+
+@pytest.mark.parametrize("entry", [-1, 64], ids=["unreserved", "past-the-pool"])
+@pytest.mark.parametrize("kernel", ["DMC write", "DMS write", "delayed-merging write",
+                                    "paged decode attention"])
+def test_compiled_kernels_refuse_a_page_outside_the_pool(kernel, entry):
+    """A block-table entry that is not a page of the pool (a reservation bug) makes the compiled
+    kernel raise, naming the row, instead of reading or writing memory outside the pool; the
+    other rows' pages are written as before (the pools change only there)."""
+    if native_kernels.load_library() is None:
+        pytest.skip("no compiled kernels: the PyTorch paths run")
+    call, pools = unreserved_page_calls(entry)[kernel]
+    before = [p.clone() for p in pools]
+    with pytest.raises(native_kernels.UnreservedPageError,
+                       match=f"{kernel}: 1 \\(sequence, KV head\\) row.*"
+                             + ("batch row 0, KV head 1" if kernel.startswith("paged")
+                                else "sequence slot 3, layer 1, KV head 1")):
+        call()
+    if kernel != "paged decode attention":
+        assert not all(torch.equal(a, b) for a, b in zip(pools, before))
+
+
+def test_compiled_kernels_accept_every_page_of_the_pool():
+    """The same calls with the entry a page of the pool run through (the check refuses only
+    entries outside it)."""
+    if native_kernels.load_library() is None:
+        pytest.skip("no compiled kernels: the PyTorch paths run")
+    for kernel, (call, _) in unreserved_page_calls(63).items():
+        assert call() not in (None, False), kernel

@@ -12,6 +12,10 @@ groups, pages or heads than its stack buffers) :func:`native_paged_decode` retur
 the caller runs the PyTorch path. A build that fails (no OpenMP, an unsupported ``-march``) warns
 once with the compiler's message and falls back likewise (``DMC_NATIVE_KERNELS=require`` makes it
 an error instead); an unwritable cache folder falls back to one under the temporary directory.
+
+Every kernel checks the block-table entries it goes through: a row whose slot lies on no page of
+the pool (-1, a page never reserved) is left alone and the call raises
+:class:`UnreservedPageError` naming it, where C would otherwise read or write outside the pool.
 """
 from __future__ import annotations
 
@@ -106,18 +110,42 @@ def _prune(cache: Path) -> None:
 def _load(compiler: str) -> ctypes.CDLL:
     library = ctypes.CDLL(str(_build(compiler)))
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    library.dmc_paged_decode.restype = None
-    library.dmc_paged_decode.argtypes = [pointer] * 4 + [integer] + [pointer] * 7 + [integer] * 6
+    library.dmc_paged_decode.restype = integer
+    library.dmc_paged_decode.argtypes = ([pointer] * 4 + [integer] + [pointer] * 7
+                                         + [integer] * 7 + [pointer])
     library.dmc_paged_limits.restype = integer
     library.dmc_paged_limits.argtypes = [integer]
-    library.dmc_write_window.restype = None
+    library.dmc_write_window.restype = integer
     library.dmc_write_window.argtypes = ([pointer] * 9 + [integer] * 2 + [pointer] * 6
-                                         + [integer] * 8)
-    library.dms_write_token.restype = None
-    library.dms_write_token.argtypes = [pointer] * 12 + [integer] * 10
-    library.delayed_write_token.restype = None
-    library.delayed_write_token.argtypes = [pointer] * 22 + [integer] * 11
+                                         + [integer] * 9 + [pointer])
+    library.dms_write_token.restype = integer
+    library.dms_write_token.argtypes = [pointer] * 12 + [integer] * 11 + [pointer]
+    library.delayed_write_token.restype = integer
+    library.delayed_write_token.argtypes = [pointer] * 22 + [integer] * 12 + [pointer]
     return library
+
+
+class UnreservedPageError(RuntimeError):
+    """A compiled kernel found a (sequence, KV head) row whose slot lies on no page of the pool
+    (a block-table entry of -1 or past the pool: a page the caller did not reserve). The kernel
+    skipped those rows instead of reading or writing out of the pool's memory."""
+
+
+def _check_rows(count: int, bad_row: ctypes.c_int64, what: str, where) -> None:
+    """Raise :class:`UnreservedPageError` when a kernel reported ``count`` rows left alone;
+    ``where(row)`` names one of them (``bad_row``)."""
+    if count:
+        raise UnreservedPageError(
+            f"{what}: {count} (sequence, KV head) row(s) use a block-table entry that is not a "
+            f"page of the pool (-1: never reserved), e.g. {where(bad_row.value)}; they were "
+            f"left unread / unwritten. The pages of a step are reserved before it runs "
+            f"(BlockAllocator.reserve_step): this is a bug in the caller's reservation.")
+
+
+def _row_of(seq_slots: torch.Tensor, kv_heads: int, layer: int):
+    """Names row ``batch index * kv_heads + head`` of a write by its sequence slot."""
+    return lambda row: (f"sequence slot {int(seq_slots[row // kv_heads])}, layer {layer}, "
+                        f"KV head {row % kv_heads}")
 
 
 def load_library() -> ctypes.CDLL | None:
@@ -206,12 +234,15 @@ def native_paged_decode(
     row_lengths = lengths.reshape(-1).to(torch.int32).contiguous()
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32)
     lse = torch.empty(batch, q_heads, dtype=torch.float32)
-    library.dmc_paged_decode(
+    bad_row = ctypes.c_int64(-1)
+    bad = library.dmc_paged_decode(
         queries.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), tables.data_ptr(),
         tables.shape[1], row_lengths.data_ptr(), *ring_pointers, out.data_ptr(), lse.data_ptr(),
-        rows, group, head_dim, k_pages.shape[1], int(k_pages.dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        rows, group, head_dim, k_pages.shape[1], k_pages.shape[0],
+        int(k_pages.dtype == torch.bfloat16), torch.get_num_threads(), ctypes.byref(bad_row),
     )
+    _check_rows(bad, bad_row, "paged decode attention",
+                lambda row: f"batch row {row // kv_heads}, KV head {row % kv_heads}")
     return out, lse
 
 
@@ -241,13 +272,16 @@ def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
     index = [t.to(torch.int64).contiguous() for t in (seq_slots, slots)]
     flags = append.to(torch.int8).contiguous()
     cos, sin = rope_angles(positions, inv_freq.float())
-    library.dmc_write_window(
+    bad_row = ctypes.c_int64(-1)
+    bad = library.dmc_write_window(
         k_pages.data_ptr(), v_pages.data_ptr(), block_tables.data_ptr(), open_k.data_ptr(),
         open_v.data_ptr(), open_omega.data_ptr(), open_count.data_ptr(), cos.data_ptr(),
         sin.data_ptr(), window, layer, index[0].data_ptr(), index[1].data_ptr(),
         flags.data_ptr(), token[0].data_ptr(), token[1].data_ptr(), token[2].data_ptr(),
         batch, heads, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[-1],
-        k_pages.shape[1], int(k_pages.dtype == torch.bfloat16), torch.get_num_threads())
+        k_pages.shape[1], k_pages.shape[0], int(k_pages.dtype == torch.bfloat16),
+        torch.get_num_threads(), ctypes.byref(bad_row))
+    _check_rows(bad, bad_row, "DMC write", _row_of(index[0], heads, layer))
     return True
 
 
@@ -272,13 +306,15 @@ def native_dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ri
     token = [t.to(torch.float32).contiguous() for t in (keys, values)]
     index = [t.to(torch.int64).contiguous() for t in (seqs, positions)]
     flags = evict.to(torch.int8).contiguous()
-    library.dms_write_token(
+    bad_row = ctypes.c_int64(-1)
+    bad = library.dms_write_token(
         k_pages.data_ptr(), v_pages.data_ptr(), block_tables.data_ptr(), lengths.data_ptr(),
         ring_k.data_ptr(), ring_v.data_ptr(), ring_evict.data_ptr(), token[0].data_ptr(),
         token[1].data_ptr(), flags.data_ptr(), index[0].data_ptr(), index[1].data_ptr(), layer,
         batch, heads, block_tables.shape[1], block_tables.shape[-1], ring_k.shape[-2],
-        k_pages.shape[-1], k_pages.shape[1], int(k_pages.dtype == torch.bfloat16),
-        torch.get_num_threads())
+        k_pages.shape[-1], k_pages.shape[1], k_pages.shape[0],
+        int(k_pages.dtype == torch.bfloat16), torch.get_num_threads(), ctypes.byref(bad_row))
+    _check_rows(bad, bad_row, "DMS write", _row_of(index[0], heads, layer))
     return True
 
 
@@ -310,7 +346,8 @@ def native_delayed_write(cache, layer: int, seqs: torch.Tensor, positions: torch
     index = [t.to(torch.int64).contiguous() for t in (seqs, positions)]
     now = rope_angles(index[1], cache.inv_freq.float())
     out = rope_angles(index[1] - cache.ring_size, cache.inv_freq.float())  # the leaving tokens
-    library.delayed_write_token(
+    bad_row = ctypes.c_int64(-1)
+    bad = library.delayed_write_token(
         cache.k_pages.data_ptr(), cache.v_pages.data_ptr(), cache.block_tables.data_ptr(),
         cache.lengths.data_ptr(), cache.open_k.data_ptr(), cache.open_v.data_ptr(),
         cache.open_omega.data_ptr(), cache.open_count.data_ptr(),
@@ -319,5 +356,7 @@ def native_delayed_write(cache, layer: int, seqs: torch.Tensor, positions: torch
         *(t.data_ptr() for t in token), index[0].data_ptr(), index[1].data_ptr(),
         cache.window, layer, batch, heads, cache.block_tables.shape[1],
         cache.block_tables.shape[-1], cache.ring_size, cache.head_dim, cache.k_pages.shape[1],
-        int(cache.k_pages.dtype == torch.bfloat16), torch.get_num_threads())
+        cache.k_pages.shape[0], int(cache.k_pages.dtype == torch.bfloat16),
+        torch.get_num_threads(), ctypes.byref(bad_row))
+    _check_rows(bad, bad_row, "delayed-merging write", _row_of(index[0], heads, layer))
     return True

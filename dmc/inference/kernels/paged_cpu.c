@@ -212,19 +212,42 @@ int64_t dmc_paged_limits(int64_t which) {
     return limits[which];
 }
 
+/* Whether the `length` slots of a row lie on pages of the pool: every entry of its block-table
+ * row `table` (of `stride` entries) they use is in [0, num_pages). */
+static int row_pages_valid(const int32_t *table, int64_t stride, int64_t length,
+                           int64_t page_size, int64_t num_pages) {
+    const int64_t used = (length + page_size - 1) / page_size;
+    if (length < 0 || used > stride) return 0;
+    for (int64_t i = 0; i < used; ++i)
+        if (table[i] < 0 || table[i] >= num_pages) return 0;
+    return 1;
+}
+
 /* q, out [rows, group, head_dim] float32 (q already scaled); lse [rows, group] float32;
  * is_bf16: the pools hold bfloat16 (else float32). head_dim 64 and 128 run specialised code.
  * ring_offsets [rows] int64 (element of each row's ring in ring_k / ring_v, pools of the pages'
- * dtype) and ring_counts [rows] int32 (rows <= MAX_PAGE to attend after the pages), or NULL. */
-void dmc_paged_decode(const float *q, const void *k_pages, const void *v_pages,
-                      const int32_t *tables, int64_t table_stride, const int32_t *lengths,
-                      const void *ring_k, const void *ring_v, const int64_t *ring_offsets,
-                      const int32_t *ring_counts, float *out, float *lse, int64_t rows,
-                      int64_t group, int64_t head_dim, int64_t page_size, int64_t is_bf16,
-                      int64_t threads) {
+ * dtype) and ring_counts [rows] int32 (rows <= MAX_PAGE to attend after the pages), or NULL.
+ * Returns the number of rows whose slots are not all on the pool's `num_pages` pages (an entry
+ * of -1: a page never reserved), left unread (out 0, lse -inf), one of them in *bad_row. */
+int64_t dmc_paged_decode(const float *q, const void *k_pages, const void *v_pages,
+                         const int32_t *tables, int64_t table_stride, const int32_t *lengths,
+                         const void *ring_k, const void *ring_v, const int64_t *ring_offsets,
+                         const int32_t *ring_counts, float *out, float *lse, int64_t rows,
+                         int64_t group, int64_t head_dim, int64_t page_size, int64_t num_pages,
+                         int64_t is_bf16, int64_t threads, int64_t *bad_row) {
     const int64_t chunks = head_dim / LANES;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    int64_t bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : bad)
     for (int64_t r = 0; r < rows; ++r) {
+        if (!row_pages_valid(tables + r * table_stride, table_stride, lengths[r], page_size,
+                             num_pages)) {
+            memset(out + r * group * head_dim, 0, sizeof(float) * group * head_dim);
+            for (int64_t g = 0; g < group; ++g) lse[r * group + g] = -INFINITY;
+#pragma omp atomic write
+            *bad_row = r;
+            ++bad;
+            continue;
+        }
 #define ROW(CHUNKS, BF16)                                                                      \
     attend_row(q + r * group * head_dim, k_pages, v_pages, tables + r * table_stride,          \
                lengths[r], ring_k, ring_v, ring_counts ? ring_offsets[r] : 0,                  \
@@ -241,4 +264,5 @@ void dmc_paged_decode(const float *q, const void *k_pages, const void *v_pages,
         }
 #undef ROW
     }
+    return bad;
 }

@@ -58,15 +58,28 @@ static inline void rope(const float *x, float *out, const float *cos, const floa
     }
 }
 
+/* The page of the head's block-table row `table` holding `slot`, or -1 when the entry is not a
+ * page of the pool (a page the caller did not reserve: the write must not go through it). */
+static inline int64_t page_of(const int32_t *table, int64_t slot, int64_t max_pages,
+                              int64_t page_size, int64_t num_pages) {
+    if (slot < 0 || slot / page_size >= max_pages) return -1;
+    const int64_t page = table[slot / page_size];
+    return page >= 0 && page < num_pages ? page : -1;
+}
+
 /* Algorithm 1 for one token of head `state` (k, v pre-RoPE, weight omega): `count` tokens merged
  * before it (0 = append), its ring row, the slot's weighted mean rotated by the angles of cos,
- * sin [head_dim / 2] (the token's position), written at `slot` of the head's pages. */
-static void merge_token(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
+ * sin [head_dim / 2] (the token's position), written at `slot` of the head's pages. Returns 0,
+ * nothing changed, when that slot's page is not one of the pool's `num_pages`; else 1. */
+static int merge_token(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
                         float *open_v, float *open_omega, int32_t *open_count,
                         const float *cos, const float *sin, int64_t window, int64_t state,
                         int64_t count, const float *k, const float *v, float omega,
                         int64_t slot, int64_t max_pages, int64_t head_dim, int64_t page_size,
-                        int bf16) {
+                        int64_t num_pages, int bf16) {
+    const int64_t page = page_of(tables + state * max_pages, slot, max_pages, page_size,
+                                 num_pages);
+    if (page < 0) return 0;
     float *ring_k = open_k + state * window * head_dim;
     float *ring_v = open_v + state * window * head_dim;
     float *ring_omega = open_omega + state * window;
@@ -92,29 +105,42 @@ static void merge_token(void *k_pages, void *v_pages, const int32_t *tables, flo
         mean_v[d] /= total;
     }
     rope(mean_k, rotated, cos, sin, 1.0f, head_dim / 2);
-    const int64_t page = tables[state * max_pages + slot / page_size];
     const int64_t index = (page * page_size + slot % page_size) * head_dim;
     store(k_pages, index, rotated, head_dim, bf16);
     store(v_pages, index, mean_v, head_dim, bf16);
+    return 1;
 }
 
-void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
-                      float *open_v, float *open_omega, int32_t *open_count,
-                      const float *cos, const float *sin, int64_t window, int64_t layer,
-                      const int64_t *seq_slots, const int64_t *slots, const int8_t *append,
-                      const float *k, const float *v, const float *omega, int64_t batch,
-                      int64_t kv_heads, int64_t layers, int64_t max_pages, int64_t head_dim,
-                      int64_t page_size, int64_t is_bf16, int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+/* A row whose write found no page (see page_of): counted, and one such row kept in *bad_row. */
+static inline int64_t refused(int64_t row, int64_t *bad_row) {
+#pragma omp atomic write
+    *bad_row = row;
+    return 1;
+}
+
+/* Each of the writes below returns the number of (sequence, KV head) rows left unwritten because
+ * their slot's page is not one of the pool's `num_pages` (an unreserved page: -1 in the block
+ * table), one of them in *bad_row; the caller raises. */
+int64_t dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
+                         float *open_v, float *open_omega, int32_t *open_count, const float *cos,
+                         const float *sin, int64_t window, int64_t layer, const int64_t *seq_slots,
+                         const int64_t *slots, const int8_t *append, const float *k,
+                         const float *v, const float *omega, int64_t batch, int64_t kv_heads,
+                         int64_t layers, int64_t max_pages, int64_t head_dim, int64_t page_size,
+                         int64_t num_pages, int64_t is_bf16, int64_t threads, int64_t *bad_row) {
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : bad)
     for (int64_t row = 0; row < batch * kv_heads; ++row) {
         const int64_t b = row / kv_heads, h = row % kv_heads;
         const int64_t state = (seq_slots[b] * layers + layer) * kv_heads + h;
         const int64_t count = append[row] ? 0 : open_count[state];
-        merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
-                    cos + b * (head_dim / 2), sin + b * (head_dim / 2), window, state, count,
-                    k + row * head_dim, v + row * head_dim, omega[row], slots[row], max_pages,
-                    head_dim, page_size, (int)is_bf16);
+        if (!merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
+                         cos + b * (head_dim / 2), sin + b * (head_dim / 2), window, state,
+                         count, k + row * head_dim, v + row * head_dim, omega[row], slots[row],
+                         max_pages, head_dim, page_size, num_pages, (int)is_bf16))
+            bad += refused(row, bad_row);
     }
+    return bad;
 }
 
 /* Decode write of DMC with delayed merging (dmc.merge_delay = R - 1; semantics of
@@ -128,17 +154,19 @@ void dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float
  * head_dim], alpha, omega [batch, kv_heads] float32; the merge state as dmc_write_window's;
  * the cosines and sines of the RoPE angles [batch, head_dim / 2] at p (cos_now, sin_now) and at
  * p - R (cos_out, sin_out). */
-void delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_t *lengths,
-                         float *open_k, float *open_v, float *open_omega, int32_t *open_count,
-                         const float *cos_now, const float *sin_now, const float *cos_out,
-                         const float *sin_out, void *ring_k, void *ring_v, float *ring_alpha,
-                         float *ring_omega, const float *keys, const float *values,
-                         const float *alpha, const float *omega, const int64_t *seq_slots,
-                         const int64_t *positions, int64_t window, int64_t layer, int64_t batch,
-                         int64_t kv_heads, int64_t layers, int64_t max_pages, int64_t ring_size,
-                         int64_t head_dim, int64_t page_size, int64_t is_bf16, int64_t threads) {
+int64_t delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_t *lengths,
+                            float *open_k, float *open_v, float *open_omega, int32_t *open_count,
+                            const float *cos_now, const float *sin_now, const float *cos_out,
+                            const float *sin_out, void *ring_k, void *ring_v, float *ring_alpha,
+                            float *ring_omega, const float *keys, const float *values,
+                            const float *alpha, const float *omega, const int64_t *seq_slots,
+                            const int64_t *positions, int64_t window, int64_t layer, int64_t batch,
+                            int64_t kv_heads, int64_t layers, int64_t max_pages, int64_t ring_size,
+                            int64_t head_dim, int64_t page_size, int64_t num_pages,
+                            int64_t is_bf16, int64_t threads, int64_t *bad_row) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : bad)
     for (int64_t row = 0; row < batch * kv_heads; ++row) {
         const int64_t b = row / kv_heads, h = row % kv_heads, p = positions[b];
         const int64_t state = (seq_slots[b] * layers + layer) * kv_heads + h;
@@ -151,11 +179,14 @@ void delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables, in
             rope(key, pre, cos_out + at, sin_out + at, -1.0f, half);
             const int64_t length = lengths[state];
             const int append = ring_alpha[ring_row] <= 0.5f || length == 0;
-            merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
-                        cos_out + at, sin_out + at, window, state,
-                        append ? 0 : open_count[state], pre, value, ring_omega[ring_row],
-                        append ? length : length - 1, max_pages, head_dim, page_size,
-                        (int)is_bf16);
+            if (!merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
+                             cos_out + at, sin_out + at, window, state,
+                             append ? 0 : open_count[state], pre, value, ring_omega[ring_row],
+                             append ? length : length - 1, max_pages, head_dim, page_size,
+                             num_pages, (int)is_bf16)) {
+                bad += refused(row, bad_row);
+                continue;
+            }
             lengths[state] = (int32_t)(length + append);
         }
         rope(keys + row * head_dim, key, cos_now + at, sin_now + at, 1.0f, half);
@@ -164,6 +195,7 @@ void delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables, in
         ring_alpha[ring_row] = alpha[row];
         ring_omega[ring_row] = omega[row];
     }
+    return bad;
 }
 
 /* DMS decode write of one token per (sequence, KV head) (delayed eviction, DMS paper Sec. 3;
@@ -174,14 +206,16 @@ void delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables, in
  * then token p takes that ring row with its flag cleared. Rings [max_seqs, layers, kv_heads,
  * w + 1, head_dim] and pools in the cache dtype, ring_evict [..., w + 1] bytes, lengths int32;
  * keys, values [batch, kv_heads, head_dim] float32 (rotated), evict [batch, kv_heads] int8. */
-void dms_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_t *lengths,
-                     void *ring_k, void *ring_v, uint8_t *ring_evict, const float *keys,
-                     const float *values, const int8_t *evict, const int64_t *seq_slots,
-                     const int64_t *positions, int64_t layer, int64_t batch, int64_t kv_heads,
-                     int64_t layers, int64_t max_pages, int64_t ring_size, int64_t head_dim,
-                     int64_t page_size, int64_t is_bf16, int64_t threads) {
+int64_t dms_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_t *lengths,
+                        void *ring_k, void *ring_v, uint8_t *ring_evict, const float *keys,
+                        const float *values, const int8_t *evict, const int64_t *seq_slots,
+                        const int64_t *positions, int64_t layer, int64_t batch, int64_t kv_heads,
+                        int64_t layers, int64_t max_pages, int64_t ring_size, int64_t head_dim,
+                        int64_t page_size, int64_t num_pages, int64_t is_bf16, int64_t threads,
+                        int64_t *bad_row) {
     const int64_t element = is_bf16 ? 2 : 4, row_bytes = head_dim * element;
-#pragma omp parallel for schedule(static) num_threads(threads)
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : bad)
     for (int64_t row = 0; row < batch * kv_heads; ++row) {
         const int64_t b = row / kv_heads, h = row % kv_heads, p = positions[b];
         const int64_t state = (seq_slots[b] * layers + layer) * kv_heads + h;
@@ -191,7 +225,12 @@ void dms_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_
         if (p >= ring_size) {
             const int keep = !flags[p % ring_size];
             const int64_t length = lengths[state];
-            const int64_t page = tables[state * max_pages + length / page_size];
+            const int64_t page = page_of(tables + state * max_pages, length, max_pages,
+                                         page_size, num_pages);
+            if (page < 0) {
+                bad += refused(row, bad_row);
+                continue;
+            }
             const int64_t slot = (page * page_size + length % page_size) * head_dim;
             memcpy((char *)k_pages + slot * element, (char *)ring_k + ring_row * element,
                    row_bytes);
@@ -203,4 +242,5 @@ void dms_write_token(void *k_pages, void *v_pages, const int32_t *tables, int32_
         store(ring_v, ring_row, values + row * head_dim, head_dim, (int)is_bf16);
         flags[p % ring_size] = 0;
     }
+    return bad;
 }
