@@ -16,11 +16,12 @@ change. It is all-or-nothing: :class:`CacheFullError` is raised before anything 
 
 A decode step whose appends are decided on the device (DMC) is *open* from :meth:`reserve_step`
 to :meth:`settle`: its heads' next pages are reserved before it runs, and the device lengths run
-ahead of the host ones until its lengths come back. Up to :data:`MAX_OPEN_STEPS` steps of the
-same sequences may be open at once (the engine's overlap of a step's host work with the previous
-step's device work, :mod:`dmc.inference.overlap`): each head then keeps a page for every slot
-the open steps may still add, and a step settles from the lengths its device work reached
-(read back by the caller while the next step runs).
+ahead of the host ones until its lengths come back. Up to :data:`MAX_OPEN_STEPS` steps may be
+open at once, each later one of the same sequences as the one before or of some of them (the
+engine's overlap of a step's host work with the previous step's device work, which goes on
+when some sequences end: :mod:`dmc.inference.overlap`): each head then keeps a page for every
+slot the open steps that write it may still add, and a step settles from the lengths its
+device work reached (read back by the caller while the next step runs).
 """
 from __future__ import annotations
 
@@ -244,12 +245,23 @@ class BlockAllocator:
 
     @property
     def lookahead(self) -> int:
-        """Slots the open steps may add past the host lengths: one per open step; where the
-        host lengths are the device's (CPU), one per open step not written yet (the writes
-        update them)."""
-        if self.device_lengths is not self.lengths:
-            return len(self.steps)
-        return sum(len(step.written) < self.lengths.shape[1] for step in self.steps)
+        """Slots the open steps may add past the host lengths of a head, at most: one per open
+        step; where the host lengths are the device's (CPU), one per open step not written yet
+        (the writes update them)."""
+        return sum(map(self._ahead, self.steps))
+
+    def _ahead(self, step: OpenStep) -> int:
+        """Slots ``step`` may still add past the host length of a head it writes."""
+        shared = self.device_lengths is self.lengths
+        return int(not shared or len(step.written) < self.lengths.shape[1])
+
+    def _ahead_of(self, seqs: torch.Tensor) -> torch.Tensor:
+        """:attr:`lookahead` for each of ``seqs`` (host long ``[n]``): from the open steps that
+        write it only (a sequence left out of the newer step adds nothing after its own)."""
+        ahead = torch.zeros(len(seqs), dtype=torch.long)
+        for step in self.steps:
+            ahead += torch.isin(seqs, step.seqs).long() * self._ahead(step)
+        return ahead
 
     def holds(self, seq_slots: torch.Tensor) -> bool:
         """Whether an open step writes any of ``seq_slots`` (host long)."""
@@ -259,15 +271,15 @@ class BlockAllocator:
         """Open a decode step whose writes are decided on the device: each head of ``[seqs]``
         marked in ``heads [batch, num_layers, kv_heads]`` (host bool) gets the page its next
         slot falls in when it holds none, for every layer in one allocation and one copy to
-        the device. Its next slot is :attr:`lookahead` past the host length: with a step of the
-        same ``seqs`` still open, the one that step may add comes first. Until :meth:`settle`
-        the device lengths of ``seqs`` may run ahead of the host ones, and each layer is
-        written once (:meth:`claim`)."""
+        the device. Its next slot is :attr:`lookahead` past the host length: with a step of
+        these ``seqs`` (or of more sequences) still open, the one that step may add comes
+        first. Until :meth:`settle` the device lengths of ``seqs`` may run ahead of the host
+        ones, and each layer is written once (:meth:`claim`)."""
         if self.steps and (len(self.steps) >= MAX_OPEN_STEPS
-                           or not torch.equal(seqs, self.steps[-1].seqs)):
+                           or not torch.isin(seqs, self.steps[-1].seqs).all()):
             raise RuntimeError(f"{len(self.steps)} decode steps are open (at most "
-                               f"{MAX_OPEN_STEPS - 1} of the same sequences may be open when "
-                               f"the next is reserved): settle first")
+                               f"{MAX_OPEN_STEPS - 1}, of these sequences or more, may be open "
+                               f"when the next is reserved): settle first")
         reserved = self._take_next(seqs, heads, self.lookahead)
         self._publish_entries(reserved)
         self.steps.append(OpenStep(seqs, set(), reserved))
@@ -320,11 +332,13 @@ class BlockAllocator:
 
     def _release_unused(self, reserved: TableEntries) -> None:
         """Give back the ``reserved`` pages past what their heads' lengths and the slots the
-        open steps may still add need; hand those the open steps may still fill (past the
-        lengths, within the look-ahead) on to the next open step, whose settle checks them
-        again."""
+        open steps writing them may still add need; hand those the open steps may still fill
+        (past the lengths, within the look-ahead) on to the next open step, whose settle
+        checks them again. A sequence no open step writes keeps only the pages of its length
+        (none is handed on: the caller may free it)."""
         lengths = self.lengths[reserved.index[:3]].long()
-        unused = pages_for(lengths + self.lookahead, self.page_size) <= reserved.column
+        ahead = self._ahead_of(reserved.seq)
+        unused = pages_for(lengths + ahead, self.page_size) <= reserved.column
         self._give_back(reserved.pages[unused])
         dropped = TableEntries(*(i[unused] for i in reserved.index),
                                torch.full((int(unused.sum()),), -1, dtype=torch.int32))

@@ -34,7 +34,19 @@ import torch
 
 from dmc.inference.device_span import DeviceSpan
 from dmc.inference.model_runner import ModelRunner
+from dmc.inference.paging import to_device
 from dmc.inference.sampling import SamplingColumns, needs_filter, sample_static
+
+
+class Continued(NamedTuple):
+    """The previous decode step, still on the device, that a step continues (an overlapped
+    step, :mod:`dmc.inference.overlap`): ``drawn [2, batch]`` (what it drew: this step's input
+    tokens), its batch size (its :class:`StepBuffers` hold its inputs) and ``rows``, the rows of
+    that batch that decode again, in order (None: all of them)."""
+
+    drawn: torch.Tensor
+    batch: int
+    rows: list[int] | None = None
 
 
 class StepBuffers(NamedTuple):
@@ -76,21 +88,28 @@ class DecodeGraphs:
         return sorted(self.graphs)
 
     def decode(self, seqs: list, span: DeviceSpan | None = None,
-               pending: torch.Tensor | None = None) -> torch.Tensor:
+               pending: Continued | None = None) -> torch.Tensor:
         """One token for each sequence (:class:`~dmc.inference.sequence.Sequence`, holding a
         cache slot, its newest token not cached yet): ``[2, batch]`` float64 on the device, the
         sampled tokens and their log-probabilities (see
         :func:`~dmc.inference.sampling.sample_on_device`). Valid until the next call (a graph's
         output is overwritten by its next replay). ``span`` begins when the device work is
-        launched, after the host work (the caller ends it). ``pending``: what the previous
-        step of the same sequences drew, still on the device and not taken by them yet (an
-        overlapped step, :mod:`dmc.inference.overlap`): those tokens are this step's input, and
-        the buffers, which that step filled, advance on the device (positions and the sampled
-        token's index one on) instead of being filled from the host."""
+        launched, after the host work (the caller ends it). ``pending``: the previous step of
+        these sequences (all of its rows or some), still on the device, its tokens not taken by
+        them yet (an overlapped step, :mod:`dmc.inference.overlap`): what it drew is this
+        step's input, and the inputs it read advance on the device (positions and the sampled
+        token's index one on; gathered from its buffers when only some of its rows go on)
+        instead of being filled from the host."""
         batch, filtering = len(seqs), needs_filter([s.params for s in seqs])
         key = (batch, filtering)
         buffers = self._buffers(batch)
-        if pending is None:
+        if pending is not None and pending.rows is not None:
+            self._gather(buffers, pending)
+        elif pending is not None:
+            buffers.ids.copy_(pending.drawn[0])
+            buffers.positions.add_(1)
+            buffers.sampling.position.add_(1)
+        else:
             buffers.ids.copy_(torch.tensor([s.last_token for s in seqs]), non_blocking=True)
             buffers.positions.copy_(torch.tensor([s.num_tokens - 1 for s in seqs]),
                                     non_blocking=True)
@@ -98,10 +117,6 @@ class DecodeGraphs:
                                           [len(s.generated) for s in seqs], torch.device("cpu"))
             for static, given in zip(buffers.sampling, settings):
                 static.copy_(given, non_blocking=True)
-        else:
-            buffers.ids.copy_(pending[0])
-            buffers.positions.add_(1)
-            buffers.sampling.position.add_(1)
         self.kv.begin_decode([s.slot for s in seqs], buffers.positions, buffers,
                              self.max_length, overlap=pending is not None)
         if span is not None:
@@ -116,6 +131,17 @@ class DecodeGraphs:
         graph, drawn = self.graphs[key]
         graph.replay()
         return drawn
+
+    def _gather(self, buffers: StepBuffers, pending: Continued) -> None:
+        """Fill ``buffers`` from the rows ``pending.rows`` of the previous step's inputs and
+        output, one on (device gathers; the row indices go over in one non-blocking copy)."""
+        previous = self.buffers[pending.batch]
+        rows = to_device(torch.tensor(pending.rows, dtype=torch.long), self.device)
+        buffers.ids.copy_(pending.drawn[0][rows])
+        torch.add(previous.positions[rows], 1, out=buffers.positions)
+        for static, earlier in zip(buffers.sampling, previous.sampling):
+            static.copy_(earlier[rows])
+        buffers.sampling.position.add_(1)
 
     def _device_work(self, buffers: StepBuffers, filtering: bool) -> torch.Tensor:
         logits = self.runner.decode_forward(buffers.ids, buffers.positions)

@@ -15,17 +15,23 @@ in one non-blocking copy into pinned memory started when step n's device work wa
 (:class:`Readback`), and the host waits for that copy only, while the device runs step n + 1.
 
 What it takes (and what the eager engine does not need):
-- pages one step ahead: the cache keeps up to two decode steps of the same sequences open
+- pages one step ahead: the cache keeps up to two decode steps open, the newer of the same
+  sequences or some of them
   (:meth:`~dmc.inference.block_allocator.BlockAllocator.reserve_step`), each head holding a
   page for every slot they may add, and settles the older one from the lengths it reached;
 - stop tokens learned one step late: a sequence that draws one at step n ends with it (its
   result is that of the eager engine: tokens, log-probabilities and compression as after step
   n), the token step n + 1 drew for it is dropped, and its slot is freed once step n + 1 is
   back;
-- a drain (:meth:`DecodePipeline.drain`) whenever the next step is not the same decode batch:
-  a sequence ended or reaches ``max_new_tokens`` with the step in flight, a waiting request
-  could join, the pages for the worst case of two steps are not free (the scheduler then
-  preempts as usual), or prefill work. After a drain the engine schedules as without overlap.
+- sequences that end leave the pipeline going: step n + 2 continues the rows of step n + 1
+  that still decode (not those that ended at step n, nor those whose token of step n + 1 is
+  their last, ``max_new_tokens``), its inputs gathered on the device from step n + 1's
+  (:class:`~dmc.inference.decode_graphs.Continued`), the cache's next step opened for those
+  sequences only;
+- a drain (:meth:`DecodePipeline.drain`) whenever the next step is not such a continuation:
+  every sequence ends, a waiting request could join, another sequence is running (prefill
+  work), or the pages for the worst case of two steps are not free (the scheduler then
+  preempts as usual). After a drain the engine schedules as without overlap.
 
 Supported: every model under ``cuda_graphs=True`` (so no KV policy): vanilla, GQA, DMC, and DMS
 and DMC with delayed merging once their steps are static (every window ring full: the host
@@ -42,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from dmc.inference.block_allocator import CacheFullError
+from dmc.inference.decode_graphs import Continued
 from dmc.inference.device_span import DeviceSpan
 from dmc.inference.sequence import GenerationResult, Sequence
 
@@ -112,10 +119,17 @@ class DecodePipeline:
 
     def launch(self, seqs: list[Sequence], started: float, pending: InFlight | None = None):
         """Launch a decode step of ``seqs`` (their newest token, or what ``pending`` drew for
-        them) and leave it in flight; its read-back copy starts now."""
+        them: all of its sequences or some, in its order) and leave it in flight; its
+        read-back copy starts now."""
         span = DeviceSpan(self.engine.device)
-        drawn = self.engine.graphs.decode(seqs, span,
-                                          None if pending is None else pending.drawn)
+        continued = None
+        if pending is not None:
+            rows = None
+            if len(seqs) != len(pending.seqs):
+                where = {id(seq): row for row, seq in enumerate(pending.seqs)}
+                rows = [where[id(seq)] for seq in seqs]
+            continued = Continued(pending.drawn, len(pending.seqs), rows)
+        drawn = self.engine.graphs.decode(seqs, span, continued)
         span.end()
         allocator = self.engine.cache.allocator
         lengths = allocator.step_lengths()
@@ -126,14 +140,15 @@ class DecodePipeline:
             seq.cached += 1
 
     def advance(self, finished: list[GenerationResult]) -> bool:
-        """Launch the next step of the batch in flight, then read the one in flight back
-        (appending the requests that ended to ``finished``): True. When the next step is not the
-        same decode batch or its pages are not free, :meth:`drain` instead: False (the engine
-        schedules then)."""
+        """Launch the next step of the sequences in flight that go on (:meth:`_next_batch`),
+        then read the one in flight back (appending the requests that ended to ``finished``):
+        True. When there is no such step or its pages are not free, :meth:`drain` instead:
+        False (the engine schedules then)."""
         flight = self.flight
-        if flight is not None and not self.ended and self._continues(flight.seqs):
+        seqs = None if flight is None else self._next_batch(flight.seqs)
+        if seqs:
             try:
-                self.launch(flight.seqs, time.perf_counter(), pending=flight)
+                self.launch(seqs, time.perf_counter(), pending=flight)
             except CacheFullError:
                 pass
             else:
@@ -149,22 +164,26 @@ class DecodePipeline:
         if self.flight is not None:
             flight, self.flight = self.flight, None
             self._read_back(flight, finished)
-        for seq in self.ended:
-            self.engine.cache.free_sequence(seq.slot)
-        self.ended = []
 
-    def _continues(self, seqs: list[Sequence]) -> bool:
-        """Whether the next step decodes exactly ``seqs`` again: all still running, each
-        wanting a token past the one in flight, and no waiting request that could join."""
+    def _next_batch(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """The sequences of the step in flight, ``seqs``, that the next step decodes: those
+        still running (not ended at the step read back) that want a token past the one in
+        flight, in order; None when the scheduler has to plan the next step instead (another
+        sequence is running, a waiting request could join, or none goes on)."""
         scheduler = self.engine.scheduler
-        if len(scheduler.running) != len(seqs) or (
-                scheduler.waiting and len(scheduler.running) < scheduler.max_batch):
-            return False
-        return all(len(s.generated) + 2 <= s.params.max_new_tokens for s in seqs)
+        ended = {id(seq) for seq in self.ended}
+        live = [seq for seq in seqs if id(seq) not in ended]
+        if len(scheduler.running) != len(live):
+            return None
+        going_on = [s for s in live if len(s.generated) + 2 <= s.params.max_new_tokens]
+        if not going_on or (scheduler.waiting and len(going_on) < scheduler.max_batch):
+            return None
+        return going_on
 
     def _read_back(self, flight: InFlight, finished: list[GenerationResult]) -> None:
         """Wait for ``flight``'s copy, settle its step, take its tokens (dropping those of
-        sequences that ended at the previous step) and record its time."""
+        sequences that ended at the previous step), free the slots of the sequences no step in
+        flight writes any more and record its time."""
         drawn, lengths = flight.readback.wait()
         cache = self.engine.cache
         if cache.allocator.steps:
@@ -179,8 +198,8 @@ class DecodePipeline:
         self.last_done = done
         index = torch.tensor(live, dtype=torch.long)
         ended = self.engine._take_tokens(seqs, drawn[:, index], finished, lengths[index])
-        if self.flight is not None:  # their slots are still written by the step in flight
-            self.ended += ended
-        else:
-            for seq in ended:
+        writing = set() if self.flight is None else {id(seq) for seq in self.flight.seqs}
+        for seq in self.ended + ended:
+            if id(seq) not in writing:
                 cache.free_sequence(seq.slot)
+        self.ended = [seq for seq in ended if id(seq) in writing]

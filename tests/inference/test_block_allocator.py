@@ -141,9 +141,12 @@ def test_two_open_steps_keep_every_write_on_a_held_page(page):
             alloc.device_tables, alloc.tables)
         alloc.settle()
         check(alloc)
-    with pytest.raises(RuntimeError, match="settle first"):
+    alloc.reserve_step(seqs[:2], torch.ones(2, LAYERS, HEADS, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="settle first"):  # a sequence the open step lacks
         alloc.reserve_step(seqs, torch.ones(3, LAYERS, HEADS, dtype=torch.bool))
-        alloc.reserve_step(seqs[:2], torch.ones(2, LAYERS, HEADS, dtype=torch.bool))
+    alloc.reserve_step(seqs[1:2], torch.ones(1, LAYERS, HEADS, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="settle first"):  # two steps open already
+        alloc.reserve_step(seqs[1:2], torch.ones(1, LAYERS, HEADS, dtype=torch.bool))
 
 
 def test_settle_of_an_older_step_needs_its_lengths_while_a_later_one_is_open():
@@ -180,4 +183,43 @@ def test_a_pipeline_of_steps_tracks_only_the_pages_still_undecided():
         reached = next_reached
         assert len(alloc.steps[0].reserved.pages) <= 2 * LAYERS * HEADS
     alloc.settle()
+    check(alloc)
+
+
+@pytest.mark.parametrize("page", [PAGE, 3])
+def test_a_pipeline_that_drops_sequences_keeps_pages_of_the_rest_only(page):
+    """Overlapped steps whose batch shrinks (the engine's overlap going on when sequences
+    end): the next step opens for some of the sequences of the step still open; settling that
+    one leaves a sequence no open step writes with exactly the pages of its length (none
+    handed on), so freeing it then returns each page once; every write of the others lands on
+    a held page, and at the end every head holds the pages its length needs."""
+    gen = torch.Generator().manual_seed(3)
+    alloc = separate_device_copies(page)
+    batch = [alloc.add_sequence() for _ in range(SEQS)]
+    for layer in range(LAYERS):
+        alloc.grow(torch.tensor(batch), layer, torch.randint(0, 3 * page, (SEQS, HEADS),
+                                                              generator=gen))
+
+    def device_step(seqs):
+        assert writable(alloc, seqs)
+        alloc.device_lengths[seqs] += torch.randint(0, 2, (len(seqs), LAYERS, HEADS),
+                                                    generator=gen, dtype=torch.int32)
+        return alloc.step_lengths().clone()
+
+    seqs = torch.tensor(batch)
+    alloc.reserve_step(seqs, torch.ones(len(seqs), LAYERS, HEADS, dtype=torch.bool))
+    reached = device_step(seqs)
+    while len(seqs) > 1:
+        going_on = seqs[torch.randperm(len(seqs), generator=gen)[:len(seqs) - 1].sort().values]
+        alloc.reserve_step(going_on, torch.ones(len(going_on), LAYERS, HEADS, dtype=torch.bool))
+        next_reached = device_step(going_on)
+        alloc.settle(reached=reached)
+        ended = seqs[~torch.isin(seqs, going_on)]
+        held = alloc.tables[ended] >= 0
+        needed = torch.arange(WIDTH) < -(-alloc.lengths[ended].long()[..., None] // page)
+        assert torch.equal(held, needed)  # no page beyond its length, none handed on
+        assert not torch.isin(alloc.steps[0].reserved.seq, ended).any()
+        alloc.free_sequence(int(ended[0]))
+        seqs, reached = going_on, next_reached
+    alloc.settle(reached=reached)
     check(alloc)

@@ -8,6 +8,7 @@ import torch
 
 from dmc.inference import Engine, SamplingParams
 from dmc.inference.block_allocator import BlockAllocator
+from dmc.inference.overlap import DecodePipeline
 from dmc.policies import get_policy
 from test_delayed_engine import build_delayed
 from test_dms_engine import build_dms
@@ -181,3 +182,40 @@ def test_requests_ending_at_stop_tokens_together_leave_nothing_in_flight(paralle
     assert [len(r.tokens) for r in results] == [at + 1, at + 1] and continued > 0
     assert [r.finish_reason for r in results] == ["stop", "stop"]
     assert not engine.pipeline.busy and engine.cache.pages_in_use == 0
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "dmc", "dms", "merge_delay"])
+def test_the_pipeline_goes_on_when_sequences_end(parallel_1x1, monkeypatch, kind):
+    """Requests ending at their budgets and at a stop token (learned one step late) do not
+    stop the pipeline: the next step continues the sequences still decoding, its inputs
+    gathered on the device from the step in flight, the pages of the others returned once
+    that step is back. With the device copies apart as on a GPU, every request ends as
+    without overlap (log-probabilities to 1e-5: one step's batch holds the stopped sequence)
+    and every page returns."""
+    groups = 2
+    model = (build(groups, "vanilla")[0] if kind == "vanilla" else
+             build(groups, 3)[0] if kind == "dmc" else
+             build_dms(groups, 4) if kind == "dms" else build_delayed(groups, 4))
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8) for n in (26, 9, 30, 14)]
+    _, free_run, _ = serve(model, groups, False, params, pages=200)
+    tokens = free_run[2].tokens
+    params[2].stop_tokens = [next(t for i, t in enumerate(tokens) if i > 15
+                                  and t not in tokens[:i])]
+    keep_device_copies_apart(monkeypatch)
+    _, plain, _ = serve(model, groups, False, params, pages=200)
+    assert [r.finish_reason for r in plain] == ["length", "length", "stop", "length"]
+    shrinking = []
+    launch = DecodePipeline.launch
+
+    def recording(self, seqs, started, pending=None):
+        shrinking.append(pending is not None and len(seqs) < len(pending.seqs))
+        return launch(self, seqs, started, pending)
+
+    monkeypatch.setattr(DecodePipeline, "launch", recording)
+    engine, results, continued = serve(model, groups, True, params, pages=200)
+    same_results(plain, results, exact_logprobs=False)
+    assert sum(shrinking) >= 3, shrinking  # each of the first three requests to end
+    assert engine.cache.pages_in_use == 0 and not engine.pipeline.busy
+    allocator = engine.cache.allocator
+    assert torch.equal(allocator.device_tables, allocator.tables)
+    assert torch.equal(allocator.device_lengths, allocator.lengths)
