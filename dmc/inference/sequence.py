@@ -189,7 +189,9 @@ class EngineStats:
     ``cuda_graphs=True`` the launch comes after the step's host work (page reservation, the
     static inputs); an eager forward does that work inside itself, where it counts as the
     device's. Under ``overlap=True`` a decode step's seconds run from the end of the previous
-    one (or its own start) to its read-back: the steady step time, host work overlapped."""
+    one (or its own start) to its read-back: the steady step time, host work overlapped, and
+    ``decode_tokens`` counts the token a step drew for a sequence that had stopped the step
+    before (computed, then dropped; ``generated_tokens`` counts only the tokens kept)."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
