@@ -143,3 +143,24 @@ def test_overlapped_decode_step_makes_no_synchronising_call(parallel_1x1, window
     assert engine.graphs.captured == [(2, False)] and engine.pipeline.flight is not None
     assert synchronising_calls(engine.step) == []
     assert engine.pipeline.flight is not None
+
+
+@pytest.mark.parametrize("window", [3, "vanilla"])
+def test_a_continued_step_of_fewer_sequences_makes_no_synchronising_call(parallel_1x1, window):
+    """When a request reaches its budget the pipeline goes on with the others: that step's
+    inputs are gathered on the device from the step in flight (batch 2 -> 1, both graphs
+    captured beforehand) and it makes no call the sync debug mode flags either."""
+    model, _ = build(2, window)
+    engine = Engine(model, page_size=4, max_batch=2, chunk_size=16, cuda_graphs=True,
+                    overlap=True)
+    sampled = dict(temperature=0.7)
+    engine.generate(prompts((9,)), SamplingParams(max_new_tokens=6, **sampled))  # batch 1
+    engine.generate(prompts((9, 13)), SamplingParams(max_new_tokens=6, **sampled))  # batch 2
+    assert engine.graphs.captured == [(1, False), (2, False)]
+    for prompt, budget in zip(prompts((9, 13)), (6, 14)):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=budget, **sampled))
+    while not (engine.pipeline.flight is not None and len(engine.pipeline.flight.seqs) == 2
+               and len(engine.pipeline.flight.seqs[0].generated) + 2 > 6):
+        engine.step()
+    assert synchronising_calls(engine.step) == []
+    assert len(engine.pipeline.flight.seqs) == 1  # the shorter request's last token came back
