@@ -13,7 +13,11 @@ temperature 1, no stop token) with the largest batch whose cache fits ONE memory
    and their two float32 decisions; plus the policy's state per sequence. The batch is the
    largest that fits with a page per (layer, KV head) to spare (the scheduler's margin for
    admitting a prompt while others run: without it the last sequence of a batch can wait for
-   the others to finish); the pool gets every page the budget has left;
+   the others to finish) and, per sequence, the pages the scheduler reserves for one decode
+   step beyond what the step takes (the probe's most, ``step_reserve_per_seq``: a DMC, DMS or
+   delayed-merging head whose next slot starts a page is given one whether or not it appends,
+   which it learns on the device; without them a full pool preempts at the end of
+   generation); the pool gets every page the budget has left;
 3. all modes run together, interleaved step by step (one ``Engine.step`` of each mode in turn,
    the order rotated every round), so that drift of the machine lands on every mode alike;
    with ``--overlap`` (``Engine(overlap=True)``: a decode step launched before the previous one
@@ -350,15 +354,27 @@ def graphs_for(policy, args) -> bool:
 def probe(mode, model, dmc, policy, args, params) -> dict:
     """Pages and policy state one sequence holds at its full length, the measured CR, the
     cache's DMC window (None: exact, vanilla or DMS), DMS window (None: not DMS) and merge delay
-    (None: not delayed merging)."""
+    (None: not delayed merging), and the most pages the scheduler reserved for one sequence's
+    decode step beyond those the step took (``step_reserve_per_seq``, 0 for vanilla)."""
     from dmc.inference import CompressionStats
+    from dmc.inference.scheduler import worst_new_pages
 
     engine = engine_for(model, dmc, policy, args, args.probe, None)
     for prompt in prompts_for(args, args.probe, args.seed + 1):
         engine.add_request(prompt, params)
-    results, state = [], 0
+    results, state, reserve, last = [], 0, 0, None
     while engine.has_unfinished():
-        results += engine.step()
+        decoding = [s for s in engine.scheduler.running if s.decoding]
+        worst = sum(worst_new_pages(engine.cache, [s.slot for s in decoding], 1))  # settles
+        held = engine.cache.pages_in_use
+        if last is not None:  # the last step decoded only: reserved `need`, took held - before
+            count, need, before = last
+            reserve = max(reserve, math.ceil((need - (held - before)) / count))
+        prefilled = engine.stats.prefill_tokens
+        ended = engine.step()
+        results += ended
+        decode_only = not ended and engine.stats.prefill_tokens == prefilled
+        last = (len(decoding), worst, held) if decoding and decode_only else None
         for seq in engine.scheduler.running:
             state = max(state, engine.sequence_bytes(seq.slot)["policy_state"])
     failed = [r.error for r in results if r.error]
@@ -371,6 +387,7 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
             "dms_window": getattr(engine.cache, "dms_window", None),
             "merge_delay": getattr(engine.cache, "merge_delay", None),
             "pages_per_seq": pages, "policy_state_per_seq": state,
+            "step_reserve_per_seq": reserve,
             "kv_bytes_per_seq": sum(r.kv_bytes for r in results) / len(results),
             "probe_cr": comp.overall, "probe_cr_per_layer": comp.per_layer}
 
@@ -395,8 +412,9 @@ def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
                      max_seq_len=args.prompt_len + args.gen_len,
                      dms_window=row.pop("dms_window"), merge_delay=row.pop("merge_delay"),
                      device="cuda" if args.cuda else "cpu")
-        batch, num_pages = fit_batch(budget, row["pages_per_seq"], row["policy_state_per_seq"],
-                                     shape, headroom_pages=args.layers * kv_heads)
+        batch, num_pages = fit_batch(budget, row["pages_per_seq"] + row["step_reserve_per_seq"],
+                                     row["policy_state_per_seq"], shape,
+                                     headroom_pages=args.layers * kv_heads)
         if batch == 0:
             raise SystemExit(f"--budget-mib: {args.budget_mib} MiB holds no {mode.label} "
                              f"sequence of {args.prompt_len + args.gen_len} tokens")

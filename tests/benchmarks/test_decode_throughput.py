@@ -390,3 +390,28 @@ def test_trained_checkpoint_with_model(parallel_1x1, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(["--model", str(path), "--modes", "dmc:2"])
     assert exit_info.value.code == 2
+
+
+def test_batch_leaves_the_pages_a_decode_step_reserves(tmp_path, monkeypatch):
+    """A DMS head whose next slot starts a page is given one for the step whether or not its
+    token survives: sized on the pages its sequences end with alone, a full pool preempts at
+    the end of generation (small pages make such heads common); with the probe's reservation
+    per sequence counted, none. Vanilla's steps take what they reserve: nothing counted."""
+    args = ["--preset", "cpu", "--layers", "4", "--hidden", "64", "--heads", "8", "--groups",
+            "8", "--ffn", "64", "--vocab", "64", "--prompt-len", "24", "--gen-len", "24",
+            "--steady", "4", "--page-size", "4", "--budget-mib", "2", "--modes",
+            "vanilla,dms:4", "--dms-window", "4"]
+    rows = []
+    for reserve in (True, False):
+        if not reserve:
+            probe = bench.probe
+            monkeypatch.setattr(bench, "probe", lambda *a: {**probe(*a),
+                                                            "step_reserve_per_seq": 0})
+        out = tmp_path / f"{reserve}.json"
+        assert bench.main([*args, "--out", str(out)]) == 0
+        rows.append({row["mode"]: row for row in json.loads(out.read_text())["rows"]})
+    counted, uncounted = rows
+    assert counted["vanilla"]["step_reserve_per_seq"] == 0
+    assert counted["dms 4x"]["step_reserve_per_seq"] > 0
+    assert counted["dms 4x"]["preemptions"] == 0 and uncounted["dms 4x"]["preemptions"] > 0
+    assert counted["dms 4x"]["batch"] < uncounted["dms 4x"]["batch"]
