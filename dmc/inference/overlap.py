@@ -152,6 +152,7 @@ class DecodePipeline:
             except CacheFullError:
                 pass
             else:
+                self.engine.stats.continued_steps += 1
                 self._read_back(flight, finished)
                 if not self.engine.scheduler.has_unfinished():  # all ended: nothing to wait for
                     self.drain(finished)

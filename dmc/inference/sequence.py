@@ -191,7 +191,9 @@ class EngineStats:
     device's. Under ``overlap=True`` a decode step's seconds run from the end of the previous
     one (or its own start) to its read-back: the steady step time, host work overlapped, and
     ``decode_tokens`` counts the token a step drew for a sequence that had stopped the step
-    before (computed, then dropped; ``generated_tokens`` counts only the tokens kept)."""
+    before (computed, then dropped; ``generated_tokens`` counts only the tokens kept);
+    ``continued_steps``: the decode steps launched from the previous step's output without a
+    drain (:meth:`~dmc.inference.overlap.DecodePipeline.advance`)."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -200,6 +202,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_device_seconds: float = 0.0
     generated_tokens: int = 0
+    continued_steps: int = 0
     preemptions: int = 0
     peak_running: int = 0
     peak_pages: int = 0
