@@ -154,7 +154,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if stats.decode_seconds:
         print(f"decode {stats.decode_tokens / stats.decode_seconds:.1f} tok/s, "
               f"prefill {stats.prefill_tokens / max(stats.prefill_seconds, 1e-9):.1f} tok/s,"
-              f" preemptions {stats.preemptions}")
+              f" preemptions {stats.preemptions}"
+              + (f", {stats.continued_steps} of {stats.decode_steps} decode steps overlapped"
+                 if engine.pipeline is not None else ""))
     return status
 
 

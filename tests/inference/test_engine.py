@@ -322,6 +322,10 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
                                            "--overlap"])) == 0
     overlapped = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in overlapped["results"]] == [r.tokens for r in direct]
+    assert 0 < overlapped["stats"]["continued_steps"] < overlapped["stats"]["decode_steps"]
+    plain_args = [a for a in map(str, args_list) if a != "--json"]
+    assert run_generate(parser.parse_args([*plain_args, "--cuda-graphs", "--overlap"])) == 0
+    assert "decode steps overlapped" in capsys.readouterr().out.splitlines()[-1]
     with pytest.raises(ValueError, match="--overlap needs --cuda-graphs"):
         run_generate(parser.parse_args([*map(str, args_list), "--overlap"]))
     assert out["results"][0]["compression"]["cr"] == pytest.approx(direct[0].compression.overall)
