@@ -21,6 +21,7 @@ import torch
 from dmc.inference.paging import pages_for
 from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.inference.device_span import DeviceSpan
+from dmc.inference.generation import generate
 from dmc.inference.kv_write import make_cache, make_kv_write, make_policy
 from dmc.inference.loading import load_inference_state, load_model, load_plain
 from dmc.inference.model_runner import ModelRunner, resolve_dmc, rope_frequencies
@@ -55,8 +56,8 @@ class Engine:
         num_pages: pages in the pool; default: room for ``max_batch`` uncompressed sequences of
             ``max_seq_len`` tokens, capped by ``kv_cache_bytes``.
         kv_cache_bytes: byte budget of the page pool (keys and values; under DMS or delayed
-            merging, the window rings of ``max_batch`` sequences too) when ``num_pages`` is not given; default: 90%
-            of the free GPU memory on CUDA, a quarter of the RAM on CPU.
+            merging, the window rings of ``max_batch`` sequences too) when ``num_pages`` is not
+            given; default: 90% of the free GPU memory on CUDA, a quarter of the RAM on CPU.
         page_size: slots per page.
         max_batch: most sequences running at once (= cache sequence slots).
         max_seq_len: most tokens (prompt + generated) per sequence; default: the model's
@@ -192,8 +193,23 @@ class Engine:
                                     arrived=time.perf_counter()))
         return request_id
 
+    def abort(self, request_id: int) -> bool:
+        """Stop request ``request_id`` (waiting or running): its pages return now and the next
+        :meth:`step` returns its result (``finish_reason="abort"``, the tokens generated so
+        far). False when the engine does not hold it (unknown, or finished already)."""
+        if self.pipeline is not None:  # its step in flight read back, the cache settled
+            self.pipeline.drain(self._unclaimed)
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._unclaimed.append(self._result(seq, "abort", seq.cached))
+        if seq.slot is not None:
+            self.cache.free_sequence(seq.slot)
+        return True
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is queued or running, or a result waits for :meth:`step`."""
+        return self.scheduler.has_unfinished() or bool(self._unclaimed)
 
     @property
     def num_running(self) -> int:
@@ -217,10 +233,9 @@ class Engine:
         return finished
 
     def _schedule_and_run(self, finished: list[GenerationResult]) -> None:
-        zero = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.long)
         while True:
             plan = self.scheduler.schedule()
-            finished += [seq.result("cache_full", CompressionStats(0, zero), 0, 0, error)
+            finished += [self._result(seq, "cache_full", 0, error=error)
                          for seq, error in plan.failed]
             for part in [plan] if self.batch_prefill else plan.one_at_a_time():
                 self._run(part, finished)
@@ -273,49 +288,12 @@ class Engine:
         if sampled:
             self._take_tokens(sampled, drawn, finished)
 
-    def generate(
-        self,
-        prompts: Seq[Seq[int]],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
-        *,
-        progress: bool = False,
-    ) -> list[GenerationResult]:
-        """Generate for every prompt (continuous batching); results in prompt order.
-
-        ``params`` is one :class:`SamplingParams` for all prompts or one per prompt;
-        ``progress`` shows a tqdm bar over generated tokens (of all running requests). Requests
-        queued earlier with :meth:`add_request` run alongside; their results come from the next
-        :meth:`step`.
-        """
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} params")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        budget = {i: sp.max_new_tokens for i, sp in zip(ids, params)}
-        results: dict[int, GenerationResult] = {}
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=sum(budget.values()), unit="tok", desc="generate")
-        wanted = set(ids)
-        while wanted - results.keys():
-            if not self.has_unfinished():
-                raise RuntimeError("generate: requests vanished from the engine")
-            before = self.stats.generated_tokens
-            for result in self.step():
-                if result.request_id not in wanted:  # queued by add_request: next step()
-                    self._unclaimed.append(result)
-                    continue
-                results[result.request_id] = result
-                if bar is not None:  # a stop token ends a request early: count its rest as done
-                    bar.update(budget[result.request_id] - len(result.tokens))
-            if bar is not None:
-                bar.update(self.stats.generated_tokens - before)
-        if bar is not None:
-            bar.close()
-        return [results[i] for i in ids]
+    def generate(self, prompts: Seq[Seq[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 progress: bool = False) -> list[GenerationResult]:
+        """Generate for every prompt (continuous batching); results in prompt order: see
+        :func:`dmc.inference.generation.generate`."""
+        return generate(self, prompts, params, progress=progress)
 
     def score(self, tokens: Seq[int], *, return_logits: bool = False,
               prefill_tokens: int | None = None) -> ScoreResult:
@@ -372,19 +350,29 @@ class Engine:
             self.stats.generated_tokens += 1
             stop = token in seq.params.stop_tokens
             if stop or len(seq.generated) >= seq.params.max_new_tokens:
-                paged = (self.cache.head_lengths(seq.slot) if lengths is None
-                         else lengths[row]).long()
-                compression = (self.compression(seq.slot, seq.num_tokens - 1) if lengths is None
-                               else CompressionStats(seq.num_tokens - 1,
-                                                     self.cache.held_slots(seq.slot, paged)))
-                finished.append(seq.result("stop" if stop else "length", compression,
-                                           int(pages_for(paged, self.page_size).sum()),
-                                           self.cache.page_bytes))
+                finished.append(self._result(seq, "stop" if stop else "length",
+                                             seq.num_tokens - 1,
+                                             None if lengths is None else lengths[row]))
                 self.scheduler.running.remove(seq)
                 ended.append(seq)
                 if lengths is None:
                     self.cache.free_sequence(seq.slot)
         return ended
+
+    def _result(self, seq: Sequence, reason: str, tokens: int, paged: torch.Tensor | None = None,
+                error: str | None = None) -> GenerationResult:
+        """``seq``'s result, its cache holding ``tokens`` tokens (``paged``: its lengths as an
+        overlapped step left them, else the cache's; nothing without a slot)."""
+        if seq.slot is None:
+            zero = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.long)
+            return seq.result(reason, CompressionStats(0, zero), 0, 0, error)
+        if paged is None:
+            compression = self.compression(seq.slot, tokens)
+            paged = self.cache.head_lengths(seq.slot)
+        else:
+            compression = CompressionStats(tokens, self.cache.held_slots(seq.slot, paged))
+        return seq.result(reason, compression, int(pages_for(paged, self.page_size).sum()),
+                          self.cache.page_bytes, error)
 
     def compression(self, slot: int, tokens: int) -> CompressionStats:
         """The compression of the sequence in ``slot`` after ``tokens`` tokens (with a policy:

@@ -158,6 +158,16 @@ class Scheduler:
             reserved += need
             budget -= n
 
+    def abort(self, request_id: int) -> Sequence | None:
+        """Take request ``request_id`` off the queues (None when it is not there: unknown or
+        finished); a running one keeps its slot and pages for the caller to read and free."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    return seq
+        return None
+
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and put it back in the queue (arrival order); it restarts from
         its first token."""

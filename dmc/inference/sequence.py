@@ -66,9 +66,10 @@ class GenerationResult:
     """A finished request.
 
     tokens: generated ids (the stop token included when one ended the request).
-    finish_reason: ``"stop"`` (a stop token), ``"length"`` (``max_new_tokens``) or
+    finish_reason: ``"stop"`` (a stop token), ``"length"`` (``max_new_tokens``),
         ``"cache_full"`` (the request alone outgrew the whole page pool: ``tokens`` holds what
-        it generated before, ``error`` says why; the other requests are not affected).
+        it generated before, ``error`` says why; the other requests are not affected) or
+        ``"abort"`` (:meth:`Engine.abort`: ``tokens`` holds what it generated before).
     logprobs: log-probability of each generated token under the model (before temperature,
         top-k, top-p).
     compression: the cache at the end (prompt + generated tokens but the last, which was never
