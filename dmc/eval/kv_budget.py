@@ -26,7 +26,8 @@ def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_page
     ids per (sequence slot, layer, KV head)), ``lengths`` (int32 per head), ``dmc_state``
     (float32 ring of ``window`` pre-RoPE keys and values, or the running mean, their weights,
     and the int32 token count, per head; a DMS cache, built with ``window=None``, allocates the
-    one-row form too), ``rope`` (the float32 frequencies), ``free_pages`` (the allocator's
+    one-row form too), ``rope`` (the float32 frequencies), ``fault_counter`` (two int64, see
+    :mod:`dmc.inference.kernels.faults`), ``free_pages`` (the allocator's
     int32 stack of free page ids, host memory, counted only when ``device`` is the CPU);
     ``total`` sums them.
 
@@ -50,6 +51,7 @@ def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_page
         "lengths": heads * INT32,
         "dmc_state": heads * (2 * rows * head_dim * FLOAT32 + rows * FLOAT32 + INT32),
         "rope": head_dim // 2 * FLOAT32,
+        "fault_counter": 2 * INT64,
     }
     if dms_window is not None:
         out["dms_ring"] = heads * ring_bytes(dms_window, head_dim, element)

@@ -22,6 +22,8 @@ engine's overlap of a step's host work with the previous step's device work, whi
 when some sequences end: :mod:`dmc.inference.overlap`): each head then keeps a page for every
 slot the open steps that write it may still add, and a step settles from the lengths its
 device work reached (read back by the caller while the next step runs).
+The kernels count the block-table entries they meet outside the pool in ``faults``, which
+:meth:`settle` reads with the lengths and checks (:mod:`~dmc.inference.kernels.faults`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from dmc.inference.kernels.faults import fault_counter, raise_faults, read_with_faults
 from dmc.inference.paging import at_page_boundary, page_and_offset, pages_for, to_device
 
 
@@ -93,6 +96,7 @@ class BlockAllocator:
         self.lengths = torch.zeros(heads, dtype=torch.int32)
         self.device_tables = self.tables.to(device)  # same tensor on CPU
         self.device_lengths = self.lengths.to(device)
+        self.faults = fault_counter(device)
         # the free pages as a stack (a tensor: a decode step takes and gives back thousands of
         # pages, which a Python list converts one by one); page 0 on top, taken first
         self._free = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32)
@@ -305,30 +309,35 @@ class BlockAllocator:
     def settle(self, carry: torch.Tensor | None = None,
                reached: torch.Tensor | None = None) -> torch.Tensor | None:
         """Close the oldest open step. Its lengths: ``reached`` (host, what
-        :meth:`step_lengths` gave when its device work ended), else the device lengths of its
-        sequences read now (only when no later step is open), in one copy together with
-        ``carry`` (a float64 device tensor, returned on the host; None without it). Then the
-        pages reserved for heads that no open step can fill any more go back to the free list;
-        only those table entries go to the device (its lengths are already these)."""
+        :meth:`step_lengths` gave when its device work ended; the caller checks the fault
+        counter read with them), else its sequences' device lengths read now (no later step
+        open), in one copy with ``carry`` (a float64 device tensor, returned on the host; None
+        without it) and :attr:`faults`, checked. Then the pages reserved for heads no open step
+        can fill any more go back to the free list; only those entries go to the device."""
         if not self.steps:
-            return None if carry is None else carry.cpu()
+            return None if carry is None else self._fetch(carry)[0]
         step = self.steps.pop(0)
-        shared = self.device_lengths is self.lengths  # the CPU: the writes went to these lengths
-        if reached is None and not shared:
+        if self.device_lengths is self.lengths:  # the CPU: the writes went to these lengths
+            carry = self._fetch(carry)[0]
+        elif reached is None:
             if self.steps:
                 raise RuntimeError("settle: a later step is open; pass the lengths this step "
                                    "reached (step_lengths, read when its device work ended)")
-            reached = self.device_lengths[to_device(step.seqs, self.device)]
-            if carry is not None:
-                host = torch.cat((reached.double().flatten(), carry.flatten())).cpu()
-                count = reached.numel()
-                reached, carry = host[:count].view(reached.shape), host[count:].view(carry.shape)
-        if reached is not None and not shared:
+            reached, carry = self._fetch(self.device_lengths[to_device(step.seqs, self.device)],
+                                         carry)
+            self.lengths[step.seqs] = reached.to(torch.int32)
+        else:
             self.lengths[step.seqs] = reached.cpu().to(torch.int32)
-        if carry is not None:
-            carry = carry.cpu()
+            carry = None if carry is None else carry.cpu()
         self._release_unused(step.reserved)
         return carry
+
+    def _fetch(self, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+        return read_with_faults(self.faults, self.lengths.shape[1:], *tensors)
+
+    def check_faults(self, host_faults: torch.Tensor) -> None:
+        """:func:`~dmc.inference.kernels.faults.raise_faults` of a counter read back."""
+        raise_faults(host_faults, *self.lengths.shape[1:])
 
     def _release_unused(self, reserved: TableEntries) -> None:
         """Give back the ``reserved`` pages past what their heads' lengths and the slots the

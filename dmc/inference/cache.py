@@ -15,11 +15,11 @@ With ``window=w`` the rows (``rows = w``) are a ring of the open slot's last ``w
 ``j`` of the slot in row ``j % w``) with their omegas. With ``window=None`` (exact Eq. 9) there is
 one row: the running pre-RoPE mean and its running weight ``z``.
 
-A decode step's DMC writes may be deferred (``write(..., defer=True)``: decided on the device)
-between :meth:`begin_decode` (every layer's next pages reserved at once, so the writes take no
-page and make no host work) and :meth:`settle` (the lengths read back in one copy with the
-engine's sampled tokens, the pages of heads that merged returned). Until then the host lengths
-lag on a GPU; every method but :meth:`write` and :meth:`attention` settles first.
+Deferred DMC writes (``write(..., defer=True)``: decided on the device) run between
+:meth:`begin_decode` (every layer's next pages reserved at once: the writes take no page, make
+no host work) and :meth:`settle` (lengths, sampled tokens and the kernels' fault counter
+(:mod:`.kernels.faults`) read back in one copy; heads that merged return their pages). The host
+lengths lag until then on a GPU; all but :meth:`write` and :meth:`attention` settle first.
 """
 from __future__ import annotations
 
@@ -211,7 +211,8 @@ class PagedKVCache:
         run_dmc_write(self.k_pages, self.v_pages, self.block_tables, self.open_k, self.open_v,
                       self.open_omega, self.open_count, self.inv_freq, self.window, layer, rows,
                       new_lengths - 1, append, k, v, torch.as_tensor(omega, device=device),
-                      torch.as_tensor(positions, device=device), use_triton=use_triton)
+                      torch.as_tensor(positions, device=device), use_triton=use_triton,
+                      faults=self.allocator.faults)
 
     def begin_decode(self, seq_slots, static: bool = False, overlap: bool = False) -> None:
         """Open a decode step of ``seq_slots`` whose writes are deferred: settle the previous
@@ -315,8 +316,7 @@ class PagedKVCache:
             self.lengths[rows, layer],
             self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
             num_splits=num_splits, max_length=max_length or int(host_lengths.max()) + lag,
-            host_lengths=None if lag else host_lengths,
-        )
+            host_lengths=None if lag else host_lengths, faults=self.allocator.faults)
 
     # ------------------------------------------------------------- eviction
     def read(self, layer: int, seq_slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -44,6 +44,7 @@ import torch
 from dmc.ops.mask import bias_from_log_keep
 
 from .paging import to_device
+from .kernels.faults import count_faults, outside_pool
 from .kernels.native import native_dms_write
 from .ring_cache import WindowRingCache
 
@@ -127,12 +128,19 @@ class DMSPagedCache(WindowRingCache):
     def _move_leaving(self, layer: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Token ``positions - w - 1`` of cache rows ``rows`` (device ``[n]``, all with a full
         ring) leaves its ring row ``positions % (w + 1)``: written at slot ``length`` of each
-        head (its page reserved beforehand), length + 1 where kept."""
+        head (its page reserved beforehand), length + 1 where kept. An entry that is no page of
+        the pool goes to the fault counter (:mod:`.kernels.faults`; the write itself is not
+        skipped, which would take a synchronisation)."""
         state = self._ring_state(rows, layer, positions)
         heads = state[2]
         keep = ~self.ring_evict[state]
         length = self.lengths[rows, layer].long()  # [n, kv] device
-        pages = self.block_tables[rows[:, None], layer, heads, length // self.page_size].long()
+        column = length // self.page_size
+        width = self.max_pages_per_head
+        pages = torch.where(column < width, self.block_tables[
+            rows[:, None], layer, heads, column.clamp(max=width - 1)].long(), -1)
+        count_faults(self.allocator.faults, outside_pool(pages, self.num_pages),
+                     (rows[:, None] * self.num_layers + layer) * self.num_kv_heads + heads)
         self.k_pages[pages, length % self.page_size] = self.ring_k[state]
         self.v_pages[pages, length % self.page_size] = self.ring_v[state]
         self.lengths[rows, layer] = (length + keep.long()).to(torch.int32)

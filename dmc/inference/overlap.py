@@ -55,17 +55,20 @@ from dmc.inference.sequence import GenerationResult, Sequence
 
 class Readback:
     """A step's results on their way to the host: ``drawn [2, batch]`` (float64 device tokens
-    and log-probabilities) and ``lengths [batch, layers, kv_heads]`` (the slots of every head
+    and log-probabilities), ``lengths [batch, layers, kv_heads]`` (the slots of every head
     after the step: device values are copied with ``drawn`` in one transfer; host ones are
-    kept as they are). On a GPU the copy goes into pinned memory without waiting, and
+    kept as they are) and the kernels' fault counter (:mod:`~dmc.inference.kernels.faults`,
+    on the device). On a GPU the copy goes into pinned memory without waiting, and
     :meth:`wait` waits for that copy only (a CUDA event), not for later work."""
 
-    def __init__(self, drawn: torch.Tensor, lengths: torch.Tensor):
+    def __init__(self, drawn: torch.Tensor, lengths: torch.Tensor, faults: torch.Tensor):
         self.count = drawn.numel()
         self.shapes = (drawn.shape, lengths.shape)
         self.lengths = None if lengths.device == drawn.device else lengths.clone()
-        flat = drawn.flatten() if self.lengths is not None else torch.cat(
-            (drawn.flatten(), lengths.double().flatten()))
+        parts = [drawn.flatten(), faults.double()]
+        if self.lengths is None:
+            parts.insert(1, lengths.double().flatten())
+        flat = torch.cat(parts)
         self.event = None
         if flat.is_cuda:
             self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -75,14 +78,14 @@ class Readback:
         else:
             self.host = flat.clone()
 
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(drawn, lengths)`` on the host (lengths int32)."""
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(drawn, lengths, faults)`` on the host (lengths int32)."""
         if self.event is not None:
             self.event.synchronize()
         drawn = self.host[:self.count].view(self.shapes[0])
         lengths = (self.lengths if self.lengths is not None
-                   else self.host[self.count:].view(self.shapes[1]))
-        return drawn, lengths.to(torch.int32)
+                   else self.host[self.count:-2].view(self.shapes[1]))
+        return drawn, lengths.to(torch.int32), self.host[-2:]
 
 
 class InFlight(NamedTuple):
@@ -135,7 +138,8 @@ class DecodePipeline:
         lengths = allocator.step_lengths()
         if lengths is None:  # the host lengths are exact: vanilla, or the CPU
             lengths = allocator.lengths[self.engine.kv.step.seqs.host]
-        self.flight = InFlight(seqs, drawn, Readback(drawn, lengths), started, span)
+        self.flight = InFlight(seqs, drawn, Readback(drawn, lengths, allocator.faults), started,
+                               span)
         for seq in seqs:
             seq.cached += 1
 
@@ -182,11 +186,12 @@ class DecodePipeline:
         return going_on
 
     def _read_back(self, flight: InFlight, finished: list[GenerationResult]) -> None:
-        """Wait for ``flight``'s copy, settle its step, take its tokens (dropping those of
-        sequences that ended at the previous step), free the slots of the sequences no step in
-        flight writes any more and record its time."""
-        drawn, lengths = flight.readback.wait()
+        """Wait for ``flight``'s copy, check the fault counter read with it, settle its step,
+        take its tokens (dropping those of sequences that ended at the previous step), free the
+        slots of the sequences no step in flight writes any more and record its time."""
+        drawn, lengths, faults = flight.readback.wait()
         cache = self.engine.cache
+        cache.allocator.check_faults(faults)
         if cache.allocator.steps:
             cache.settle(reached=lengths)
         ended_ids = {id(seq) for seq in self.ended}

@@ -150,8 +150,7 @@ class WindowRingCache(PagedKVCache):
         return dms_decode_attention(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
             self.lengths[rows, layer], bound, self.ring_k[rows, layer], self.ring_v[rows, layer],
-            ring, scale, use_triton=triton, num_splits=num_splits,
-        )
+            ring, scale, use_triton=triton, num_splits=num_splits, faults=self.allocator.faults)
 
     # --------------------------------------------------------------- prefill
     def raw_window(self, layer: int, seq_slot: int, start: int, keys: torch.Tensor,

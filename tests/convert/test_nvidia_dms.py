@@ -134,7 +134,8 @@ def test_converted_model_equals_nvidia_reference_and_engine(tmp_path, separate):
         assert result.compression.overall > 1.2
 
 
-@pytest.mark.parametrize("separate", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("separate", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=MODE_IDS)
 def test_tp2_save(tmp_path, separate):
     fake_nvidia_dms(tmp_path / "nv", dms_separate_alpha=separate)
     nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc", tp=2)

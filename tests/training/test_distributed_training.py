@@ -1,6 +1,7 @@
 """Two gloo processes (``dmc retrofit --nproc 2``) at DP=2, TP=2 and PP=2 reproduce the
 single-process tiny retrofit step by step (LM loss, CR loss, measured CR), and a checkpoint
-written at TP=2 resumes at TP=1 (model and optimizer state resharded)."""
+written at TP=2 resumes at TP=1 (model and optimizer state resharded). DP=2 is slow-marked (the
+fast suite keeps TP=2 and PP=2, the layouts that split the model)."""
 import json
 import os
 import subprocess
@@ -70,7 +71,7 @@ def _assert_matches(got, want, steps):
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param("dp2", marks=pytest.mark.slow), "tp2", "pp2"])
 def test_two_processes_match_single_process(layout, layout_runs, reference):
     assert [r["phase"] for r in reference.values()] == [
         "zero_out", "retrofit", "retrofit", "retrofit", "solidify"]

@@ -56,12 +56,14 @@ def run_paged_decode(
     num_splits: int | None = None,
     max_length: int | None = None,
     host_lengths: torch.Tensor | None = None,
+    faults: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention ``q [batch, q_heads, head_dim] -> [batch, q_heads, head_dim]``.
 
     See :func:`paged_decode_reference` for the arguments; ``num_splits`` and ``max_length`` only
     tune the Triton kernel, ``host_lengths`` (``lengths`` on the host, ``[batch, kv_heads]``)
-    saves the PyTorch path a device read.
+    saves the PyTorch path a device read; ``faults``: the Triton kernel's fault counter
+    (:mod:`.faults`; the compiled CPU kernel raises instead).
     """
     if q.shape[1] % block_tables.shape[1]:
         raise ValueError(
@@ -72,18 +74,19 @@ def run_paged_decode(
 
         return paged_decode(
             q, k_pages, v_pages, block_tables, lengths, scale,
-            num_splits=num_splits, max_length=max_length,
+            num_splits=num_splits, max_length=max_length, faults=faults,
         )
     return paged_decode_batched(q, k_pages, v_pages, block_tables, lengths, scale,
                                 host_lengths=host_lengths)
 
 
-def run_dmc_write(*tensors, use_triton=None) -> None:
+def run_dmc_write(*tensors, use_triton=None, faults=None) -> None:
     """DMC append/merge write (Algorithm 1, Eq. 9); arguments (plain tensors and ints) as
-    :func:`dmc_write_reference`."""
+    :func:`dmc_write_reference`; ``faults``: the Triton kernel's fault counter (:mod:`.faults`;
+    the compiled CPU kernel raises instead)."""
     if resolve_use_triton(tensors[0].device, use_triton):
         from .dmc_write import dmc_write
 
-        dmc_write(*tensors)
+        dmc_write(*tensors, faults=faults)
     else:
         dmc_write_inplace(*tensors)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .faults import unread_counter
+
 
 @triton.jit
 def _window_half(buf_ptr, x_ptr, rows, cols, col_mask, ring, weights, total, append,
@@ -38,8 +40,8 @@ def _exact_half(buf_ptr, x_ptr, cols, col_mask, z, omega, z_new, append):
 @triton.jit
 def _dmc_write_kernel(
     k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
-    seq_ptr, slot_ptr, append_ptr, k_ptr, v_ptr, omega_ptr, pos_ptr, inv_freq_ptr,
-    layer, num_layers, max_pages,
+    seq_ptr, slot_ptr, append_ptr, k_ptr, v_ptr, omega_ptr, pos_ptr, inv_freq_ptr, faults,
+    layer, num_layers, max_pages, num_pages,
     stride_kb, stride_kh, stride_vb, stride_vh,
     HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr,
@@ -92,33 +94,46 @@ def _dmc_write_kernel(
     angle = position * tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
     cos = tl.cos(angle)
     sin = tl.sin(angle)
-    page = tl.load(tables + head * max_pages + slot // PAGE_SIZE).to(tl.int64)
+    column = slot // PAGE_SIZE
+    page = tl.load(tables + head * max_pages + column, mask=column < max_pages,
+                   other=-1).to(tl.int64)
+    outside = (page < 0) | (page >= num_pages)  # not a page of the pool: not written, counted
+    tl.atomic_add(faults, 1, mask=outside)
+    tl.atomic_max(faults + 1, head, mask=outside)
+    pages = page + tl.zeros([HALF_BLOCK], dtype=tl.int64)  # a vector (the interpreter's masks)
+    store = col_mask & (pages >= 0) & (pages < num_pages)
     dst = (page * PAGE_SIZE + slot % PAGE_SIZE) * DIM
     out_ty = k_pages.dtype.element_ty
-    tl.store(k_pages + dst + cols, (k_lo * cos - k_hi * sin).to(out_ty), mask=col_mask)
-    tl.store(k_pages + dst + HALF + cols, (k_hi * cos + k_lo * sin).to(out_ty), mask=col_mask)
-    tl.store(v_pages + dst + cols, v_lo.to(out_ty), mask=col_mask)
-    tl.store(v_pages + dst + HALF + cols, v_hi.to(out_ty), mask=col_mask)
+    tl.store(k_pages + dst + cols, (k_lo * cos - k_hi * sin).to(out_ty), mask=store)
+    tl.store(k_pages + dst + HALF + cols, (k_hi * cos + k_lo * sin).to(out_ty), mask=store)
+    tl.store(v_pages + dst + cols, v_lo.to(out_ty), mask=store)
+    tl.store(v_pages + dst + HALF + cols, v_hi.to(out_ty), mask=store)
 
 
 def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count, inv_freq,
-              window, layer, seq_slots, slots, append, k, v, omega, positions) -> None:
+              window, layer, seq_slots, slots, append, k, v, omega, positions,
+              faults=None) -> None:
     """Triton :func:`~dmc.inference.kernels.reference.dmc_write_reference` (same arguments).
 
     Pages, block tables and open-slot state must be contiguous (as the cache builds them); ``k``,
-    ``v`` ``[batch, kv_heads, head_dim]`` need a unit stride on the last dimension.
+    ``v`` ``[batch, kv_heads, head_dim]`` need a unit stride on the last dimension. A slot whose
+    block-table entry is not a page of the pool is not written; ``faults`` (a
+    :func:`~dmc.inference.kernels.faults.fault_counter`; None: one nobody reads) counts it and
+    locates one.
     """
     batch, heads = append.shape
     head_dim = k_pages.shape[-1]
     half = head_dim // 2
     window = window or 0
+    if faults is None:
+        faults = unread_counter(k_pages.device)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     _dmc_write_kernel[(batch, heads)](
         k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
         seq_slots, slots.to(torch.int32).contiguous(), append.to(torch.int32).contiguous(),
-        k, v, omega.contiguous(), positions, inv_freq,
-        layer, block_tables.shape[1], block_tables.shape[-1],
+        k, v, omega.contiguous(), positions, inv_freq, faults,
+        layer, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[0],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         PAGE_SIZE=k_pages.shape[1], WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),

@@ -41,6 +41,7 @@ def dms_decode_attention(
     *,
     use_triton: bool = False,
     num_splits: int | None = None,
+    faults: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over its head's paged slots and filled ring rows, GQA.
     ``use_triton``: the Triton paged kernel reads the pages in place and its reduce step folds
@@ -56,6 +57,8 @@ def dms_decode_attention(
         ring_k, ring_v: ``[batch, kv_heads, ring, head_dim]`` the window rings.
         ring_count: ``[batch]`` filled ring rows (rows ``0 .. count - 1``; all once full), >= 1.
         scale: softmax scale.
+        faults: the Triton kernel's fault counter (:mod:`.faults`; the PyTorch path reads page
+            0 for an entry of -1).
 
     Returns:
         ``[batch, q_heads, head_dim]`` in the dtype of ``q``; computed in float32.
@@ -64,7 +67,7 @@ def dms_decode_attention(
         from .paged_decode import paged_decode
 
         return paged_decode(q, k_pages, v_pages, block_tables, lengths, scale,
-                            num_splits=num_splits, max_length=max_length,
+                            num_splits=num_splits, max_length=max_length, faults=faults,
                             extra=_ring_partial(q, ring_k, ring_v, ring_count, scale))
     batch, q_heads, head_dim = q.shape
     kv_heads, page_size, ring = block_tables.shape[1], k_pages.shape[1], ring_k.shape[2]

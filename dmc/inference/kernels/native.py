@@ -35,6 +35,8 @@ import torch
 
 from dmc.ops.rope import rope_angles
 
+from .faults import UnreservedPageError
+
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_cpu.c", "write_cpu.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 PRUNE_AFTER_DAYS = 30
@@ -123,12 +125,6 @@ def _load(compiler: str) -> ctypes.CDLL:
     library.delayed_write_token.restype = integer
     library.delayed_write_token.argtypes = [pointer] * 22 + [integer] * 12 + [pointer]
     return library
-
-
-class UnreservedPageError(RuntimeError):
-    """A compiled kernel found a (sequence, KV head) row whose slot lies on no page of the pool
-    (a block-table entry of -1 or past the pool: a page the caller did not reserve). The kernel
-    skipped those rows instead of reading or writing out of the pool's memory."""
 
 
 def _check_rows(count: int, bad_row: ctypes.c_int64, what: str, where) -> None:

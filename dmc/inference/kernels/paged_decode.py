@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .faults import unread_counter
+
 _LOG2E = 1.4426950408889634
 _EMPTY = tl.constexpr(-1.0e30)  # running max before any slot: exp2(_EMPTY - m) == 0 for finite m
 _WAVES = 4  # programs per multiprocessor the split heuristic aims at
@@ -32,8 +34,8 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 3  # README "Paged decode kernel": --sw
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_pages, v_pages, tables, lengths, out_ptr, part_max, part_sum,
-    scale_log2, blocks_per_split, parts,
+    q_ptr, k_pages, v_pages, tables, lengths, out_ptr, part_max, part_sum, faults,
+    scale_log2, blocks_per_split, parts, num_pages,
     stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt,
     stride_tb, stride_th, stride_lb, stride_lh, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
@@ -61,10 +63,14 @@ def _decode_split_kernel(
     row_sum = tl.zeros([GROUP_BLOCK], tl.float32)
     acc = tl.zeros([GROUP_BLOCK, DIM_BLOCK], tl.float32)
     table = tables + b * stride_tb + kh * stride_th
+    outside_count = tl.zeros([BLOCK_N], dtype=tl.int32)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         page = tl.load(table + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        outside = n_mask & ((page < 0) | (page >= num_pages))  # not a page: skipped, counted
+        outside_count += outside.to(tl.int32)
+        n_mask = n_mask & ~outside
         offset = n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = k_pages + page[:, None] * stride_kp + offset[:, None] * stride_kt
@@ -84,6 +90,8 @@ def _decode_split_kernel(
                                               input_precision=PRECISION)
         row_max = new_max
 
+    outside_total = tl.sum(outside_count, axis=0).to(tl.int64)
+    tl.atomic_add(faults, outside_total, mask=outside_total > 0)
     out_mask = g_mask[:, None] & d_mask[None, :]
     if PARTIAL:
         # max, sum: [batch, q_heads, parts]; unnormalised out: [batch, q_heads, parts, DIM]
@@ -151,6 +159,7 @@ def paged_decode(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    faults: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged decode; arguments and result as
     :func:`~dmc.inference.kernels.reference.paged_decode_reference`. The page pools need a
@@ -169,6 +178,9 @@ def paged_decode(
             values weighted so, unnormalised``)``, combined with the pages' splits by the
             reduce kernel (:func:`~dmc.inference.kernels.dms_decode.dms_decode_attention`'s
             window ring).
+        faults: a fault counter (:func:`~dmc.inference.kernels.faults.fault_counter`) counting
+            the slots whose block-table entry is not a page of the pool (skipped, not read);
+            None: :func:`~dmc.inference.kernels.faults.unread_counter`.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = block_tables.shape[1]
@@ -195,9 +207,11 @@ def paged_decode(
         part_out, part_max, part_sum = out, None, None
     dim_block = max(_DOT_MIN, triton.next_power_of_2(head_dim))
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if faults is None:
+        faults = unread_counter(q.device)
     _decode_split_kernel[(batch * kv_heads, num_splits)](
-        q, k_pages, v_pages, block_tables, lengths, part_out, part_max, part_sum,
-        scale * _LOG2E, blocks_per_split, parts,
+        q, k_pages, v_pages, block_tables, lengths, part_out, part_max, part_sum, faults,
+        scale * _LOG2E, blocks_per_split, parts, k_pages.shape[0],
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
         v_pages.stride(0), v_pages.stride(1), block_tables.stride(0), block_tables.stride(1),
         lengths.stride(0), lengths.stride(1), out.stride(0), out.stride(1),
