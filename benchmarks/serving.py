@@ -17,7 +17,10 @@ make requests end at different steps. Each engine also reports the fraction of i
 that continued the pipeline without a drain.
 
 Reported per engine: end-to-end seconds (until the last request finished), time to first token
-(mean, median, p90, max, from the moment the requests were queued), generated tokens/s; and the
+(mean, median, p90, max, from the moment the requests were queued), inter-token latency (the
+gaps between a request's consecutive tokens as ``Engine.stream`` hands them out: median and
+p99; tokens handed out together count a gap of 0) and time per output token (per request, its
+first to its last token over the tokens between, then the mean), generated tokens/s; and the
 ratios second / first engine. The engines alternate ``--repeats`` times after a warm-up (order
 rotated) and the median of each figure is kept. Both must produce the same tokens (checked).
 
@@ -126,14 +129,23 @@ def serve(model, args, settings: dict, prompts, params) -> tuple[dict, list]:
                     chunk_size=args.chunk_size, step_tokens=args.step_tokens, seed=args.seed,
                     **settings)
     started = time.perf_counter()
-    results = engine.generate(prompts, params)
+    results, arrivals = [None] * len(prompts), [[] for _ in prompts]
+    for delta in engine.stream(prompts, params):
+        arrivals[delta.index] += [time.perf_counter()] * len(delta.tokens)
+        if delta.result is not None:
+            results[delta.index] = delta.result
     seconds = time.perf_counter() - started
     ttft = sorted(r.time_to_first_token for r in results)
+    gaps = sorted(b - a for times in arrivals for a, b in zip(times, times[1:]))
+    tpot = [(times[-1] - times[0]) / (len(times) - 1) for times in arrivals if len(times) > 1]
     generated = sum(len(r.tokens) for r in results)
     stats = engine.stats
     return {"end_to_end_s": seconds, "ttft_mean_s": statistics.fmean(ttft),
             "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-            "ttft_max_s": ttft[-1], "tokens_per_s": generated / seconds,
+            "ttft_max_s": ttft[-1], "itl_p50_s": statistics.median(gaps) if gaps else 0.0,
+            "itl_p99_s": gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
+            "tpot_mean_s": statistics.fmean(tpot) if tpot else 0.0,
+            "tokens_per_s": generated / seconds,
             "preemptions": stats.preemptions,
             "continued_fraction": stats.continued_steps / max(stats.decode_steps, 1)}, results
 
@@ -162,8 +174,9 @@ def main(argv=None) -> dict:
     summary = {name: {key: statistics.median(run[key] for run in figures)
                       for key in figures[0]} for name, figures in runs.items()}
     first, second = engines
-    ratios = {key: summary[second][key] / summary[first][key]
-              for key in ("end_to_end_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s")}
+    ratios = {key: summary[second][key] / summary[first][key] if summary[first][key] else None
+              for key in ("end_to_end_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
+                          "itl_p50_s", "itl_p99_s", "tpot_mean_s")}
     report = {"config": vars(args) | {"device": "cuda" if torch.cuda.is_available() else "cpu",
                                       "prompt_lengths": [len(p) for p in prompts],
                                       "new_token_budgets": [p.max_new_tokens for p in params]},
@@ -177,11 +190,12 @@ def main(argv=None) -> dict:
 
 def print_table(summary: dict, ratio: str, ratios: dict) -> None:
     columns = ("end_to_end_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_max_s",
-               "tokens_per_s", "continued_fraction")
+               "itl_p50_s", "itl_p99_s", "tpot_mean_s", "tokens_per_s", "continued_fraction")
     print(f"{'engine':<15}" + "".join(f"{c:>19}" for c in columns))
     for name, figures in summary.items():
-        print(f"{name:<15}" + "".join(f"{figures[c]:>19.3f}" for c in columns))
-    print(f"ratio {ratio}: " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        print(f"{name:<15}" + "".join(f"{figures[c]:>19.4f}" for c in columns))
+    print(f"ratio {ratio}: " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()
+                                         if v is not None))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from .block_allocator import CacheFullError
 from .cache import PagedKVCache
 from .dms_cache import DMSPagedCache
 from .engine import Engine
+from .generation import TokenDelta
 from .loading import load_inference_state, save_inference_state
 from .sampling import SamplingParams
 from .sequence import CompressionStats, GenerationResult, ScoreResult
@@ -18,6 +19,7 @@ __all__ = [
     "PagedKVCache",
     "SamplingParams",
     "ScoreResult",
+    "TokenDelta",
     "build_model_from_config",
     "load_inference_state",
     "save_inference_state",

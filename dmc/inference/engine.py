@@ -14,6 +14,7 @@ sampler state is kept: same output); one that cannot fit in the whole pool alone
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from dmc.inference.paging import pages_for
 from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.inference.device_span import DeviceSpan
-from dmc.inference.generation import generate
+from dmc.inference.generation import TokenDelta, generate, stream
 from dmc.inference.kv_write import make_cache, make_kv_write, make_policy
 from dmc.inference.loading import load_inference_state, load_model, load_plain
 from dmc.inference.model_runner import ModelRunner, resolve_dmc, rope_frequencies
@@ -294,6 +295,13 @@ class Engine:
         """Generate for every prompt (continuous batching); results in prompt order: see
         :func:`dmc.inference.generation.generate`."""
         return generate(self, prompts, params, progress=progress)
+
+    def stream(self, prompts: Seq[Seq[int]],
+               params: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> Iterator[TokenDelta]:
+        """:meth:`generate`, each request's tokens handed out as the steps sample them: see
+        :func:`dmc.inference.generation.stream`."""
+        return stream(self, prompts, params)
 
     def score(self, tokens: Seq[int], *, return_logits: bool = False,
               prefill_tokens: int | None = None) -> ScoreResult:

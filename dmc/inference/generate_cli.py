@@ -72,6 +72,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="with --cuda-graphs: launch each decode step before the previous "
                              "one is read back, the host's work beside the device's "
                              "(dmc.inference.overlap)")
+    parser.add_argument("--stream", action="store_true",
+                        help="print each request's new text (or token ids) as the steps sample "
+                             "it, '[i] TEXT' lines, before the results (Engine.stream)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     return parser
@@ -106,6 +109,9 @@ def run_generate(args: argparse.Namespace) -> int:
         from dmc.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(source)
+    if args.stream and args.json:
+        raise ValueError("--stream prints text as it comes; --json prints the results at the "
+                         "end: give one of them")
     if args.overlap and not args.cuda_graphs:
         raise ValueError("--overlap needs --cuda-graphs (the decode steps it launches ahead "
                          "replay a batch size's static step)")
@@ -130,7 +136,10 @@ def run_generate(args: argparse.Namespace) -> int:
         cuda_graphs=args.cuda_graphs, overlap=args.overlap,
     )
     check_tokens_fit(engine, prompts, "prompt + --max-new-tokens", args.max_new_tokens)
-    results = engine.generate(prompts, params, progress=not (args.quiet or args.json))
+    if args.stream:
+        results = _print_stream(engine, prompts, params, tokenizer)
+    else:
+        results = engine.generate(prompts, params, progress=not (args.quiet or args.json))
     records = []
     for result in results:
         record = result.to_dict()
@@ -158,6 +167,22 @@ def run_generate(args: argparse.Namespace) -> int:
               + (f", {stats.continued_steps} of {stats.decode_steps} decode steps overlapped"
                  if engine.pipeline is not None else ""))
     return status
+
+
+def _print_stream(engine, prompts, params, tokenizer) -> list:
+    """Print what each request's new tokens add (``[i] TEXT``: the decoded text past what its
+    earlier tokens decoded to, so that pieces joining into one word print once; or the ids)
+    as :meth:`Engine.stream` hands them out; returns the results in prompt order."""
+    results, tokens = [None] * len(prompts), [[] for _ in prompts]
+    for delta in engine.stream(prompts, params):
+        earlier, tokens[delta.index] = tokens[delta.index], tokens[delta.index] + delta.tokens
+        if delta.tokens:
+            new = (" ".join(map(str, delta.tokens)) if tokenizer is None else
+                   tokenizer.decode(tokens[delta.index])[len(tokenizer.decode(earlier)):])
+            print(f"[{delta.index}] {new}", flush=True)
+        if delta.result is not None:
+            results[delta.index] = delta.result
+    return results
 
 
 def register(sub) -> None:

@@ -14,7 +14,8 @@ TINY = ["--requests", "5", "--min-prompt", "3", "--max-prompt", "21", "--gen-len
         "--vocab", "64", "--max-batch", "3", "--chunk-size", "8", "--page-size", "4",
         "--repeats", "1", "--threads", "1"]
 FIGURES = {"end_to_end_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_max_s",
-           "tokens_per_s", "preemptions", "continued_fraction"}
+           "itl_p50_s", "itl_p99_s", "tpot_mean_s", "tokens_per_s", "preemptions",
+           "continued_fraction"}
 
 
 @pytest.mark.parametrize("compare,engines", [("prefill", ("batched", "one-at-a-time")),
@@ -32,7 +33,11 @@ def test_tiny_run_writes_every_figure(parallel_1x1, tmp_path, capsys, compare, e
         assert len(report["runs"][name]) == 1
         assert report["median"][name]["end_to_end_s"] > 0
         assert report["median"][name]["tokens_per_s"] > 0
-    assert set(report["ratios"]) == {"end_to_end_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s"}
+        figures = report["median"][name]
+        assert 0 <= figures["itl_p50_s"] <= figures["itl_p99_s"] <= figures["end_to_end_s"]
+        assert 0 < figures["tpot_mean_s"] < figures["end_to_end_s"]
+    assert set(report["ratios"]) == {"end_to_end_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
+                                     "itl_p50_s", "itl_p99_s", "tpot_mean_s"}
     assert report["ratio"] == f"{engines[1]} / {engines[0]}"
     assert f"ratio {engines[1]} / {engines[0]}" in capsys.readouterr().out
 

@@ -328,6 +328,14 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     assert "decode steps overlapped" in capsys.readouterr().out.splitlines()[-1]
     with pytest.raises(ValueError, match="--overlap needs --cuda-graphs"):
         run_generate(parser.parse_args([*map(str, args_list), "--overlap"]))
+    assert run_generate(parser.parse_args([*plain_args, "--stream"])) == 0
+    streamed = [line.split(" ", 1) for line in capsys.readouterr().out.splitlines()
+                if line.startswith("[") and "prompt +" not in line][:12]  # '[i] ID' lines
+    for i, result in enumerate(direct):  # one id a line (two in a request's first)
+        ids = " ".join(text for index, text in streamed if index == f"[{i}]").split()
+        assert list(map(int, ids)) == result.tokens
+    with pytest.raises(ValueError, match="--stream .* --json"):
+        run_generate(parser.parse_args([*map(str, args_list), "--stream"]))
     assert out["results"][0]["compression"]["cr"] == pytest.approx(direct[0].compression.overall)
     with pytest.raises(ValueError, match="--tokenizer"):
         run_generate(parser.parse_args(["--state-dict", str(path), "--prompt", "hello"]))
