@@ -181,8 +181,9 @@ if [ "${DMC_CHECK_QUICK:-0}" = 1 ]; then
 fi
 # a test module that cannot be imported there (another extra missing) must not stop the GPU
 # tests: it is counted as an error in gpu_tests.xml and the summary
-run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rs "${WORKERS[@]}" \
-  --continue-on-collection-errors --junitxml "$RESULTS/gpu_tests.xml" tests
+# -v: a line per test as it ends, so a run stopped by its time limit still tells which passed
+run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v -rs --durations 15 \
+  "${WORKERS[@]}" --continue-on-collection-errors --junitxml "$RESULTS/gpu_tests.xml" tests
 
 if [ "$CUDA" = 1 ]; then
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs \

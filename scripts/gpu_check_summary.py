@@ -1,5 +1,6 @@
 """Summary of a scripts/gpu_check.sh results folder: every step's exit status and time, the GPU
-test counts, and the headline figures of the benchmarks against the issue's H100 goals.
+test counts (from the JUnit file, or, for a run stopped by its time limit, from the verbose
+log's progress lines), and the headline figures of the benchmarks against the issue's H100 goals.
 
     python scripts/gpu_check_summary.py RESULTS_DIR
 
@@ -10,6 +11,7 @@ RESULTS_DIR holds no steps.tsv.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -36,13 +38,41 @@ def test_counts(path: Path) -> dict | None:
             for key in ("tests", "failures", "errors", "skipped")}
 
 
+OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def log_counts(path: Path) -> dict | None:
+    """What ``pytest -v``'s log says of the tests that finished, for a run stopped before it
+    wrote its JUnit file (its step's time limit): the same totals, ``partial``, and the ids of
+    the tests that failed or errored."""
+    if not path.is_file():
+        return None
+    outcomes, failed = {}, []
+    for line in path.read_text(errors="replace").splitlines():
+        match, test = OUTCOME.search(line), re.search(r"\S+::\S+", line)
+        if match is None or test is None or line.startswith(("FAILED ", "ERROR ")):
+            continue  # the short summary repeats the failures; only the progress lines count
+        outcomes[test.group()] = match.group(1)
+        if match.group(1) in ("FAILED", "ERROR"):
+            failed.append(test.group())
+    if not outcomes:
+        return None
+    values = list(outcomes.values())
+    return {"tests": len(values), "failures": values.count("FAILED"),
+            "errors": values.count("ERROR"),
+            "skipped": values.count("SKIPPED") + values.count("XFAIL"), "partial": True,
+            "failed": failed}
+
+
 def summarise(results: Path) -> dict:
     steps = {}  # the newest record of each step (steps.tsv grows over calls)
     for line in (results / "steps.tsv").read_text().splitlines():
         name, status, seconds = line.split("\t")
         steps[name] = {"step": name, "exit": status if status == "skipped" else int(status),
                        "seconds": int(seconds)}
-    summary = {"steps": list(steps.values()), "gpu_tests": test_counts(results / "gpu_tests.xml"),
+    counts = (test_counts(results / "gpu_tests.xml")
+              or log_counts(results / "gpu_tests.log"))
+    summary = {"steps": list(steps.values()), "gpu_tests": counts,
                "environment": (results / "environment.txt").read_text().strip().splitlines()
                if (results / "environment.txt").is_file() else [], "figures": {}, "goals": GOALS}
     decode = read_json(results / "decode_throughput.json")
@@ -73,7 +103,12 @@ def as_text(summary: dict) -> str:
               if s["exit"] == "skipped" else f"  {s['step']:<18} exit {s['exit']:<3} "
               f"{s['seconds']:>6} s" for s in summary["steps"]]
     counts = summary["gpu_tests"]
-    if counts:
+    if counts and counts.get("partial"):
+        lines.append(f"gpu tests (stopped before the end; from the log): {counts['tests']} "
+                     f"finished, {counts['failures']} failed, {counts['errors']} errors, "
+                     f"{counts['skipped']} skipped or xfailed")
+        lines += [f"  failed: {test}" for test in counts["failed"]]
+    elif counts:
         lines.append(f"gpu tests: {counts['tests']} collected, {counts['failures']} failed, "
                      f"{counts['errors']} errors, {counts['skipped']} skipped or xfailed")
     figures = summary["figures"]

@@ -92,3 +92,26 @@ def test_summary_of_a_results_folder(tmp_path):
     assert [k["path"] for k in summary["figures"]["paged_kernel"]] == ["compiled", "pytorch"]
     assert subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "none")],
                           capture_output=True).returncode == 2
+
+
+def test_summary_of_gpu_tests_stopped_by_their_time_limit(tmp_path):
+    """No JUnit file (pytest killed at its step's limit): the counts come from the verbose
+    log's progress lines (xdist's and plain ones), marked partial, with the failed tests."""
+    (tmp_path / "steps.tsv").write_text("gpu_tests\t124\t180\n")
+    (tmp_path / "gpu_tests.log").write_text(
+        "[gw0] [ 10%] PASSED tests/inference/test_kernels_gpu.py::test_a[1]\n"
+        "[gw1] [ 20%] FAILED tests/ops/test_mask_gpu.py::test_b\n"
+        "tests/inference/test_page_faults.py::test_c SKIPPED (needs CUDA) [ 30%]\n"
+        "[gw0] [ 40%] ERROR tests/megatron/test_attention_gpu.py::test_d\n"
+        "FAILED tests/ops/test_mask_gpu.py::test_b - AssertionError\n")
+    done = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
+                          text=True)
+    assert done.returncode == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["gpu_tests"] == {
+        "tests": 4, "failures": 1, "errors": 1, "skipped": 1, "partial": True,
+        "failed": ["tests/ops/test_mask_gpu.py::test_b",
+                   "tests/megatron/test_attention_gpu.py::test_d"]}
+    text = (tmp_path / "summary.txt").read_text()
+    assert "gpu tests (stopped before the end; from the log): 4 finished, 1 failed" in text
+    assert "  failed: tests/ops/test_mask_gpu.py::test_b\n" in text
