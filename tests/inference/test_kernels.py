@@ -415,3 +415,40 @@ def test_compiled_kernels_accept_every_page_of_the_pool():
         pytest.skip("no compiled kernels: the PyTorch paths run")
     for kernel, (call, _) in unreserved_page_calls(63).items():
         assert call() not in (None, False), kernel
+
+
+@pytest.mark.parametrize("entry", [-1, 64], ids=["unreserved", "past-the-pool"])
+def test_pytorch_paths_refuse_a_page_outside_the_pool(entry):
+    """The CPU's PyTorch write and decode (what runs without a C compiler) raise before reading
+    or writing through a block-table entry that is no page of the pool, naming it (sequence
+    slot 3's KV head 1 of layer 1); nothing changes; an entry past a head's length is not
+    looked at."""
+    gen = torch.Generator().manual_seed(6)
+    seqs, layers, heads, dim, pages, size, window = 5, 2, 3, 8, 64, 4, 3
+    tables = torch.randperm(pages, generator=gen)[:seqs * layers * heads * 2]
+    tables = tables.reshape(seqs, layers, heads, 2).int()
+    tables[3, 1, 1, 0] = entry
+    state = [torch.randn(pages, size, dim, generator=gen) for _ in range(2)] + [
+        torch.randn(seqs, layers, heads, window, dim, generator=gen),
+        torch.randn(seqs, layers, heads, window, dim, generator=gen),
+        torch.rand(seqs, layers, heads, window, generator=gen) + 0.1,
+        torch.ones(seqs, layers, heads, dtype=torch.int32)]
+    before = [t.clone() for t in state]
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2).float() / dim)
+    keys, values = (torch.randn(2, heads, dim, generator=gen) for _ in range(2))
+    with pytest.raises(native_kernels.UnreservedPageError,
+                       match="DMC write \\(PyTorch path\\): 1 block-table entry .*sequence "
+                             "slot 3, layer 1, KV head 1"):
+        dmc_write_inplace(*state[:2], tables, *state[2:], inv_freq, window, 1,
+                          torch.tensor([3, 0]), torch.zeros(2, heads, dtype=torch.long),
+                          torch.ones(2, heads, dtype=torch.bool), keys, values,
+                          torch.ones(2, heads), torch.tensor([6, 5]), native=False)
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+    rows = tables[[3, 0], 1]  # [2, heads, 2]: the layer's rows of the two sequences
+    lengths = torch.full((2, heads), 3, dtype=torch.int32)
+    q = torch.randn(2, heads, dim, generator=gen)
+    with pytest.raises(native_kernels.UnreservedPageError,
+                       match="paged decode attention \\(PyTorch path\\).*row 1, page column 0"):
+        paged_decode_batched(q, *state[:2], rows, lengths, 1.0, native=False)
+    lengths[0, 1] = 0  # that head holds no slot: its entry is not read
+    assert paged_decode_batched(q, *state[:2], rows, lengths, 1.0, native=False).isfinite().all()

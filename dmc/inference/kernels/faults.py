@@ -16,9 +16,9 @@ window ring (:class:`~dmc.inference.dms_cache.DMSPagedCache`, the GPU's and the 
 steps) counts too, but writes anyway (skipping would take a synchronisation). The host reads
 the counter with the step's lengths, in the same copy (:meth:`BlockAllocator.settle
 <dmc.inference.block_allocator.BlockAllocator.settle>`, or the overlapped step's read-back),
-and raises :class:`UnreservedPageError` (:func:`raise_faults`). Not checked: the CPU's PyTorch
-fallbacks where no C compiler built the compiled kernels (an entry of -1 indexes the pool's
-last page there).
+and raises :class:`UnreservedPageError` (:func:`raise_faults`). The CPU's PyTorch paths (where
+no C compiler built the compiled kernels) raise at once too (:func:`refuse_outside_pool`: on the
+CPU a check costs no synchronisation).
 """
 from __future__ import annotations
 
@@ -48,6 +48,24 @@ def unread_counter(device: torch.device) -> torch.Tensor:
 def outside_pool(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
     """Where the block-table entries ``pages`` are no page of a pool of ``num_pages``."""
     return (pages < 0) | (pages >= num_pages)
+
+
+def refuse_outside_pool(pages: torch.Tensor, num_pages: int, needed: torch.Tensor, what: str,
+                        where) -> None:
+    """On the CPU, raise :class:`UnreservedPageError` before a PyTorch path reads or writes
+    through ``pages`` where ``needed`` (bool, broadcast to ``pages``) and an entry is no page
+    of the pool; ``where(index)`` names the entry at ``index`` (a tuple into ``pages``). A
+    no-op on other devices (a check there would wait for the device: the counter's job)."""
+    if pages.device.type != "cpu":
+        return
+    bad = outside_pool(pages, num_pages) & needed
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise UnreservedPageError(
+            f"{what}: {int(bad.sum())} block-table entr{'y' if int(bad.sum()) == 1 else 'ies'} "
+            f"not pages of the pool (-1: never reserved), e.g. {where(first)}; nothing was "
+            f"read or written through them. The pages of a step are reserved before it runs: "
+            f"this is a bug in the reservation.")
 
 
 def count_faults(faults: torch.Tensor, bad: torch.Tensor, where: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from .faults import refuse_outside_pool
 from .native import native_paged_decode
 
 GROWTH = 1.25  # longest / shortest (pages + SLACK) within a bucket
@@ -117,7 +118,12 @@ def _attend(out, lse, queries, k_flat, v_flat, tables, host, picked, slots) -> N
     device, head_dim = queries.device, queries.shape[-1]
     page_size = k_flat.shape[1] // head_dim
     rows = picked.to(device, non_blocking=True)
-    ids = tables.index_select(0, rows)[:, :slots // page_size].clamp(min=0).reshape(-1).long()
+    ids = tables.index_select(0, rows)[:, :slots // page_size].long()
+    refuse_outside_pool(ids, k_flat.shape[0], torch.arange(ids.shape[1]) * page_size
+                        < host[picked, None], "paged decode attention (PyTorch path)",
+                        lambda i: f"(sequence, KV head) row {int(picked[i[0]])}, page column "
+                                  f"{i[1]}")
+    ids = ids.clamp(min=0).reshape(-1)
     keys = k_flat.index_select(0, ids).view(-1, slots, head_dim).float()
     values = v_flat.index_select(0, ids).view(-1, slots, head_dim).float()
     hidden = torch.arange(slots) >= host[picked, None]  # [n, slots], host

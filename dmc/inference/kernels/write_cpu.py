@@ -15,6 +15,7 @@ import torch
 
 from dmc.ops.rope import apply_rope
 
+from .faults import refuse_outside_pool
 from .native import native_dmc_write
 from .reference import dmc_write_reference
 
@@ -40,6 +41,12 @@ def dmc_write_inplace(k_pages, v_pages, block_tables, open_k, open_v, open_omega
     seq = seq_slots.long()
     rows = (seq[:, None].expand(batch, heads), layer,
             torch.arange(heads, device=seq.device).expand(batch, heads))
+    slots = slots.long()
+    page_size = k_pages.shape[1]
+    pages = block_tables[rows + (slots // page_size,)].long()
+    refuse_outside_pool(pages, k_pages.shape[0], torch.tensor(True), "DMC write (PyTorch path)",
+                        lambda i: f"sequence slot {int(seq[i[0]])}, layer {layer}, KV head "
+                                  f"{i[1]}")
     count = torch.where(append.bool(), 0, open_count[rows].long())  # tokens before this one
     ring_row = rows + (count % window,)
     open_k[ring_row] = k.float()
@@ -52,8 +59,5 @@ def dmc_write_inplace(k_pages, v_pages, block_tables, open_k, open_v, open_omega
     mean_k = torch.einsum("...w,...wd->...d", weights, open_k[seq, layer]) / total
     mean_v = torch.einsum("...w,...wd->...d", weights, open_v[seq, layer]) / total
     rotated = apply_rope(mean_k, positions.unsqueeze(1), inv_freq)
-    slots = slots.long()
-    page_size = k_pages.shape[1]
-    pages = block_tables[rows + (slots // page_size,)].long()
     k_pages[pages, slots % page_size] = rotated.to(k_pages.dtype)
     v_pages[pages, slots % page_size] = mean_v.to(v_pages.dtype)
