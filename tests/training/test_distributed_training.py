@@ -1,7 +1,8 @@
 """Two gloo processes (``dmc retrofit --nproc 2``) at DP=2, TP=2 and PP=2 reproduce the
 single-process tiny retrofit step by step (LM loss, CR loss, measured CR), and a checkpoint
-written at TP=2 resumes at TP=1 (model and optimizer state resharded). DP=2 is slow-marked (the
-fast suite keeps TP=2 and PP=2, the layouts that split the model)."""
+written at TP=2 resumes at TP=1 (model and optimizer state resharded). DP=2 and PP=2 are
+slow-marked (the fast suite keeps TP=2 here, and PP=2 / TP=2 of one DMC layer step in
+tests/megatron/test_distributed.py)."""
 import json
 import os
 import subprocess
@@ -71,7 +72,8 @@ def _assert_matches(got, want, steps):
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("dp2", marks=pytest.mark.slow), "tp2", "pp2"])
+@pytest.mark.parametrize("layout", [pytest.param("dp2", marks=pytest.mark.slow), "tp2",
+                                    pytest.param("pp2", marks=pytest.mark.slow)])
 def test_two_processes_match_single_process(layout, layout_runs, reference):
     assert [r["phase"] for r in reference.values()] == [
         "zero_out", "retrofit", "retrofit", "retrofit", "solidify"]
