@@ -500,9 +500,9 @@ def measure(args, runs: list[Run], rows: dict) -> list[dict]:
     return list(rows.values())
 
 
-def profile_step(run: Run, cuda: bool, kernels: int = 10) -> None:
+def profile_step(run: Run, cuda: bool, kernels: int = 25) -> None:
     """One step of ``run`` under torch.profiler: prints (stderr) its host time, the device time
-    of its kernels and the ``kernels`` busiest ones."""
+    of its kernels, how many ran, and the ``kernels`` busiest ones."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -511,10 +511,12 @@ def profile_step(run: Run, cuda: bool, kernels: int = 10) -> None:
     run.profiled.append(run.steps.pop())
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    launches = sum(e.count for e in events if e.self_device_time_total > 0) if cuda else 0
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(f"profile of one {run.mode.label} step (batch {run.batch}): "
           f"{run.profiled[-1][0] * 1e3:.2f} ms wall, kernels {device_us / 1e3:.2f} ms on the "
-          f"device\n{events.table(sort_by=sort, row_limit=kernels)}", file=sys.stderr, flush=True)
+          f"device ({launches} launches)\n{events.table(sort_by=sort, row_limit=kernels)}",
+          file=sys.stderr, flush=True)
 
 
 def add_rooflines(args, runs: list[Run], rows: dict) -> None:

@@ -59,7 +59,10 @@ def saved_activation_bytes(model, runtime, mode, tokens, positions,
             storages[storage.data_ptr()] = storage.nbytes()
             if sites is not None:
                 sites[saving_site(tensor)] += storage.nbytes()
-        return tensor
+        # a detached alias: the tensor itself, an output its own node saves, would make a
+        # cycle through that node that neither refcounting nor Python's gc frees, and every
+        # row after would count this forward's activations in its peak
+        return tensor.detach()
 
     runtime.start_step(0, mode, target_cr=2.0)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

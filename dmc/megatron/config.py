@@ -167,7 +167,7 @@ class DMCConfig:
         q/k norm only. A training setting (``to_dict`` leaves it out).
     omega_offset: added to omega = sigmoid(q[..., -1] + c); 2^-7 reproduces NVIDIA's models
         (see :func:`dmc.ops.importance`), 0 is the paper's.
-    attention_backend: "auto" (FlexAttention on CUDA, dense on CPU), "dense", "flex" or
+    attention_backend: "auto" (flex-transposed on CUDA, dense on CPU), "dense", "flex" or
         "flex-transposed" (FlexAttention with the decisions' gradient through the mask from a
         swapped forward instead of atomic adds, :mod:`dmc.ops.flex_bias_grad`): how the
         training attention is computed, not part of the model (``to_dict`` leaves it out).

@@ -183,8 +183,7 @@ def _weights_backward_kernel(alpha_ptr, omega_ptr, grad_ptr, alpha_part, omega_p
         tl.store(omega_part + part + offset, h * decay, mask=inside)
     tl.store(alpha_part + part, tl.zeros((BLOCK_T,), tl.float32), mask=inside)
     carried = tl.zeros((BLOCK_T,), tl.float32)
-    for step in tl.static_range(WINDOW - 1):
-        j: tl.constexpr = WINDOW - 1 - step
+    for j in tl.static_range(WINDOW - 1, 0, -1):
         source = rows - j
         h = (tl.load(grad_ptr + part + j, mask=inside, other=0.0) - mean) / total
         omega = _omega_at(omega_row, rows, seq, j)

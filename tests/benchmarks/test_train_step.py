@@ -1,5 +1,6 @@
 """benchmarks/train_step.py: the activations kept alone (no timed steps), by call site, in a
 chosen dtype; bad flags exit 2 naming them."""
+import gc
 import json
 
 import pytest
@@ -107,3 +108,33 @@ def test_bad_flags_exit_2_naming_them(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(TINY + flags)
     assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor Python's gc tracks, parameters excluded."""
+    storages = {}
+    for obj in gc.get_objects():
+        if torch.is_tensor(obj) and not isinstance(obj, torch.nn.Parameter):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "train"])
+def test_counting_the_kept_activations_keeps_none_of_them(mode):
+    """The forward that counts what autograd keeps frees it afterwards (its pack hook once
+    returned the tensor itself: outputs saved by their own node then formed cycles that nothing
+    freed, and on the GPU every later row's peak memory carried them)."""
+    from dmc.megatron.model import build_gpt_model, llama_transformer_config
+    from dmc.megatron.parallel import initialize_parallel
+    from dmc.megatron.runtime import DMCConfig, DMCRuntime
+
+    initialize_parallel(1, 1, seed=0)
+    runtime = DMCRuntime(DMCConfig(window=4))
+    model = build_gpt_model(llama_transformer_config(1, 32, 2, 64), 64, 32, dmc=runtime)
+    tokens = torch.randint(0, 64, (1, 32))
+    positions = torch.arange(32).expand(1, 32)
+    before = _live_tensor_bytes()
+    saved = bench.saved_activation_bytes(model, runtime, mode, tokens, positions)
+    assert saved > 0
+    assert _live_tensor_bytes() - before < saved / 10

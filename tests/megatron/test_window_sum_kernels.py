@@ -12,6 +12,7 @@ from dmc.ops.accumulate import WindowedSum, WindowWeights, window_weights, windo
 from dmc.ops.reference import partial_accumulate_reference
 
 from tiny_models import VOCAB, spread_decisions, tiny_config
+from triton_aot import compile_in_subprocess
 
 
 def strided_inputs(shape, window, dtype, device, seed=0):
@@ -150,3 +151,14 @@ def test_the_backend_setting_is_checked(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_equal_the_pytorch_path_on_cuda(dtype):
     compare_with_pytorch((2, 4, 300, 128), 12, dtype, "cuda")
+
+
+def test_kernels_compile_for_hopper():
+    """The five kernels of the window sums (weights, sums, both backwards, gather) pass Triton's
+    compiler for sm_90 down to a cubin: the interpreter accepted a constexpr reassigned in a
+    static_range loop that the compiler refuses (found on an H100, 2026-11-27)."""
+    done = compile_in_subprocess("window_sums")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for kernel in ("_weights_kernel", "_forward_kernel", "_backward_kernel",
+                   "_weights_backward_kernel", "_gather_kernel"):
+        assert f"{kernel}: compiled for sm_90" in done.stdout

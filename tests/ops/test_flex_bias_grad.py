@@ -91,3 +91,19 @@ def test_without_a_gradient_the_output_is_flex():
 def test_the_config_accepts_every_attention_backend():
     """``DMCConfig`` (torch-free) keeps its own list of ``dmc_attention``'s backends."""
     assert ATTENTION_BACKENDS == BACKENDS
+
+
+@pytest.mark.parametrize("is_cuda,aux,expected", [
+    (True, True, (True, True)),     # CUDA: flex-transposed (the fastest on an H100)
+    (True, False, (True, False)),   # a torch without return_aux: flex
+    (False, True, (False, False)),  # CPU: dense
+])
+def test_auto_backend_choice(monkeypatch, is_cuda, aux, expected):
+    from types import SimpleNamespace
+
+    import dmc.ops.attention as attention
+
+    monkeypatch.setattr(attention, "_has_return_aux", lambda: aux)
+    query = SimpleNamespace(shape=(1, 4, 8, 16), is_cuda=is_cuda)
+    key = SimpleNamespace(shape=(1, 2, 8, 16))
+    assert attention._settings("dmc_attention", query, key, None, "auto") == (0.25, *expected)

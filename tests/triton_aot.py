@@ -1,0 +1,164 @@
+"""Compiles dmc's Triton kernels for an H100 (``sm_90``) on a machine without a GPU.
+
+The interpreter (``TRITON_INTERPRET=1``, what the CPU tests run) executes a kernel's Python and
+never meets Triton's compiler: a kernel can pass every CPU test and still not compile (the GPU
+kit once found ``j: tl.constexpr`` reassigned in a ``static_range`` loop). Run as a script in
+a process without ``TRITON_INTERPRET``, so ``@triton.jit`` makes real ``JITFunction``\\ s: each
+case calls dmc's launch code on CPU tensors with ``JITFunction.run`` recording the launches
+instead of running them, then compiles each recorded launch with ``triton.compile`` for
+``GPUTarget("cuda", 90, 32)`` down to a cubin (Triton's wheel brings ``ptxas``), with the
+launch's argument types, constexprs, warps and stages.
+
+    python tests/triton_aot.py paged_decode dmc_write window_sums
+
+prints one line per compiled launch and exits 1 naming the kernels that fail.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+CASES = ("paged_decode", "dmc_write", "window_sums")
+_TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
+                 "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
+
+
+def compile_in_subprocess(*cases: str) -> subprocess.CompletedProcess:
+    """This script run on ``cases`` in a fresh process without ``TRITON_INTERPRET`` (what the
+    tests call: their own process imported the kernels interpreted)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, __file__, *cases], env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def record_launches(call) -> list[tuple]:
+    """``(kernel, args, kwargs)`` of every Triton launch ``call()`` makes, none run."""
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    run = JITFunction.run
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append(
+        (self, args, kwargs))
+    try:
+        call()
+    finally:
+        JITFunction.run = run
+    return launches
+
+
+def _signature(kernel, args, kwargs) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) of one recorded launch."""
+    import torch
+
+    names = [param.name for param in kernel.params]
+    values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = values[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TRITON_TYPES[str(value.dtype).removeprefix("torch.")]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    return signature, constexprs, options
+
+
+def compile_for_hopper(kernel, args, kwargs) -> None:
+    """One recorded launch compiled to a cubin for ``sm_90`` (raises what Triton raises)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, options = _signature(kernel, args, kwargs)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    if "cubin" not in compiled.asm:
+        raise RuntimeError(f"{kernel.fn.__name__}: no cubin among {sorted(compiled.asm)}")
+
+
+def _paged_decode():
+    """GQA in bf16 with two splits (both kernels), MHA in float32 in one."""
+    import torch
+
+    from dmc.inference.kernels import run_paged_decode
+
+    for dtype, q_heads, kv_heads, splits in ((torch.bfloat16, 8, 2, 2), (torch.float32, 4, 4, 1)):
+        pages, page_size, dim, batch = 8, 16, 128, 2
+        k_pages = torch.zeros(pages, page_size, dim, dtype=dtype)
+        tables = torch.zeros(batch, kv_heads, 4, dtype=torch.int32)
+        lengths = torch.full((batch, kv_heads), 40, dtype=torch.int32)
+        q = torch.zeros(batch, q_heads, dim, dtype=dtype)
+        run_paged_decode(q, k_pages, k_pages.clone(), tables, lengths, dim ** -0.5,
+                         use_triton=True, num_splits=splits, max_length=64)
+
+
+def _dmc_write():
+    """The windowed (window 12) and exact merges into a bf16 cache."""
+    import torch
+
+    from dmc.inference.cache import PagedKVCache
+
+    heads, dim, batch = 2, 128, 2
+    for window in (12, None):
+        cache = PagedKVCache(1, heads, dim, 16, page_size=16, max_seqs=batch, window=window,
+                             dtype=torch.bfloat16)
+        seqs = [cache.add_sequence() for _ in range(batch)]
+        k = torch.zeros(batch, heads, dim, dtype=torch.bfloat16)
+        cache.write(0, seqs, torch.zeros(batch, dtype=torch.long), k, k.clone(),
+                    torch.ones(batch, heads), torch.zeros(batch, heads), use_triton=True)
+
+
+def _window_sums():
+    """Eq. 9's fused window sums of bf16 keys and values, forward and backward (window 12)."""
+    import torch
+
+    from dmc.megatron.window_sum_kernels import fused_windowed_accumulate
+
+    shape = (1, 2, 64, 128)
+    k, v = (torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    alpha, omega = (torch.full(shape[:3], 0.5, requires_grad=True) for _ in range(2))
+    k_sum, v_sum = fused_windowed_accumulate(k, v, alpha, omega, 12)
+    (k_sum.sum() + v_sum.sum()).backward()
+
+
+def main(cases: list[str]) -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("triton_aot: run without TRITON_INTERPRET=1 (it makes interpreted kernels)",
+              file=sys.stderr)
+        return 2
+    unknown = set(cases) - set(CASES)
+    if not cases or unknown:
+        print(f"triton_aot: cases: accepted {', '.join(CASES)}, got {cases}", file=sys.stderr)
+        return 2
+    import dmc.inference.kernels as kernels
+
+    kernels.resolve_use_triton = lambda device, use_triton=None: bool(use_triton)
+    drivers = {"paged_decode": _paged_decode, "dmc_write": _dmc_write,
+               "window_sums": _window_sums}
+    failed = []
+    for case in cases:
+        launches = record_launches(drivers[case])
+        if not launches:
+            failed.append(f"{case}: no launch recorded")
+        for kernel, args, kwargs in launches:
+            name = f"{case}: {kernel.fn.__name__}"
+            try:
+                compile_for_hopper(kernel, args, kwargs)
+                print(f"{name}: compiled for sm_90")
+            except Exception as error:
+                failed.append(f"{name}: {type(error).__name__}: {error}")
+    for failure in failed:
+        print(failure, file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
