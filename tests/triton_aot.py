@@ -9,7 +9,7 @@ instead of running them, then compiles each recorded launch with ``triton.compil
 ``GPUTarget("cuda", 90, 32)`` down to a cubin (Triton's wheel brings ``ptxas``), with the
 launch's argument types, constexprs, warps and stages.
 
-    python tests/triton_aot.py paged_decode dmc_write window_sums
+    python tests/triton_aot.py paged_decode dmc_write dms_write window_sums
 
 prints one line per compiled launch and exits 1 naming the kernels that fail.
 """
@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-CASES = ("paged_decode", "dmc_write", "window_sums")
+CASES = ("paged_decode", "dmc_write", "dms_write", "window_sums")
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
 
@@ -85,10 +85,12 @@ def compile_for_hopper(kernel, args, kwargs) -> None:
 
 
 def _paged_decode():
-    """GQA in bf16 with two splits (both kernels), MHA in float32 in one."""
+    """GQA in bf16 with two splits (both kernels), MHA in float32 in one, a DMS ring (the split
+    kernel's ring mode) in bf16."""
     import torch
 
     from dmc.inference.kernels import run_paged_decode
+    from dmc.inference.kernels.dms_decode import dms_decode_attention
 
     for dtype, q_heads, kv_heads, splits in ((torch.bfloat16, 8, 2, 2), (torch.float32, 4, 4, 1)):
         pages, page_size, dim, batch = 8, 16, 128, 2
@@ -98,6 +100,10 @@ def _paged_decode():
         q = torch.zeros(batch, q_heads, dim, dtype=dtype)
         run_paged_decode(q, k_pages, k_pages.clone(), tables, lengths, dim ** -0.5,
                          use_triton=True, num_splits=splits, max_length=64)
+    ring_k = torch.zeros(3, kv_heads, 33, dim, dtype=torch.bfloat16)  # a DMS window ring
+    dms_decode_attention(q.bfloat16(), k_pages.bfloat16(), k_pages.bfloat16(), tables, lengths,
+                         64, ring_k, ring_k.clone(), lengths[:, 0], dim ** -0.5,
+                         ring_rows=torch.tensor([2, 0]), use_triton=True)
 
 
 def _dmc_write():
@@ -114,6 +120,23 @@ def _dmc_write():
         k = torch.zeros(batch, heads, dim, dtype=torch.bfloat16)
         cache.write(0, seqs, torch.zeros(batch, dtype=torch.long), k, k.clone(),
                     torch.ones(batch, heads), torch.zeros(batch, heads), use_triton=True)
+
+
+def _dms_write():
+    """The DMS decode write into a bf16 cache (float32 rotated keys, bf16 values)."""
+    import torch
+
+    from dmc.inference.kernels.dms_write import dms_write
+
+    rows, layers, heads, ring, dim, batch = 3, 2, 2, 33, 128, 2
+    pages = [torch.zeros(8, 16, dim, dtype=torch.bfloat16) for _ in range(2)]
+    rings = [torch.zeros(rows, layers, heads, ring, dim, dtype=torch.bfloat16) for _ in range(2)]
+    dms_write(*pages, torch.zeros(rows, layers, heads, 4, dtype=torch.int32),
+              torch.zeros(rows, layers, heads, dtype=torch.int32), *rings,
+              torch.zeros(rows, layers, heads, ring, dtype=torch.bool), 1, torch.tensor([2, 0]),
+              torch.tensor([40, 41]), torch.zeros(batch, heads, dim),
+              torch.zeros(batch, heads, dim, dtype=torch.bfloat16),
+              torch.zeros(batch, heads, dtype=torch.bool))
 
 
 def _window_sums():
@@ -141,7 +164,7 @@ def main(cases: list[str]) -> int:
     import dmc.inference.kernels as kernels
 
     kernels.resolve_use_triton = lambda device, use_triton=None: bool(use_triton)
-    drivers = {"paged_decode": _paged_decode, "dmc_write": _dmc_write,
+    drivers = {"paged_decode": _paged_decode, "dmc_write": _dmc_write, "dms_write": _dms_write,
                "window_sums": _window_sums}
     failed = []
     for case in cases:

@@ -20,7 +20,9 @@ head does not matter to attention: keys are rotated at their own positions.
 Decode (:meth:`decode_write`, batched over sequences and heads): the leaving token is written
 at slot ``length`` of its head whatever its flag (its page reserved when the step opened), the
 device length grows by its keep flag, and :meth:`settle` (once per engine step) reads the
-lengths back and returns the reserved pages of the heads that dropped their token.
+lengths back and returns the reserved pages of the heads that dropped their token. On CUDA one
+Triton launch per layer does the whole write (:mod:`~dmc.inference.kernels.dms_write`); the
+CPU runs the compiled kernel, or PyTorch ops (the oracle of both; static steps).
 
 Prefill (:meth:`prefill`): the chunk's queries attend, exactly, the paged survivors (all
 visible), the ring's tokens and the chunk's own under the delayed mask of their positions; then
@@ -44,6 +46,7 @@ import torch
 from dmc.ops.mask import bias_from_log_keep
 
 from .paging import to_device
+from .kernels import resolve_use_triton
 from .kernels.faults import count_faults, outside_pool
 from .kernels.native import native_dms_write
 from .ring_cache import WindowRingCache
@@ -87,7 +90,8 @@ class DMSPagedCache(WindowRingCache):
 
     # ---------------------------------------------------------------- decode
     def decode_write(self, layer: int, seq_slots, keys: torch.Tensor, values: torch.Tensor,
-                     evict: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+                     evict: torch.Tensor, positions: torch.Tensor | None = None, *,
+                     use_triton: bool | None = None) -> None:
         """One token per sequence of ``seq_slots`` at its next position p (tokens written so
         far): flag token p - 1 with ``evict``, move token p - w - 1 out of the ring (to its
         head's pages if kept; decided on the device in the step ``begin_decode`` opened, see the
@@ -100,30 +104,44 @@ class DMSPagedCache(WindowRingCache):
                 window evicted (ignored at p = 0).
             positions: ``[batch]`` the positions p on the device (required in a static step,
                 which reads them there instead of ``written``).
+            use_triton: None: one Triton launch on CUDA (:mod:`.kernels.dms_write`), the
+                compiled kernel or PyTorch on the CPU; see
+                :func:`~dmc.inference.kernels.resolve_use_triton`.
         """
         seqs, rows = self.allocator.rows(seq_slots)
         self.allocator.claim(seqs, layer)
         written = self.written[seqs, layer]
-        compiled = (not self.static_step and self.native_kernels and self.device.type == "cpu"
-                    and native_dms_write(self.k_pages, self.v_pages, self.block_tables,
-                                         self.lengths, self.ring_k, self.ring_v, self.ring_evict,
-                                         layer, seqs, written, keys, values,
-                                         torch.as_tensor(evict)))
-        if not compiled:
+        if resolve_use_triton(self.device, use_triton):
+            from .kernels.dms_write import dms_write
+
             p = positions if self.static_step else to_device(written, self.device)
-            leaving = self._leaving(layer, seqs, rows, positions)
-            state = self._ring_state(rows, layer, p)
-            evict = torch.as_tensor(evict, device=self.device).bool() & (p[:, None] > 0)
-            self.ring_evict[state[:3] + ((p[:, None] - 1) % self.ring_size,)] = evict
-            if leaving[0].numel():
-                self._move_leaving(layer, *leaving)
-            self.ring_k[state] = keys.to(self.dtype)
-            self.ring_v[state] = values.to(self.dtype)
-            # a device scalar: a Python False would be copied from the host (refused while
-            # a CUDA graph captures)
-            self.ring_evict[state] = torch.zeros((), dtype=torch.bool, device=self.device)
+            dms_write(self.k_pages, self.v_pages, self.block_tables, self.lengths, self.ring_k,
+                      self.ring_v, self.ring_evict, layer, rows, p, keys, values,
+                      torch.as_tensor(evict, device=self.device), self.allocator.faults)
+        elif not (not self.static_step and self.native_kernels and self.device.type == "cpu"
+                  and native_dms_write(self.k_pages, self.v_pages, self.block_tables,
+                                       self.lengths, self.ring_k, self.ring_v, self.ring_evict,
+                                       layer, seqs, written, keys, values,
+                                       torch.as_tensor(evict))):
+            self._write_torch(layer, seqs, rows, written, keys, values, evict, positions)
         if not self.static_step:
             self.written[seqs, layer] += 1
+
+    def _write_torch(self, layer: int, seqs, rows, written, keys, values, evict,
+                     positions) -> None:
+        """:meth:`decode_write` in PyTorch ops (the oracle of the kernels)."""
+        p = positions if self.static_step else to_device(written, self.device)
+        leaving = self._leaving(layer, seqs, rows, positions)
+        state = self._ring_state(rows, layer, p)
+        evict = torch.as_tensor(evict, device=self.device).bool() & (p[:, None] > 0)
+        self.ring_evict[state[:3] + ((p[:, None] - 1) % self.ring_size,)] = evict
+        if leaving[0].numel():
+            self._move_leaving(layer, *leaving)
+        self.ring_k[state] = keys.to(self.dtype)
+        self.ring_v[state] = values.to(self.dtype)
+        # a device scalar: a Python False would be copied from the host (refused while a CUDA
+        # graph captures)
+        self.ring_evict[state] = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def _move_leaving(self, layer: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Token ``positions - w - 1`` of cache rows ``rows`` (device ``[n]``, all with a full

@@ -149,8 +149,9 @@ class WindowRingCache(PagedKVCache):
         bound = max_length or int(self.allocator.lengths[seqs, layer].max()) + lag
         return dms_decode_attention(
             q, self.k_pages, self.v_pages, self.block_tables[rows, layer],
-            self.lengths[rows, layer], bound, self.ring_k[rows, layer], self.ring_v[rows, layer],
-            ring, scale, use_triton=triton, num_splits=num_splits, faults=self.allocator.faults)
+            self.lengths[rows, layer], bound, self.ring_k[:, layer], self.ring_v[:, layer],
+            ring, scale, ring_rows=rows, use_triton=triton, num_splits=num_splits,
+            faults=self.allocator.faults)
 
     # --------------------------------------------------------------- prefill
     def raw_window(self, layer: int, seq_slot: int, start: int, keys: torch.Tensor,

@@ -72,8 +72,9 @@ def test_every_path_equals_the_float64_loop(q_heads, kv_heads, ring, native):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2)])
 def test_triton_path_equals_the_float64_loop(q_heads, kv_heads, num_splits):
-    """The Triton paged kernel over the survivors, the ring's softmax state as one more split
-    of its reduce step; ring rows past the filled ones hold NaN and are never used."""
+    """The Triton paged kernel over the survivors and, in its ring mode, the rings as one more
+    part of its split-K, given per sequence or read in place from a shuffled pool; ring rows
+    past the filled ones hold NaN and are never used (the PyTorch path gathers the pool)."""
     q, k_pages, v_pages, tables, lengths, ring_k, ring_v, count = _case(3, q_heads, kv_heads, 5,
                                                                         seed=2)
     want = _reference(q, k_pages, v_pages, tables, lengths, ring_k, ring_v, count, 0.3)
@@ -84,3 +85,12 @@ def test_triton_path_equals_the_float64_loop(q_heads, kv_heads, num_splits):
                                int(lengths.max()) + 2, ring_k, ring_v, count, 0.3,
                                use_triton=True, num_splits=num_splits)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+    order = torch.tensor([2, 0, 1])  # rings read in place from a shuffled pool of 4 (ring_rows)
+    pool_k = torch.cat([ring_k[order], torch.full_like(ring_k[:1], float("nan"))])
+    pool_v = torch.cat([ring_v[order], torch.full_like(ring_v[:1], float("nan"))])
+    for path in (True, False):
+        got = dms_decode_attention(q, k_pages, v_pages, tables, lengths.int(),
+                                   int(lengths.max()) + 2, pool_k, pool_v, count, 0.3,
+                                   ring_rows=torch.argsort(order), use_triton=path,
+                                   num_splits=num_splits)
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)

@@ -10,6 +10,7 @@ from dmc.inference import Engine, SamplingParams
 from dmc.inference.block_allocator import BlockAllocator, TableEntries
 from dmc.inference.kernels import paged_decode_reference
 from dmc.inference.kernels.dmc_write import dmc_write
+from dmc.inference.kernels.dms_write import dms_write
 from dmc.inference.kernels.faults import UnreservedPageError, fault_counter, raise_faults
 from dmc.inference.kernels.paged_decode import paged_decode
 from test_dms_engine import build_dms
@@ -56,6 +57,47 @@ def test_triton_write_skips_and_counts_an_entry_outside_the_pool(entry):
     pools, _, _, faults = write_call(entry)
     assert valid_faults.tolist() == [0, -1]
     assert faults.tolist() == [1, (3 * LAYERS + 1) * HEADS + 1]
+    for got, want, old in zip(pools, valid, before):
+        assert not torch.equal(want[page, 0], old[page, 0])  # the valid call wrote there
+        torch.testing.assert_close(got[page, 0], old[page, 0], rtol=0, atol=0)
+        want = want.clone()
+        want[page, 0] = old[page, 0]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def dms_write_call(entry):
+    """One Triton DMS write of sequence rows 3 and 0 in layer 1, every head's ring full (token
+    p - R leaves, kept) and its length 0, where row 3's KV head 1 has the block-table entry
+    ``entry``; returns the pools after it, the pools before, that head's page, the lengths and
+    the fault counter."""
+    gen = torch.Generator().manual_seed(6)
+    tables = torch.randperm(PAGES, generator=gen)[:SEQS * LAYERS * HEADS * 2]
+    tables = tables.reshape(SEQS, LAYERS, HEADS, 2).int()
+    page = int(tables[3, 1, 1, 0])
+    if entry is not None:
+        tables[3, 1, 1, 0] = entry
+    pools = [torch.randn(PAGES, PAGE_SIZE, DIM, generator=gen) for _ in range(2)]
+    before = [p.clone() for p in pools]
+    lengths = torch.zeros(SEQS, LAYERS, HEADS, dtype=torch.int32)
+    rings = [torch.randn(SEQS, LAYERS, HEADS, WINDOW, DIM, generator=gen) for _ in range(2)]
+    flags = torch.zeros(SEQS, LAYERS, HEADS, WINDOW, dtype=torch.bool)
+    keys, values = (torch.randn(2, HEADS, DIM, generator=gen) for _ in range(2))
+    faults = fault_counter("cpu")
+    dms_write(*pools, tables, lengths, *rings, flags, 1, torch.tensor([3, 0]),
+              torch.tensor([WINDOW + 1, WINDOW]), keys, values,
+              torch.zeros(2, HEADS, dtype=torch.bool), faults)
+    return pools, before, page, lengths, faults
+
+
+@pytest.mark.parametrize("entry", [-1, PAGES], ids=["unreserved", "past-the-pool"])
+def test_triton_dms_write_skips_and_counts_an_entry_outside_the_pool(entry):
+    """The same for the DMS write (the token leaving a full ring): that head's page keeps its
+    bytes, every other head's token lands as with a valid entry, the counter holds the head."""
+    valid, before, page, valid_lengths, valid_faults = dms_write_call(None)
+    pools, _, _, lengths, faults = dms_write_call(entry)
+    assert valid_faults.tolist() == [0, -1]
+    assert faults.tolist() == [1, (3 * LAYERS + 1) * HEADS + 1]
+    assert valid_lengths[[3, 0], 1].eq(1).all() and torch.equal(lengths, valid_lengths)
     for got, want, old in zip(pools, valid, before):
         assert not torch.equal(want[page, 0], old[page, 0])  # the valid call wrote there
         torch.testing.assert_close(got[page, 0], old[page, 0], rtol=0, atol=0)

@@ -8,7 +8,7 @@ whatever its decision), so the query attends both under one softmax, with no oth
 
 Two paths, equal to fp32 tolerance (tested): :func:`dms_decode_attention` reads no length back
 from the device (any device: the GPU path), either through the Triton paged kernel, which reads
-the pages in place and folds the ring's softmax state into its reduce step (CUDA's default), or
+the pages and the rings in place, the ring as one more part of its split-K (CUDA's default), or
 by gathering every head's pages up to a host bound on the lengths (``max_length``) and masking by
 the device lengths. On the CPU, where the
 host lengths are exact, :func:`dms_decode_attention_cpu` runs the compiled CPU kernel over the
@@ -39,14 +39,15 @@ def dms_decode_attention(
     ring_count: torch.Tensor,
     scale: float,
     *,
+    ring_rows: torch.Tensor | None = None,
     use_triton: bool = False,
     num_splits: int | None = None,
     faults: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over its head's paged slots and filled ring rows, GQA.
-    ``use_triton``: the Triton paged kernel reads the pages in place and its reduce step folds
-    in the ring's softmax state (:func:`_ring_partial`); else PyTorch, over a gathered copy
-    of every head's pages up to ``max_length``.
+    ``use_triton``: the Triton paged kernel reads the pages and the rings in place (the ring
+    one more part of its split-K, ``paged_decode(ring=...)``); else PyTorch, over a gathered
+    copy of every head's pages up to ``max_length``.
 
     Args:
         q: ``[batch, q_heads, head_dim]``; query head ``i`` reads KV head ``i // G``.
@@ -54,8 +55,10 @@ def dms_decode_attention(
         block_tables: ``[batch, kv_heads, max_pages]`` int page ids (``-1`` = no page).
         lengths: ``[batch, kv_heads]`` paged slots per head (device).
         max_length: a host bound, ``>=`` every entry of ``lengths``.
-        ring_k, ring_v: ``[batch, kv_heads, ring, head_dim]`` the window rings.
+        ring_k, ring_v: ``[batch, kv_heads, ring, head_dim]`` the window rings, or with
+            ``ring_rows`` pools ``[n, kv_heads, ring, head_dim]`` holding them.
         ring_count: ``[batch]`` filled ring rows (rows ``0 .. count - 1``; all once full), >= 1.
+        ring_rows: ``[batch]`` device ints, sequence ``b``'s ring in the pools (None: ``b``).
         scale: softmax scale.
         faults: the Triton kernel's fault counter (:mod:`.faults`; the PyTorch path reads page
             0 for an entry of -1).
@@ -66,12 +69,16 @@ def dms_decode_attention(
     if use_triton:
         from .paged_decode import paged_decode
 
+        if ring_rows is None:
+            ring_rows = torch.arange(q.shape[0], device=q.device)
         return paged_decode(q, k_pages, v_pages, block_tables, lengths, scale,
                             num_splits=num_splits, max_length=max_length, faults=faults,
-                            extra=_ring_partial(q, ring_k, ring_v, ring_count, scale))
+                            ring=(ring_k, ring_v, ring_rows, ring_count))
+    if ring_rows is not None:
+        ring_k, ring_v = ring_k[ring_rows], ring_v[ring_rows]
     batch, q_heads, head_dim = q.shape
     kv_heads, page_size, ring = block_tables.shape[1], k_pages.shape[1], ring_k.shape[2]
-    pages = -(-max_length // page_size)
+    pages = min(-(-max_length // page_size), block_tables.shape[-1])  # a loose bound: the table
     ids = block_tables[..., :pages].long().clamp(min=0)  # [batch, kv, pages]
     slots = torch.arange(pages * page_size, device=q.device)
     paged = slots < lengths.long()[..., None]  # [batch, kv, slots]

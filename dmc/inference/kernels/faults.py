@@ -7,13 +7,13 @@ drops), on pages the block allocator reserved before the step ran
 an entry of -1 (never reserved) where a write or a read goes; followed, it reads or writes
 memory outside the pool: on a GPU an illegal address that ends the CUDA context, or another
 sequence's page. So the kernels that follow entries decided on the device check them: the
-compiled CPU kernels (:mod:`.native`) raise at once; the Triton paged decode and DMC write
-cannot stop the host, so they skip the read or write and count it in a *fault counter*, a
+compiled CPU kernels (:mod:`.native`) raise at once; the Triton paged decode, DMC write and
+DMS write cannot stop the host, so they skip the read or write and count it in a *fault counter*, a
 device tensor ``[2]`` int64 (:func:`fault_counter`): the entries met, and the flat index
 ``(sequence slot * layers + layer) * kv_heads + head`` of one of them (-1 when only reads
 found them, which do not know the sequence slot); the PyTorch move of a DMS token out of its
-window ring (:class:`~dmc.inference.dms_cache.DMSPagedCache`, the GPU's and the CPU's static
-steps) counts too, but writes anyway (skipping would take a synchronisation). The host reads
+window ring (:class:`~dmc.inference.dms_cache.DMSPagedCache`'s oracle, the CPU's static steps)
+counts too, but writes anyway (skipping would take a synchronisation). The host reads
 the counter with the step's lengths, in the same copy (:meth:`BlockAllocator.settle
 <dmc.inference.block_allocator.BlockAllocator.settle>`, or the overlapped step's read-back),
 and raises :class:`UnreservedPageError` (:func:`raise_faults`). The CPU's PyTorch paths (where

@@ -6,8 +6,9 @@ the group, so each cached K/V page is read once per group. Each split runs an on
 (base 2) over its chunk of slots, the scores ``q K^T`` and the update ``P V`` as ``tl.dot`` on
 tensor cores (the group padded to 16 rows, the probabilities cast to the cache's dtype for
 ``P V`` as FlashAttention does; float32 caches keep IEEE float32 products), the softmax state
-in float32; with several splits a second kernel combines the partial maxima, sums and outputs
-(and an ``extra`` partial state from keys outside the pages, as a DMS window ring).
+in float32; with several splits a second kernel combines the partial maxima, sums and outputs.
+Keys outside the pages (a DMS window ring: ``ring=``) are one more part, computed by the same
+kernel in its ring mode, which reads each sequence's ring rows in place (one more launch).
 Import this module only after ``TRITON_INTERPRET`` is settled (the dispatcher imports it lazily;
 the interpreter computes its dots in float32, which numpy lacks bf16 for).
 """
@@ -35,21 +36,32 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 3  # README "Paged decode kernel": --sw
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_pages, v_pages, tables, lengths, out_ptr, part_max, part_sum, faults,
+    ring_k, ring_v, ring_rows, ring_count,
     scale_log2, blocks_per_split, parts, num_pages,
     stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt,
     stride_tb, stride_th, stride_lb, stride_lh, stride_ob, stride_oh,
+    stride_rb, stride_rh, stride_rn,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
     DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, RING_MODE: tl.constexpr,
 ):
+    """One part of one (sequence, KV head): a split of its paged slots, or in ``RING_MODE`` its
+    ring rows ``0 .. ring_count[b] - 1`` of ring ``ring_rows[b]`` (the last part)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // KV_HEADS
     kh = pid % KV_HEADS
-    length = tl.load(lengths + b * stride_lb + kh * stride_lh)
-    lo = split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, length)
+    if RING_MODE:
+        lo = 0
+        hi = tl.load(ring_count + b).to(tl.int32)
+        ring_at = tl.load(ring_rows + b).to(tl.int64) * stride_rb + kh * stride_rh
+        part = parts - 1
+    else:
+        length = tl.load(lengths + b * stride_lb + kh * stride_lh)
+        lo = split * blocks_per_split * BLOCK_N
+        hi = tl.minimum(lo + blocks_per_split * BLOCK_N, length)
+        part = split
 
     g = tl.arange(0, GROUP_BLOCK)
     d = tl.arange(0, DIM_BLOCK)
@@ -67,14 +79,18 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
-        page = tl.load(table + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        outside = n_mask & ((page < 0) | (page >= num_pages))  # not a page: skipped, counted
-        outside_count += outside.to(tl.int32)
-        n_mask = n_mask & ~outside
-        offset = n % PAGE_SIZE
+        if RING_MODE:
+            k_rows = ring_k + ring_at + n[:, None] * stride_rn
+            v_rows = ring_v + ring_at + n[:, None] * stride_rn
+        else:
+            page = tl.load(table + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            outside = n_mask & ((page < 0) | (page >= num_pages))  # not a page: skipped, counted
+            outside_count += outside.to(tl.int32)
+            n_mask = n_mask & ~outside
+            offset = n % PAGE_SIZE
+            k_rows = k_pages + page[:, None] * stride_kp + offset[:, None] * stride_kt
+            v_rows = v_pages + page[:, None] * stride_vp + offset[:, None] * stride_vt
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_rows = k_pages + page[:, None] * stride_kp + offset[:, None] * stride_kt
-        v_rows = v_pages + page[:, None] * stride_vp + offset[:, None] * stride_vt
         keys = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0)
         values = tl.load(v_rows + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
@@ -95,7 +111,7 @@ def _decode_split_kernel(
     out_mask = g_mask[:, None] & d_mask[None, :]
     if PARTIAL:
         # max, sum: [batch, q_heads, parts]; unnormalised out: [batch, q_heads, parts, DIM]
-        row = (b * KV_HEADS * GROUP + q_heads) * parts + split
+        row = (b * KV_HEADS * GROUP + q_heads) * parts + part
         tl.store(part_max + row, row_max, mask=g_mask)
         tl.store(part_sum + row, row_sum, mask=g_mask)
         tl.store(out_ptr + row[:, None] * DIM + d[None, :], acc, mask=out_mask)
@@ -128,6 +144,19 @@ def _decode_reduce_kernel(
     tl.store(out_row + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def _ring_strides(ring_k: torch.Tensor, ring_v: torch.Tensor,
+                  k_pages: torch.Tensor) -> tuple[int, int, int]:
+    """The (ring, KV head, row) strides the two ring pools share; ValueError where they differ,
+    are not in the pages' dtype or lack a unit stride on ``head_dim``."""
+    if ring_k.stride() != ring_v.stride() or ring_k.stride(-1) != 1:
+        raise ValueError(f"paged_decode: ring: the K and V pools need equal strides with a unit "
+                         f"stride on head_dim, got {ring_k.stride()} and {ring_v.stride()}")
+    if not ring_k.dtype == ring_v.dtype == k_pages.dtype:
+        raise ValueError(f"paged_decode: ring: pools in the pages' dtype {k_pages.dtype} "
+                         f"expected, got {ring_k.dtype} and {ring_v.dtype}")
+    return ring_k.stride(0), ring_k.stride(1), ring_k.stride(2)
+
+
 @functools.cache
 def _multiprocessors(device_index: int | None) -> int:
     if device_index is None:  # the interpreter: a CPU tensor
@@ -158,7 +187,7 @@ def paged_decode(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
-    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     faults: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged decode; arguments and result as
@@ -172,12 +201,12 @@ def paged_decode(
             sets the chunk of slots per split. ``None`` reads ``lengths.max()``.
         block_n, num_warps, num_stages: slots per loop step (a power of two >= 16), warps per
             program and software-pipelining stages of the loop's loads (tuning only).
-        extra: keys outside the pages, as one more split's partial softmax state (float32):
-            ``(max [batch, q_heads]`` of their scores times ``scale * log2(e)``, ``sum
-            [batch, q_heads]`` of ``exp2(score - max)``, ``out [batch, q_heads, head_dim]`` the
-            values weighted so, unnormalised``)``, combined with the pages' splits by the
-            reduce kernel (:func:`~dmc.inference.kernels.dms_decode.dms_decode_attention`'s
-            window ring).
+        ring: keys and values outside the pages, attended under the same softmax (a DMS or
+            delayed-merging window ring, :func:`~dmc.inference.kernels.dms_decode.
+            dms_decode_attention`): ``(ring_k, ring_v [n, kv_heads, rows, head_dim]`` pools in
+            the pages' dtype with a unit stride on ``head_dim``, ``ring_rows [batch]`` each
+            sequence's ring in them, ``ring_count [batch]`` its filled rows ``0 .. count -
+            1)``, read in place by one more launch of the split kernel as the last part.
         faults: a fault counter (:func:`~dmc.inference.kernels.faults.fault_counter`) counting
             the slots whose block-table entry is not a page of the pool (skipped, not read);
             None: :func:`~dmc.inference.kernels.faults.unread_counter`.
@@ -195,32 +224,39 @@ def paged_decode(
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
-    partial = num_splits > 1 or extra is not None
-    parts = num_splits + (extra is not None)  # the extra state is the last part
+    partial = num_splits > 1 or ring is not None
+    parts = num_splits + (ring is not None)  # the ring is the last part
     if partial:
         part_max = q.new_empty(batch, q_heads, parts, dtype=torch.float32)
         part_out = q.new_empty(batch, q_heads, parts, head_dim, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
-        if extra is not None:
-            part_max[..., -1], part_sum[..., -1], part_out[..., -1, :] = extra
     else:
         part_out, part_max, part_sum = out, None, None
     dim_block = max(_DOT_MIN, triton.next_power_of_2(head_dim))
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if faults is None:
         faults = unread_counter(q.device)
-    _decode_split_kernel[(batch * kv_heads, num_splits)](
-        q, k_pages, v_pages, block_tables, lengths, part_out, part_max, part_sum, faults,
-        scale * _LOG2E, blocks_per_split, parts, k_pages.shape[0],
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
-        v_pages.stride(0), v_pages.stride(1), block_tables.stride(0), block_tables.stride(1),
-        lengths.stride(0), lengths.stride(1), out.stride(0), out.stride(1),
+    ring_k, ring_v, ring_rows, ring_count = ring if ring is not None else (None,) * 4
+    ring_strides = _ring_strides(ring_k, ring_v, k_pages) if ring is not None else (0, 0, 0)
+    launch = dict(
         KV_HEADS=kv_heads, GROUP=group, GROUP_BLOCK=group_block, DIM=head_dim, DIM_BLOCK=dim_block,
-        PAGE_SIZE=k_pages.shape[1], BLOCK_N=block_n, PARTIAL=partial,
+        PAGE_SIZE=k_pages.shape[1], PARTIAL=partial,
         UPCAST=interpreted and k_pages.dtype != torch.float32,
         PRECISION="ieee" if interpreted or k_pages.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
+    for ring_mode in (False, True) if ring is not None else (False,):
+        rows_block = block_n if not ring_mode else min(
+            block_n, max(_DOT_MIN, triton.next_power_of_2(ring_k.shape[2])))
+        _decode_split_kernel[(batch * kv_heads, 1 if ring_mode else num_splits)](
+            q, k_pages, v_pages, block_tables, lengths, part_out, part_max, part_sum, faults,
+            ring_k, ring_v, ring_rows, ring_count,
+            scale * _LOG2E, blocks_per_split, parts, k_pages.shape[0],
+            q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
+            v_pages.stride(0), v_pages.stride(1), block_tables.stride(0), block_tables.stride(1),
+            lengths.stride(0), lengths.stride(1), out.stride(0), out.stride(1), *ring_strides,
+            BLOCK_N=rows_block, RING_MODE=ring_mode, **launch,
+        )
     if partial:
         _decode_reduce_kernel[(batch * q_heads,)](
             part_out, part_max, part_sum, out, parts, out.stride(0), out.stride(1),

@@ -1,0 +1,108 @@
+"""Triton DMS decode write (DMS paper Sec. 3, delayed eviction), one launch per layer: the
+semantics of :meth:`dmc.inference.dms_cache.DMSPagedCache.decode_write`'s PyTorch path (which
+stays the oracle), where that path runs ~35 small ops per layer (ring indices, the eviction
+flag, the leaving token's page, its copy to the pages, the length, the fault count, the ring
+rows) that a CUDA graph replays as as many kernel launches.
+
+One program per (sequence, KV head), the token at position ``p``, ring of ``R = w + 1`` rows:
+
+1. token ``p - 1``'s eviction flag ``evict and p > 0`` into ring row ``(p - 1) mod R``;
+2. where ``p >= R``, token ``p - R`` leaves ring row ``p mod R``: it is copied to slot
+   ``length`` of its head's pages (its page reserved when the step opened) and the length grows
+   by one unless it is flagged (a flagged token's copy lies past the length, where nothing reads
+   it: copying it anyway keeps the pages equal to the other paths', bit for bit); a
+   block-table entry there that is no page of the pool is counted in the fault counter
+   (:mod:`.faults`) and not followed;
+3. token ``p`` (rotated key, value) into ring row ``p mod R``, its flag cleared.
+
+Pools, block tables, lengths and rings contiguous, as the cache builds them. Import this module
+only after ``TRITON_INTERPRET`` is settled (the cache imports it lazily).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .faults import unread_counter
+
+
+@triton.jit
+def _dms_write_kernel(
+    k_pages, v_pages, tables, lengths, ring_k, ring_v, ring_flags,
+    row_ptr, pos_ptr, k_ptr, v_ptr, evict_ptr, faults,
+    layer, num_layers, max_pages, num_pages,
+    stride_kb, stride_kh, stride_vb, stride_vh,
+    HEADS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, RING: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(row_ptr + b).to(tl.int64)
+    head = (row * num_layers + layer) * HEADS + h  # flat (row, layer, head) of the cache state
+    p = tl.load(pos_ptr + b).to(tl.int64)
+    slot = p % RING
+    cols = tl.arange(0, DIM_BLOCK)
+    col_mask = cols < DIM
+
+    evict = (tl.load(evict_ptr + b * HEADS + h) != 0) & (p > 0)
+    tl.store(ring_flags + head * RING + (p - 1 + RING) % RING, evict.to(tl.uint8))
+
+    ring_row = (head * RING + slot) * DIM
+    leaving = p >= RING
+    kept = leaving & (tl.load(ring_flags + head * RING + slot) == 0)
+    length = tl.load(lengths + head)
+    column = length // PAGE_SIZE
+    page = tl.load(tables + head * max_pages + column, mask=column < max_pages,
+                   other=-1).to(tl.int64)
+    page = tl.where(leaving, page, 0)  # nothing leaves: no entry looked at
+    outside = (page < 0) | (page >= num_pages)  # not followed, counted
+    tl.atomic_add(faults, 1, mask=outside)
+    tl.atomic_max(faults + 1, head, mask=outside)
+    pages = tl.where(leaving, page, -1) + tl.zeros([DIM_BLOCK], dtype=tl.int64)  # a vector
+    move = col_mask & (pages >= 0) & (pages < num_pages)  # (the interpreter's masks)
+    dst = (page * PAGE_SIZE + length % PAGE_SIZE) * DIM + cols
+    tl.store(k_pages + dst, tl.load(ring_k + ring_row + cols, mask=move, other=0.0), mask=move)
+    tl.store(v_pages + dst, tl.load(ring_v + ring_row + cols, mask=move, other=0.0), mask=move)
+    tl.store(lengths + head, length + kept.to(length.dtype))
+
+    ring_ty = ring_k.dtype.element_ty
+    key = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols, mask=col_mask, other=0.0)
+    value = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols, mask=col_mask, other=0.0)
+    tl.store(ring_k + ring_row + cols, key.to(ring_ty), mask=col_mask)
+    tl.store(ring_v + ring_row + cols, value.to(ring_ty), mask=col_mask)
+    tl.store(ring_flags + head * RING + slot, 0)
+
+
+def dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evict, layer: int,
+              rows: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, evict: torch.Tensor, faults=None) -> None:
+    """The decode write of one layer (module docstring), in place.
+
+    Args:
+        k_pages, v_pages: ``[num_pages, page_size, head_dim]``.
+        block_tables: ``[rows, layers, kv_heads, max_pages]`` int32; lengths: ``[rows, layers,
+            kv_heads]`` int32 (device), grown where a token is kept.
+        ring_k, ring_v: ``[rows, layers, kv_heads, R, head_dim]``; ring_evict: ``[rows, layers,
+            kv_heads, R]`` bool, the flags of the ring's tokens.
+        layer: the layer; rows: ``[batch]`` the sequences' cache rows (device ints).
+        positions: ``[batch]`` the tokens' positions p (device ints).
+        keys, values: ``[batch, kv_heads, head_dim]`` (rotated keys; any float dtype, unit stride
+            on the last dimension).
+        evict: ``[batch, kv_heads]`` bool or 0 / 1, token p - 1's eviction decision.
+        faults: a fault counter (:func:`~dmc.inference.kernels.faults.fault_counter`; None: one
+            nobody reads).
+    """
+    batch, heads = evict.shape
+    head_dim = k_pages.shape[-1]
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    values = values if values.stride(-1) == 1 else values.contiguous()
+    _dms_write_kernel[(batch, heads)](
+        k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evict.view(torch.uint8),
+        rows, positions, keys, values, evict.to(torch.uint8).contiguous(),
+        unread_counter(k_pages.device) if faults is None else faults,
+        layer, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[0],
+        keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        HEADS=heads, DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=k_pages.shape[1], RING=ring_k.shape[3],
+    )
