@@ -202,48 +202,72 @@ def test_paged_growth_is_what_kept_tokens_take():
                 assert torch.equal(bound, (lengths[i + k] - lengths[i]).long())
 
 
-@pytest.mark.parametrize("window,dtype", [(0, torch.float32), (2, torch.bfloat16),
-                                          (5, torch.float32)])
-def test_compiled_decode_write_equals_the_pytorch_path(window, dtype):
-    """Random batches of sequences (varying subsets, slot order shuffled) decode through four
-    caches, one writing with the compiled kernel, one with the PyTorch path, one with static
-    steps (device positions, no host branch) once every ring of the batch is full, one with the
-    Triton kernel (:mod:`dmc.inference.kernels.dms_write`, under the interpreter; static steps
-    as the third): every tensor of the caches stays equal (pages, block tables, lengths, rings,
-    flags, token counts; the Triton cache's bf16 rings and pages to the interpreter's
-    rounding), across ring wrap-arounds, page boundaries and evictions."""
+def drive_decode_writes(caches, writes, window, dtype, static_from=2):
+    """Random batches of sequences (varying subsets, slot order shuffled) decode through
+    ``caches`` (``writes[i]``: cache i's ``decode_write`` keywords; caches from ``static_from``
+    on take static steps once every ring of the batch is full); after every step each tensor
+    of the caches equals cache 0's (bf16 floats of a ``use_triton`` cache on the CPU to the
+    interpreter's rounding). Returns the sequence slots and the count of static steps."""
     gen = torch.Generator().manual_seed(window)
     kv, seqs, steps = 2, 3, 3 * (window + 1) + 2 * PAGE + 3
-    caches = [DMSPagedCache(LAYERS, kv, DIM, 200, window, page_size=PAGE, max_seqs=seqs,
-                            dtype=dtype) for _ in range(4)]
-    caches[1].native_kernels = False
+    device = caches[0].device
     slots = [[c.add_sequence() for _ in range(seqs)] for c in caches][0]
     static_steps = 0
     for step in range(steps):
         batch = [slots[i] for i in torch.randperm(seqs, generator=gen)[:1 + step % seqs]]
-        keys, values = torch.randn(2, len(batch), kv, DIM, generator=gen)
-        positions = caches[2].written[batch, 0].clone()
+        keys, values = torch.randn(2, len(batch), kv, DIM, generator=gen).to(device)
+        positions = caches[-1].written[batch, 0].clone()
         static = bool((positions > window).all())
         static_steps += static
         for i, cache in enumerate(caches):
-            cache.begin_decode(batch, static=static and i >= 2)
+            cache.begin_decode(batch, static=static and i >= static_from)
         for layer in range(LAYERS):
-            evict = torch.rand(len(batch), kv, generator=gen) < 0.4
-            for i, cache in enumerate(caches):
-                cache.decode_write(layer, batch, keys, values, evict, positions,
-                                   use_triton=i == 3)
+            evict = (torch.rand(len(batch), kv, generator=gen) < 0.4).to(device)
+            for cache, write in zip(caches, writes):
+                cache.decode_write(layer, batch, keys, values, evict, positions.to(device),
+                                   **write)
         for cache in caches:
             cache.settle()
         for name in ("k_pages", "v_pages", "block_tables", "lengths", "ring_k", "ring_v",
                      "ring_evict", "written"):
-            for i, other in enumerate(caches[1:], start=1):
-                want, got = getattr(caches[0], name), getattr(other, name)
-                if i == 3 and dtype == torch.bfloat16 and got.is_floating_point():
+            want = getattr(caches[0], name)
+            for other, write in zip(caches[1:], writes[1:]):
+                got = getattr(other, name)
+                if (write.get("use_triton") and device.type == "cpu"
+                        and dtype == torch.bfloat16 and got.is_floating_point()):
                     torch.testing.assert_close(got.float(), want.float(), rtol=1 / 128, atol=0)
                 else:
-                    assert torch.equal(want, got), (step, name, i)
+                    assert torch.equal(want, got), (step, name)
     assert len({cache.pages_in_use for cache in caches}) == 1 and caches[0].pages_in_use > 0
+    return slots, static_steps
+
+
+@pytest.mark.parametrize("window,dtype", [(0, torch.float32), (2, torch.bfloat16),
+                                          (5, torch.float32)])
+def test_compiled_decode_write_equals_the_pytorch_path(window, dtype):
+    """Four caches, one writing with the compiled kernel, one with the PyTorch path, one with
+    static steps (device positions, no host branch) once every ring of the batch is full, one
+    with the Triton kernel (:mod:`dmc.inference.kernels.dms_write`, under the interpreter;
+    static steps as the third): every tensor of the caches stays equal (pages, block tables,
+    lengths, rings, flags, token counts), across ring wrap-arounds, page boundaries and
+    evictions."""
+    caches = [DMSPagedCache(LAYERS, 2, DIM, 200, window, page_size=PAGE, max_seqs=3,
+                            dtype=dtype) for _ in range(4)]
+    caches[1].native_kernels = False
+    slots, static_steps = drive_decode_writes(caches, [{}, {}, {}, {"use_triton": True}],
+                                              window, dtype)
     assert static_steps > 3
     caches[2].free_sequence(slots[0])
     with pytest.raises(ValueError, match="window ring full"):
         caches[2].begin_decode([slots[1], caches[2].add_sequence()], static=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,dtype", [(2, torch.bfloat16), (32, torch.float16)])
+def test_triton_decode_write_on_cuda_equals_the_pytorch_path(window, dtype):
+    """On a GPU: the Triton write (static steps once the rings are full) and the PyTorch path
+    keep every tensor of their caches equal, bit for bit."""
+    caches = [DMSPagedCache(LAYERS, 2, DIM, 400, window, page_size=PAGE, max_seqs=3, dtype=dtype,
+                            device="cuda") for _ in range(2)]
+    drive_decode_writes(caches, [{"use_triton": False}, {"use_triton": True}], window, dtype,
+                        static_from=1)
