@@ -31,7 +31,7 @@ from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
 
 from .block_allocator import BlockAllocator, SeqRows
 from .paging import at_page_boundary, pages_for, to_device
-from .kernels import rope_inv_freq, run_dmc_write, run_paged_decode
+from .kernels import resolve_use_triton, rope_inv_freq, run_dmc_write, run_paged_decode
 
 
 class PagedKVCache:
@@ -172,11 +172,9 @@ class PagedKVCache:
         for appends that cross a page boundary; on :class:`CacheFullError` nothing changed.
 
         Args:
-            layer: layer index.
-            seq_slots: ``[batch]`` distinct sequence slots (host list or tensor).
+            layer: layer index; seq_slots: ``[batch]`` distinct sequence slots (host list, tensor).
             positions: ``[batch]`` absolute position of the token.
-            k, v: ``[batch, kv_heads, head_dim]`` pre-RoPE key and value.
-            omega: ``[batch, kv_heads]`` importance > 0.
+            k, v: ``[batch, kv_heads, head_dim]`` pre-RoPE; omega: ``[batch, kv_heads]`` > 0.
             alpha: ``[batch, kv_heads]`` hard decisions, 1 = merge (read on the host unless
                 ``defer``).
             use_triton: kernel choice, see :func:`~dmc.inference.kernels.resolve_use_triton`.
@@ -197,22 +195,24 @@ class PagedKVCache:
     def _write_decided(self, layer: int, rows: torch.Tensor, positions, k: torch.Tensor,
                        v: torch.Tensor, omega, alpha, use_triton: bool | None,
                        host: tuple | None = None) -> None:
-        """Algorithm 1's write of a token per cache row ``rows`` (device ``[batch]``): with
-        ``host`` (new lengths, appends) as decided on the host, else decided on the device in
-        the step :meth:`begin_decode` opened (pages reserved)."""
-        device = self.device
-        if host is None:
+        """Algorithm 1's write of a token per cache row ``rows`` (device ``[batch]``): ``host``
+        (new lengths, appends) decided there, else on the device (by the Triton kernel itself)."""
+        device, decide = self.device, None
+        if host is not None:
+            slots, append = to_device(host[0], device) - 1, to_device(host[1], device)
+        elif resolve_use_triton(device, use_triton):  # the kernel decides, advances the lengths
+            slots = append = None
+            decide = (self.lengths, torch.as_tensor(alpha, device=device))
+        else:
             current = self.lengths[rows, layer].long()
             append = (torch.as_tensor(alpha, device=device) <= 0.5) | (current == 0)
-            new_lengths = current + append.long()
-            self.lengths[rows, layer] = new_lengths.to(torch.int32)
-        else:
-            new_lengths, append = (to_device(x, device) for x in host)
+            slots = current + append.long() - 1
+            self.lengths[rows, layer] = (slots + 1).to(torch.int32)
         run_dmc_write(self.k_pages, self.v_pages, self.block_tables, self.open_k, self.open_v,
                       self.open_omega, self.open_count, self.inv_freq, self.window, layer, rows,
-                      new_lengths - 1, append, k, v, torch.as_tensor(omega, device=device),
+                      slots, append, k, v, torch.as_tensor(omega, device=device),
                       torch.as_tensor(positions, device=device), use_triton=use_triton,
-                      faults=self.allocator.faults)
+                      faults=self.allocator.faults, decide=decide)
 
     def begin_decode(self, seq_slots, static: bool = False, overlap: bool = False) -> None:
         """Open a decode step of ``seq_slots`` whose writes are deferred: settle the previous

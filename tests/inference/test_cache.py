@@ -297,7 +297,7 @@ def test_allocator_invariants_under_random_operations():
     assert sorted(cache.allocator.free_list) == list(range(40))
 
 
-@pytest.mark.parametrize("window,use_triton", [(3, False), (None, False), (3, True)])
+@pytest.mark.parametrize("window,use_triton", [(3, False), (None, False), (3, True), (None, True)])
 def test_deferred_write_equals_host_decided_write(window, use_triton):
     """Deferred DMC writes (decisions kept on the device, pages reserved for every head of every
     layer at a page boundary by begin_decode, lengths read back once by settle, with or without a

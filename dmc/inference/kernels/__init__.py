@@ -80,13 +80,16 @@ def run_paged_decode(
                                 host_lengths=host_lengths)
 
 
-def run_dmc_write(*tensors, use_triton=None, faults=None) -> None:
+def run_dmc_write(*tensors, use_triton=None, faults=None, decide=None) -> None:
     """DMC append/merge write (Algorithm 1, Eq. 9); arguments (plain tensors and ints) as
     :func:`dmc_write_reference`; ``faults``: the Triton kernel's fault counter (:mod:`.faults`;
-    the compiled CPU kernel raises instead)."""
+    the compiled CPU kernel raises instead); ``decide``: the Triton kernel takes the decisions
+    itself (:func:`.dmc_write.dmc_write`; Triton only)."""
     if resolve_use_triton(tensors[0].device, use_triton):
         from .dmc_write import dmc_write
 
-        dmc_write(*tensors, faults=faults)
+        dmc_write(*tensors, faults=faults, decide=decide)
+    elif decide is not None:
+        raise ValueError("run_dmc_write: decide= needs the Triton kernel")
     else:
         dmc_write_inplace(*tensors)

@@ -41,18 +41,26 @@ def _exact_half(buf_ptr, x_ptr, cols, col_mask, z, omega, z_new, append):
 def _dmc_write_kernel(
     k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
     seq_ptr, slot_ptr, append_ptr, k_ptr, v_ptr, omega_ptr, pos_ptr, inv_freq_ptr, faults,
+    lengths_ptr, alpha_ptr,
     layer, num_layers, max_pages, num_pages,
     stride_kb, stride_kh, stride_vb, stride_vh,
     HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, DECIDE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_ptr + b).to(tl.int64)
     head = (seq * num_layers + layer) * HEADS + h  # flat (seq, layer, head) of the state tensors
     bh = b * HEADS + h
-    append = tl.load(append_ptr + bh) != 0
-    slot = tl.load(slot_ptr + bh)
+    if DECIDE:  # Algorithm 1's test on the device: append if alpha <= 0.5 or the head is empty
+        current = tl.load(lengths_ptr + head)
+        append = (tl.load(alpha_ptr + bh).to(tl.float32) <= 0.5) | (current == 0)
+        new_length = current + append.to(current.dtype)
+        tl.store(lengths_ptr + head, new_length)
+        slot = new_length - 1
+    else:
+        append = tl.load(append_ptr + bh) != 0
+        slot = tl.load(slot_ptr + bh)
     omega = tl.load(omega_ptr + bh).to(tl.float32)
     count = tl.where(append, 0, tl.load(open_count + head))
     tl.store(open_count + head, count + 1)
@@ -112,16 +120,22 @@ def _dmc_write_kernel(
 
 def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count, inv_freq,
               window, layer, seq_slots, slots, append, k, v, omega, positions,
-              faults=None) -> None:
+              faults=None, decide=None) -> None:
     """Triton :func:`~dmc.inference.kernels.reference.dmc_write_reference` (same arguments).
 
     Pages, block tables and open-slot state must be contiguous (as the cache builds them); ``k``,
     ``v`` ``[batch, kv_heads, head_dim]`` need a unit stride on the last dimension. A slot whose
     block-table entry is not a page of the pool is not written; ``faults`` (a
     :func:`~dmc.inference.kernels.faults.fault_counter`; None: one nobody reads) counts it and
-    locates one.
+    locates one. ``decide``: ``(lengths [seqs, layers, kv_heads] int32, alpha [batch, kv_heads])``
+    on the device, to take Algorithm 1's decision in the kernel (append where ``alpha <= 0.5``
+    or the head is empty; ``slots`` and ``append`` then None) and advance ``lengths``: the
+    deferred write of a decode step, one launch where the decision took a dozen small ops.
     """
-    batch, heads = append.shape
+    lengths, alpha = decide if decide is not None else (None, None)
+    if alpha is not None:
+        alpha = (alpha.view(torch.uint8) if alpha.dtype == torch.bool else alpha).contiguous()
+    batch, heads = (alpha if decide is not None else append).shape
     head_dim = k_pages.shape[-1]
     half = head_dim // 2
     window = window or 0
@@ -131,10 +145,12 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
     v = v if v.stride(-1) == 1 else v.contiguous()
     _dmc_write_kernel[(batch, heads)](
         k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
-        seq_slots, slots.to(torch.int32).contiguous(), append.to(torch.int32).contiguous(),
-        k, v, omega.contiguous(), positions, inv_freq, faults,
+        seq_slots, *((None, None) if decide is not None else
+                     (slots.to(torch.int32).contiguous(), append.to(torch.int32).contiguous())),
+        k, v, omega.contiguous(), positions, inv_freq, faults, lengths, alpha,
         layer, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[0],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         PAGE_SIZE=k_pages.shape[1], WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
+        DECIDE=decide is not None,
     )
