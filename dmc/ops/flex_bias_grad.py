@@ -46,8 +46,9 @@ class TransposedBiasGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         out, lse, query, key, value, log_keep = ctx.saved_tensors
-        grad_log_keep = bias_gradient(grad_out, out, lse, query, key, value, log_keep,
-                                      ctx.scale, ctx.transposed_pass, ctx.weighted)
+        grad_log_keep = None if not ctx.needs_input_grad[5] else bias_gradient(
+            grad_out, out, lse, query, key, value, log_keep, ctx.scale, ctx.transposed_pass,
+            ctx.weighted)  # (a log_keep without a gradient: nothing to compute)
         return grad_out, None, None, None, None, grad_log_keep, None, None, None
 
 
