@@ -23,18 +23,36 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SEQS, LAYERS, HEADS, DIM, PAGES, PAGE_SIZE, WINDOW = 5, 2, 3, 8, 64, 4, 3
 
 
-def write_call(entry):
-    """One Triton DMC write of sequence slots 3 and 0 in layer 1, each head appending at slot 0,
-    where sequence 3's KV head 1 has the block-table entry ``entry``; returns the pools after
-    it, the pools before, the page that head would hold and the fault counter."""
-    gen = torch.Generator().manual_seed(5)
+def pools_and_entry(entry, seed):
+    """Block tables ``[SEQS, LAYERS, HEADS, 2]`` of shuffled pages where sequence 3's KV head 1
+    in layer 1 has the entry ``entry`` (None: its page), random K/V pools and their copies:
+    ``(generator, tables, that head's page, pools, pools before)``."""
+    gen = torch.Generator().manual_seed(seed)
     tables = torch.randperm(PAGES, generator=gen)[:SEQS * LAYERS * HEADS * 2]
     tables = tables.reshape(SEQS, LAYERS, HEADS, 2).int()
     page = int(tables[3, 1, 1, 0])
     if entry is not None:
         tables[3, 1, 1, 0] = entry
     pools = [torch.randn(PAGES, PAGE_SIZE, DIM, generator=gen) for _ in range(2)]
-    before = [p.clone() for p in pools]
+    return gen, tables, page, pools, [p.clone() for p in pools]
+
+
+def assert_written_but_that_page(pools, valid, before, page):
+    """``pools`` equal ``valid`` (a write with a valid entry, which wrote slot 0 of ``page``)
+    except slot 0 of ``page``, which kept its bytes from ``before``."""
+    for got, want, old in zip(pools, valid, before):
+        assert not torch.equal(want[page, 0], old[page, 0])  # the valid call wrote there
+        torch.testing.assert_close(got[page, 0], old[page, 0], rtol=0, atol=0)
+        want = want.clone()
+        want[page, 0] = old[page, 0]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def write_call(entry):
+    """One Triton DMC write of sequence slots 3 and 0 in layer 1, each head appending at slot 0,
+    where sequence 3's KV head 1 has the block-table entry ``entry``; returns the pools after
+    it, the pools before, the page that head would hold and the fault counter."""
+    gen, tables, page, pools, before = pools_and_entry(entry, seed=5)
     merge_state = [torch.randn(SEQS, LAYERS, HEADS, WINDOW, DIM, generator=gen),
                    torch.randn(SEQS, LAYERS, HEADS, WINDOW, DIM, generator=gen),
                    torch.rand(SEQS, LAYERS, HEADS, WINDOW, generator=gen) + 0.1,
@@ -57,12 +75,7 @@ def test_triton_write_skips_and_counts_an_entry_outside_the_pool(entry):
     pools, _, _, faults = write_call(entry)
     assert valid_faults.tolist() == [0, -1]
     assert faults.tolist() == [1, (3 * LAYERS + 1) * HEADS + 1]
-    for got, want, old in zip(pools, valid, before):
-        assert not torch.equal(want[page, 0], old[page, 0])  # the valid call wrote there
-        torch.testing.assert_close(got[page, 0], old[page, 0], rtol=0, atol=0)
-        want = want.clone()
-        want[page, 0] = old[page, 0]
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert_written_but_that_page(pools, valid, before, page)
 
 
 def dms_write_call(entry):
@@ -70,14 +83,7 @@ def dms_write_call(entry):
     p - R leaves, kept) and its length 0, where row 3's KV head 1 has the block-table entry
     ``entry``; returns the pools after it, the pools before, that head's page, the lengths and
     the fault counter."""
-    gen = torch.Generator().manual_seed(6)
-    tables = torch.randperm(PAGES, generator=gen)[:SEQS * LAYERS * HEADS * 2]
-    tables = tables.reshape(SEQS, LAYERS, HEADS, 2).int()
-    page = int(tables[3, 1, 1, 0])
-    if entry is not None:
-        tables[3, 1, 1, 0] = entry
-    pools = [torch.randn(PAGES, PAGE_SIZE, DIM, generator=gen) for _ in range(2)]
-    before = [p.clone() for p in pools]
+    gen, tables, page, pools, before = pools_and_entry(entry, seed=6)
     lengths = torch.zeros(SEQS, LAYERS, HEADS, dtype=torch.int32)
     rings = [torch.randn(SEQS, LAYERS, HEADS, WINDOW, DIM, generator=gen) for _ in range(2)]
     flags = torch.zeros(SEQS, LAYERS, HEADS, WINDOW, dtype=torch.bool)
@@ -98,12 +104,7 @@ def test_triton_dms_write_skips_and_counts_an_entry_outside_the_pool(entry):
     assert valid_faults.tolist() == [0, -1]
     assert faults.tolist() == [1, (3 * LAYERS + 1) * HEADS + 1]
     assert valid_lengths[[3, 0], 1].eq(1).all() and torch.equal(lengths, valid_lengths)
-    for got, want, old in zip(pools, valid, before):
-        assert not torch.equal(want[page, 0], old[page, 0])  # the valid call wrote there
-        torch.testing.assert_close(got[page, 0], old[page, 0], rtol=0, atol=0)
-        want = want.clone()
-        want[page, 0] = old[page, 0]
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert_written_but_that_page(pools, valid, before, page)
 
 
 def dense_without_pages(q, k_pages, v_pages, tables, lengths, scale):
