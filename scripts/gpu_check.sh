@@ -192,7 +192,7 @@ if [ "$CUDA" = 1 ]; then
     --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
     --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
-    --by-site 8 --profile 12 --out "$RESULTS/train_step.json"
+    --by-site 8 --profile 30 --out "$RESULTS/train_step.json"
 else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
