@@ -37,7 +37,8 @@
 # instead of 2048 and 512, modes vanilla, DMC 4x and DMS 4x, each also overlapped;
 # paged kernel: 20 iterations; train step: 1 warm-up + 4 steps);
 # DMC_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes (where xdist is installed),
-# which compile their FlexAttention and Triton kernels side by side.
+# which compile their FlexAttention and Triton kernels side by side; DMC_DECODE_MODES (e.g.
+# vanilla,dmc:2,dmc:8) replaces the decode step's modes.
 #
 # For one command under a hard time limit (a lease whose calls are killed at N seconds, taking
 # every file not yet copied out with them): DMC_CHECK_DEADLINE=SECONDS, counted from the script's
@@ -179,6 +180,10 @@ if [ "${DMC_CHECK_QUICK:-0}" = 1 ]; then
   QUICK_KERNEL=(--iters 20)
   QUICK_TRAIN=(--steps 4 --warmup 1)
 fi
+DECODE_MODES=()
+if [ -n "${DMC_DECODE_MODES:-}" ]; then  # after QUICK_DECODE's: the last --modes wins
+  DECODE_MODES=(--modes "$DMC_DECODE_MODES")
+fi
 # a test module that cannot be imported there (another extra missing) must not stop the GPU
 # tests: it is counted as an error in gpu_tests.xml and the summary
 # -v: a line per test as it ends, so a run stopped by its time limit still tells which passed
@@ -187,7 +192,8 @@ run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v -rs --durations 
 
 if [ "$CUDA" = 1 ]; then
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs \
-    --overlap both --profile "${QUICK_DECODE[@]}" --out "$RESULTS/decode_throughput.json"
+    --overlap both --profile "${QUICK_DECODE[@]}" "${DECODE_MODES[@]}" \
+    --out "$RESULTS/decode_throughput.json"
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep "${QUICK_KERNEL[@]}" \
     --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
@@ -196,7 +202,7 @@ if [ "$CUDA" = 1 ]; then
 else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
-    --out "$RESULTS/decode_throughput.json"
+    "${DECODE_MODES[@]}" --out "$RESULTS/decode_throughput.json"
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --cpu-reference --batch 4 --q-heads 8 \
     --kv-heads 2 --head-dim 64 --length 512 --iters 5 --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 2 --hidden 128 --heads 4 \

@@ -115,3 +115,15 @@ def test_summary_of_gpu_tests_stopped_by_their_time_limit(tmp_path):
     text = (tmp_path / "summary.txt").read_text()
     assert "gpu tests (stopped before the end; from the log): 4 finished, 1 failed" in text
     assert "  failed: tests/ops/test_mask_gpu.py::test_b\n" in text
+
+
+def test_decode_modes_replace_the_presets(tmp_path):
+    """DMC_DECODE_MODES picks the decode step's modes (here on the CPU preset)."""
+    results = tmp_path / "r"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DMC_WHEELS": str(tmp_path),
+           "DMC_CHECK_STEPS": "decode_throughput", "DMC_DECODE_MODES": "vanilla,dmc:2"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(results)],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((results / "decode_throughput.json").read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["vanilla", "dmc 2x"]
