@@ -9,7 +9,7 @@ instead of running them, then compiles each recorded launch with ``triton.compil
 ``GPUTarget("cuda", 90, 32)`` down to a cubin (Triton's wheel brings ``ptxas``), with the
 launch's argument types, constexprs, warps and stages.
 
-    python tests/triton_aot.py paged_decode dmc_write dms_write window_sums
+    python tests/triton_aot.py paged_decode dmc_write dms_write gumbel window_sums
 
 prints one line per compiled launch and exits 1 naming the kernels that fail.
 """
@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-CASES = ("paged_decode", "dmc_write", "dms_write", "window_sums")
+CASES = ("paged_decode", "dmc_write", "dms_write", "gumbel", "window_sums")
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
 
@@ -139,6 +139,17 @@ def _dms_write():
               torch.zeros(batch, heads, dtype=torch.bool))
 
 
+def _gumbel():
+    """The Gumbel-max draw over bf16 logits."""
+    import torch
+
+    from dmc.inference.kernels.gumbel import gumbel_argmax
+
+    rows = 4
+    gumbel_argmax(torch.zeros(rows, 32000, dtype=torch.bfloat16), torch.ones(rows),
+                  torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
+
+
 def _window_sums():
     """Eq. 9's fused window sums of bf16 keys and values, forward and backward (window 12)."""
     import torch
@@ -165,7 +176,7 @@ def main(cases: list[str]) -> int:
 
     kernels.resolve_use_triton = lambda device, use_triton=None: bool(use_triton)
     drivers = {"paged_decode": _paged_decode, "dmc_write": _dmc_write, "dms_write": _dms_write,
-               "window_sums": _window_sums}
+               "gumbel": _gumbel, "window_sums": _window_sums}
     failed = []
     for case in cases:
         launches = record_launches(drivers[case])

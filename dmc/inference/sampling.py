@@ -231,7 +231,11 @@ def gumbel_pick(logits: torch.Tensor, settings: SamplingColumns, filtering: bool
     """The Gumbel-max draw of every row of ``logits [rows, vocab]`` under ``settings`` (see
     :func:`sample_on_device`): ``[rows]`` token ids. A row's draw depends on its own logits and
     settings only; ``filtering`` False (no row has top-k or top-p) draws the same tokens without
-    the sort."""
+    the sort, on CUDA in one Triton launch (:mod:`dmc.inference.kernels.gumbel`)."""
+    if not filtering and logits.is_cuda:
+        from dmc.inference.kernels.gumbel import gumbel_argmax
+
+        return gumbel_argmax(logits, settings.temperature, settings.seed, settings.position)
     scores, ids = filtered_scores(logits, settings.temperature, settings.top_k, settings.top_p,
                                   filtering=filtering)
     noise = gumbel_noise(settings.seed[:, None], settings.position[:, None], ids)

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from dmc.inference.sampling import (
+    SamplingColumns,
     SamplingParams,
     filtered_probs,
     filtered_scores,
     gumbel_noise,
+    gumbel_pick,
     mix64,
     sample_next,
 )
@@ -120,6 +122,42 @@ def test_tokens_are_a_function_of_seed_and_position():
     assert sample_next(logits, params, [4] * draws, list(range(draws)))[0] != base
     assert len(set(base)) > 1  # positions differ too
     assert sample_next(logits, params, [3 + (1 << 64)] * draws, list(range(draws)))[0] == base
+
+
+def _many_rows(seed, rows=64, vocab=3000, dtype=torch.bfloat16):
+    """Logits, settings and per-row temperatures in (0.05, 2.05) of ``rows`` sampled rows."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
+    temperatures = (2 * torch.rand(rows, generator=gen) + 0.05).tolist()
+    seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen).tolist()
+    seeds[0] = 2**64 - 5  # taken modulo 2^64
+    positions = torch.randint(0, 5000, (rows,), generator=gen).tolist()
+    settings = SamplingColumns.of([SamplingParams(temperature=t) for t in temperatures], seeds,
+                                  positions, torch.device("cpu"))
+    return logits, settings
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gumbel_draw_equals_the_pytorch_path(dtype):
+    """The Triton Gumbel-max draw (under the interpreter; vocabulary of several blocks) picks
+    the PyTorch path's token in every row: the same hash, uniform, noise and tie rule."""
+    from dmc.inference.kernels.gumbel import gumbel_argmax
+
+    logits, settings = _many_rows(seed=1 if dtype == torch.float32 else 2, dtype=dtype)
+    want = gumbel_pick(logits, settings, filtering=False)
+    got = gumbel_argmax(logits, settings.temperature, settings.seed, settings.position)
+    assert torch.equal(got, want)
+    assert len(set(want.tolist())) > 32
+
+
+@pytest.mark.gpu
+def test_cuda_gumbel_draw_equals_the_cpu_one():
+    """On a GPU the kernel (what gumbel_pick runs there without top-k / top-p) draws the CPU's
+    PyTorch tokens."""
+    logits, settings = _many_rows(seed=3)
+    cuda = SamplingColumns(*(column.cuda() for column in settings))
+    assert torch.equal(gumbel_pick(logits.cuda(), cuda, filtering=False).cpu(),
+                       gumbel_pick(logits, settings, filtering=False))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
