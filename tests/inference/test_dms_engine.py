@@ -118,15 +118,18 @@ def test_teacher_forced_scores_equal_the_eval_mode_forward(parallel_1x1, groups,
     assert engine.cache.pages_in_use == 0
 
 
-@pytest.mark.parametrize("groups,use_triton", [(4, None), (2, None), (2, True)],
-                         ids=["mha", "gqa", "gqa-triton"])
-def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups, use_triton):
-    """``use_triton=True`` (the interpreter on the CPU): the Triton paged kernel with the
-    window ring folded into its reduce step, CUDA's default path."""
+@pytest.mark.parametrize("groups,use_triton,graphs", [(4, None, False), (2, None, False),
+                                                     (2, True, False), (2, True, True)],
+                         ids=["mha", "gqa", "gqa-triton", "gqa-triton-static"])
+def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups, use_triton,
+                                                        graphs):
+    """``use_triton=True`` (the interpreter on the CPU): CUDA's default path, the Triton paged
+    kernel with the window ring read in its ring mode and the Triton decode write; with
+    ``cuda_graphs`` the static steps (run eagerly on the CPU) once every ring is full."""
     model, config = build(groups, seed=1), dms(3)
     prompts = sequences((13, 21, 7), seed=1)
     engine = Engine(model, config, page_size=4, max_batch=3, chunk_size=5,
-                    use_triton=use_triton)
+                    use_triton=use_triton, cuda_graphs=graphs)
     results = engine.generate(prompts, SamplingParams(max_new_tokens=24))
     for prompt, result in zip(prompts, results):
         fed = prompt + result.tokens[:-1]  # the last generated token is never fed back
