@@ -115,8 +115,9 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=
 
 
 def busiest_ops(step, count: int) -> list[dict]:
-    """The ``count`` ops of ``step()`` under torch.profiler with the most self time on the
-    device (CUDA kernels) or, without CUDA, on the CPU: name, milliseconds, calls."""
+    """Every op of ``step()`` under torch.profiler (none when ``count`` is 0), by self time on
+    the device (CUDA kernels) or, without CUDA, on the CPU, most first: name, milliseconds,
+    calls."""
     if count <= 0:
         return []
     from torch.profiler import ProfilerActivity, profile
@@ -128,7 +129,17 @@ def busiest_ops(step, count: int) -> list[dict]:
     attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute), reverse=True)
     return [{"name": e.key, "ms": getattr(e, attribute) / 1e3, "calls": e.count}
-            for e in events[:count]]
+            for e in events]
+
+
+def excess_ops(ops: list[dict], base: list[dict], count: int) -> list[dict]:
+    """The ``count`` ops of ``ops`` whose self time exceeds ``base``'s (vanilla's) the most:
+    name, excess milliseconds, calls here and there (where a DMC step's extra time goes)."""
+    there = {op["name"]: op for op in base}
+    excess = [{"name": op["name"], "ms": op["ms"] - there.get(op["name"], {}).get("ms", 0.0),
+               "calls": op["calls"], "vanilla_calls": there.get(op["name"], {}).get("calls", 0)}
+              for op in ops]
+    return sorted((e for e in excess if e["ms"] > 0), key=lambda e: -e["ms"])[:count]
 
 
 def row_plan(backends: list[str], sums: list[str]) -> list[tuple]:
@@ -169,7 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the timed steps, one more step of each mode under "
                              "torch.profiler: its N ops with the most self time (CUDA kernels "
-                             "on a GPU) printed and in the JSON as busiest_ops")
+                             "on a GPU) printed and in the JSON as busiest_ops, and for a DMC "
+                             "row the N whose time exceeds vanilla's most (excess_over_vanilla)")
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
     args = parser.parse_args(argv)
     for flag, value in (("--by-site", args.by_site), ("--profile", args.profile)):
@@ -208,13 +220,21 @@ def main(argv=None) -> int:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     positions = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    rows = {}
+    rows, ops = {}, {}
     for mode, name, backend, accumulate in row_plan(backends, sums):
         if backend:
             runtime.config.attention_backend = backend
             runtime.config.accumulate_backend = accumulate
         try:
             rows[name] = measure_row(args, model, runtime, mode, name, tokens, positions)
+            ops[name] = rows[name].pop("ops", [])
+            if mode != "vanilla" and ops[name] and ops.get("vanilla"):
+                excess = rows[name]["excess_over_vanilla"] = excess_ops(
+                    ops[name], ops["vanilla"], args.profile)
+                print(f"{name}: the {len(excess)} ops whose self time exceeds vanilla's most")
+                for op in excess:
+                    print(f"  {op['ms']:+10.2f} ms  x{op['calls']:<5} (vanilla x"
+                          f"{op['vanilla_calls']}) {op['name']}")
         except Exception as error:  # a DMC row that fails (a kernel that does not compile on
             if mode == "vanilla":   # this GPU) leaves the others measured; the exit code says so
                 raise
@@ -269,10 +289,11 @@ def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
     saved = saved_activation_bytes(model, runtime, mode, tokens, positions, sites)
     row = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak, "saved_bytes": saved}
     if busiest:
-        row["busiest_ops"] = busiest
-        print(f"{name}: the {len(busiest)} ops of one step with the most self time")
-        for op in busiest:
+        row["busiest_ops"] = busiest[:args.profile]
+        print(f"{name}: the {args.profile} ops of one step with the most self time")
+        for op in row["busiest_ops"]:
             print(f"  {op['ms']:10.2f} ms  x{op['calls']:<5} {op['name']}")
+        row["ops"] = busiest  # main() compares them with vanilla's, then drops them
     if sites is not None:
         row["saved_by_site"] = dict(sites.most_common(args.by_site))
         print(f"{name}: the {args.by_site} call sites whose saved storages weigh most")

@@ -40,7 +40,14 @@ def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
         times = [op["ms"] for op in row["busiest_ops"]]
         assert times == sorted(times, reverse=True) and times[0] > 0
         assert all(op["name"] and op["calls"] >= 1 for op in row["busiest_ops"])
-    assert "ops of one step with the most self time" in capsys.readouterr().out
+        assert "ops" not in row
+    excess = rows["dmc-dense"]["excess_over_vanilla"]  # where the DMC step's extra time goes
+    assert "excess_over_vanilla" not in rows["vanilla"] and 0 < len(excess) <= 4
+    assert [op["ms"] for op in excess] == sorted((op["ms"] for op in excess), reverse=True)
+    assert excess[-1]["ms"] > 0
+    out = capsys.readouterr().out
+    assert "ops of one step with the most self time" in out
+    assert "ops whose self time exceeds vanilla's most" in out
 
 
 def test_a_failing_dmc_row_leaves_the_others(tmp_path, monkeypatch, capsys):
@@ -138,3 +145,14 @@ def test_counting_the_kept_activations_keeps_none_of_them(mode):
     saved = bench.saved_activation_bytes(model, runtime, mode, tokens, positions)
     assert saved > 0
     assert _live_tensor_bytes() - before < saved / 10
+
+
+def test_excess_over_vanilla_is_the_difference_per_op():
+    dmc = [{"name": "mm", "ms": 5.0, "calls": 4}, {"name": "cat", "ms": 3.0, "calls": 9},
+           {"name": "flex", "ms": 2.0, "calls": 2}, {"name": "add", "ms": 1.0, "calls": 3}]
+    vanilla = [{"name": "mm", "ms": 4.5, "calls": 4}, {"name": "cat", "ms": 1.0, "calls": 4},
+               {"name": "add", "ms": 1.5, "calls": 3}, {"name": "sdpa", "ms": 2.0, "calls": 1}]
+    assert bench.excess_ops(dmc, vanilla, 2) == [
+        {"name": "cat", "ms": 2.0, "calls": 9, "vanilla_calls": 4},
+        {"name": "flex", "ms": 2.0, "calls": 2, "vanilla_calls": 0}]
+    assert [op["name"] for op in bench.excess_ops(dmc, vanilla, 5)] == ["cat", "flex", "mm"]
