@@ -228,6 +228,7 @@ class Run:
         # step; timed: False for an overlapped step that follows a pause (below)
         self.steps = []
         self.profiled = []  # the same of steps run under the profiler (not timed)
+        self.profile_ms = {}  # op -> self milliseconds in the profiled step
         for prompt in prompts:
             engine.add_request(prompt, params)
 
@@ -450,6 +451,7 @@ def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
         if save is not None and rounds * block % PARTIAL_EVERY < block:
             save(measure(args, runs, rows))
     progress(f"timed run done after {rounds} rounds")
+    print_profile_excess(runs)
     for run in runs:
         failed = [r.error for r in run.results if r.error]
         if failed and not run.error:
@@ -502,7 +504,8 @@ def measure(args, runs: list[Run], rows: dict) -> list[dict]:
 
 def profile_step(run: Run, cuda: bool, kernels: int = 25) -> None:
     """One step of ``run`` under torch.profiler: prints (stderr) its host time, the device time
-    of its kernels, how many ran, and the ``kernels`` busiest ones."""
+    of its kernels, how many ran, and the ``kernels`` busiest ones; keeps each op's self time
+    (ms) in ``run.profile_ms`` for :func:`print_profile_excess`."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -513,10 +516,29 @@ def profile_step(run: Run, cuda: bool, kernels: int = 25) -> None:
     device_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
     launches = sum(e.count for e in events if e.self_device_time_total > 0) if cuda else 0
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    run.profile_ms = {e.key: getattr(e, sort) / 1e3 for e in events}
     print(f"profile of one {run.mode.label} step (batch {run.batch}): "
           f"{run.profiled[-1][0] * 1e3:.2f} ms wall, kernels {device_us / 1e3:.2f} ms on the "
           f"device ({launches} launches)\n{events.table(sort_by=sort, row_limit=kernels)}",
           file=sys.stderr, flush=True)
+
+
+def print_profile_excess(runs: list[Run], count: int = 15) -> None:
+    """For each profiled mode but vanilla, the ``count`` ops whose self time in its profiled
+    step exceeds vanilla's (served the same way, with or without overlap) the most (stderr):
+    where a mode's step spends more than vanilla's."""
+    profiled = [run for run in runs if run.profile_ms]
+    for run in profiled:
+        vanilla = next((v for v in sorted(profiled, key=lambda v: v.mode.overlap
+                                          != run.mode.overlap) if v.mode.kind == "vanilla"), None)
+        if vanilla is None or run.mode.kind == "vanilla":
+            continue
+        excess = sorted(((ms - vanilla.profile_ms.get(name, 0.0), name)
+                         for name, ms in run.profile_ms.items()), reverse=True)[:count]
+        print(f"{run.mode.label}: the {count} ops whose time in the profiled step exceeds "
+              f"{vanilla.mode.label}'s most (batch {run.batch} against {vanilla.batch})\n"
+              + "\n".join(f"  {ms:+9.3f} ms  {name[:100]}" for ms, name in excess if ms > 0),
+              file=sys.stderr, flush=True)
 
 
 def add_rooflines(args, runs: list[Run], rows: dict) -> None:

@@ -415,3 +415,17 @@ def test_batch_leaves_the_pages_a_decode_step_reserves(tmp_path, monkeypatch):
     assert counted["dms 4x"]["step_reserve_per_seq"] > 0
     assert counted["dms 4x"]["preemptions"] == 0 and uncounted["dms 4x"]["preemptions"] > 0
     assert counted["dms 4x"]["batch"] < uncounted["dms 4x"]["batch"]
+
+
+def test_profile_names_where_a_mode_spends_more_than_vanilla(tmp_path, capsys):
+    """``--profile``: one step of each mode under the profiler, its busiest ops, and for each
+    mode but vanilla the ops whose time exceeds vanilla's most."""
+    assert bench.main([*TINY, "--gen-len", "8", "--steady", "2", "--budget-mib", "0.25",
+                       "--modes", "vanilla,dmc:4", "--profile",
+                       "--out", str(tmp_path / "decode.json")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("profile of one") == 2
+    excess = err.split("dmc 4x: the 15 ops whose time in the profiled step exceeds vanilla's")
+    assert len(excess) == 2 and "vanilla: the 15 ops" not in err
+    lines = [line for line in excess[1].splitlines()[1:] if line.strip().startswith("+")]
+    assert lines and all(float(line.split()[0]) > 0 for line in lines)
