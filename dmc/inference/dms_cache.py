@@ -111,26 +111,25 @@ class DMSPagedCache(WindowRingCache):
         seqs, rows = self.allocator.rows(seq_slots)
         self.allocator.claim(seqs, layer)
         written = self.written[seqs, layer]
+        p = positions if self.static_step else to_device(written, self.device)
+        native = not self.static_step and self.native_kernels and self.device.type == "cpu"
         if resolve_use_triton(self.device, use_triton):
             from .kernels.dms_write import dms_write
 
-            p = positions if self.static_step else to_device(written, self.device)
             dms_write(self.k_pages, self.v_pages, self.block_tables, self.lengths, self.ring_k,
                       self.ring_v, self.ring_evict, layer, rows, p, keys, values,
                       torch.as_tensor(evict, device=self.device), self.allocator.faults)
-        elif not (not self.static_step and self.native_kernels and self.device.type == "cpu"
-                  and native_dms_write(self.k_pages, self.v_pages, self.block_tables,
-                                       self.lengths, self.ring_k, self.ring_v, self.ring_evict,
-                                       layer, seqs, written, keys, values,
-                                       torch.as_tensor(evict))):
-            self._write_torch(layer, seqs, rows, written, keys, values, evict, positions)
+        elif not (native and native_dms_write(self.k_pages, self.v_pages, self.block_tables,
+                                              self.lengths, self.ring_k, self.ring_v,
+                                              self.ring_evict, layer, seqs, written, keys,
+                                              values, torch.as_tensor(evict))):
+            self._write_torch(layer, seqs, rows, p, keys, values, evict, positions)
         if not self.static_step:
             self.written[seqs, layer] += 1
 
-    def _write_torch(self, layer: int, seqs, rows, written, keys, values, evict,
-                     positions) -> None:
-        """:meth:`decode_write` in PyTorch ops (the oracle of the kernels)."""
-        p = positions if self.static_step else to_device(written, self.device)
+    def _write_torch(self, layer: int, seqs, rows, p, keys, values, evict, positions) -> None:
+        """:meth:`decode_write` in PyTorch ops (the oracle of the kernels); ``p`` the tokens'
+        positions on the device."""
         leaving = self._leaving(layer, seqs, rows, positions)
         state = self._ring_state(rows, layer, p)
         evict = torch.as_tensor(evict, device=self.device).bool() & (p[:, None] > 0)

@@ -4,7 +4,8 @@ one launch, the same tokens (the PyTorch path stays the oracle).
 The PyTorch path runs ~20 elementwise ops over ``[rows, vocab]`` int64 and float64 tensors
 (splitmix64's hash of ``(seed, position, v)``, the uniform, ``-log(-log u)``, the tempered
 logits, their sum, the argmax): at a decode batch of 127 and a 32000-token vocabulary each
-op moves ~65 MB, ~0.5 ms of a ~8 ms GPU decode step, growing with the batch. Here one program
+op moves ~65 MB, ~0.5 ms of an H100 decode step of ~8 ms by that count (not measured), growing
+with the batch. Here one program
 per row walks the vocabulary in blocks, hashes in registers (uint64, wrapping as splitmix64's
 unsigned arithmetic), forms the same float64 uniform ``(top 52 bits + 1/2) / 2^52`` and noise,
 adds the tempered logit (float32 division rounded to nearest, as PyTorch's, then float64), and
@@ -17,11 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from dmc.inference.sampling import GOLDEN, MIX1, MIX2
+
 BLOCK_V = 1024  # vocabulary entries per loop step of a row's program
 
-_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)  # splitmix64's constants, as dmc.inference.sampling's
-_MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
-_MIX2 = tl.constexpr(0x94D049BB133111EB)
+_U64 = (1 << 64) - 1  # sampling's constants hold int64 bits; Triton's uint64 math wants them so
+_GOLDEN, _MIX1, _MIX2 = (tl.constexpr(c & _U64) for c in (GOLDEN, MIX1, MIX2))
 
 
 @triton.jit
