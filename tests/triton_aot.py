@@ -9,7 +9,7 @@ instead of running them, then compiles each recorded launch with ``triton.compil
 ``GPUTarget("cuda", 90, 32)`` down to a cubin (Triton's wheel brings ``ptxas``), with the
 launch's argument types, constexprs, warps and stages.
 
-    python tests/triton_aot.py paged_decode dmc_write dms_write gumbel window_sums
+    python tests/triton_aot.py paged_decode dmc_write decode_rope dms_write gumbel window_sums
 
 prints one line per compiled launch and exits 1 naming the kernels that fail.
 """
@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-CASES = ("paged_decode", "dmc_write", "dms_write", "gumbel", "window_sums")
+CASES = ("paged_decode", "dmc_write", "decode_rope", "dms_write", "gumbel", "window_sums")
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
 
@@ -107,10 +107,12 @@ def _paged_decode():
 
 
 def _dmc_write():
-    """The windowed (window 12) and exact merges into a bf16 cache."""
+    """The windowed (window 12) and exact merges into a bf16 cache, decided on the host, then
+    deferred with the decisions read from the key (the decode step's launch)."""
     import torch
 
     from dmc.inference.cache import PagedKVCache
+    from dmc.ops.algorithm1 import KeyDecision
 
     heads, dim, batch = 2, 128, 2
     for window in (12, None):
@@ -120,6 +122,23 @@ def _dmc_write():
         k = torch.zeros(batch, heads, dim, dtype=torch.bfloat16)
         cache.write(0, seqs, torch.zeros(batch, dtype=torch.long), k, k.clone(),
                     torch.ones(batch, heads), torch.zeros(batch, heads), use_triton=True)
+    cache.begin_decode(seqs)
+    cache.write(0, seqs, torch.ones(batch, dtype=torch.long), k, k.clone(),
+                torch.ones(batch, heads), KeyDecision(5.0), use_triton=True, defer=True)
+
+
+def _decode_rope():
+    """RoPE of float32 rows, and of bf16 GQA and MHA queries with DMC's decision channel."""
+    import torch
+
+    from dmc.inference.kernels import DecisionChannel, run_decode_rope
+
+    batch, dim = 2, 128
+    cos = sin = torch.zeros(batch, 1, dim)
+    run_decode_rope(torch.zeros(batch, 4, dim), cos, sin)
+    for kv_heads in (2, 8):
+        run_decode_rope(torch.zeros(batch, 8, dim, dtype=torch.bfloat16), cos, sin,
+                        DecisionChannel(kv_heads, 5.0, 2.0 ** -7))
 
 
 def _dms_write():
@@ -172,11 +191,14 @@ def main(cases: list[str]) -> int:
     if not cases or unknown:
         print(f"triton_aot: cases: accepted {', '.join(CASES)}, got {cases}", file=sys.stderr)
         return 2
+    import dmc.inference.cache as cache
     import dmc.inference.kernels as kernels
 
-    kernels.resolve_use_triton = lambda device, use_triton=None: bool(use_triton)
-    drivers = {"paged_decode": _paged_decode, "dmc_write": _dmc_write, "dms_write": _dms_write,
-               "gumbel": _gumbel, "window_sums": _window_sums}
+    for module in (kernels, cache):  # Triton on CPU tensors where asked, without interpreting
+        module.resolve_use_triton = lambda device, use_triton=None: bool(use_triton)
+    drivers = {"paged_decode": _paged_decode, "dmc_write": _dmc_write,
+               "decode_rope": _decode_rope, "dms_write": _dms_write, "gumbel": _gumbel,
+               "window_sums": _window_sums}
     failed = []
     for case in cases:
         launches = record_launches(drivers[case])

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from dmc.ops.algorithm1 import OpenSlot, ring_from_tail
+from dmc.ops.algorithm1 import KeyDecision, OpenSlot, ring_from_tail
 
 from .block_allocator import BlockAllocator, SeqRows
 from .paging import at_page_boundary, pages_for, to_device
@@ -176,12 +176,15 @@ class PagedKVCache:
             positions: ``[batch]`` absolute position of the token.
             k, v: ``[batch, kv_heads, head_dim]`` pre-RoPE; omega: ``[batch, kv_heads]`` > 0.
             alpha: ``[batch, kv_heads]`` hard decisions, 1 = merge (read on the host unless
-                ``defer``).
+                ``defer``), or a :class:`~dmc.ops.algorithm1.KeyDecision` (still in ``k``).
             use_triton: kernel choice, see :func:`~dmc.inference.kernels.resolve_use_triton`.
             defer: decide on the device and leave the host lengths to :meth:`settle`, in the
                 step :meth:`begin_decode` opened for ``seq_slots`` (see the module docstring).
         """
         seqs, rows = self.allocator.rows(seq_slots)
+        kernel_decides = defer and resolve_use_triton(self.device, use_triton)
+        if isinstance(alpha, KeyDecision) and not kernel_decides:  # the kernel reads it in k
+            alpha, k = alpha.split(k)
         if defer:
             self.allocator.claim(seqs, layer)
             return self._write_decided(layer, rows, positions, k, v, omega, alpha, use_triton)
@@ -202,7 +205,8 @@ class PagedKVCache:
             slots, append = to_device(host[0], device) - 1, to_device(host[1], device)
         elif resolve_use_triton(device, use_triton):  # the kernel decides, advances the lengths
             slots = append = None
-            decide = (self.lengths, torch.as_tensor(alpha, device=device))
+            decide = (self.lengths, alpha if isinstance(alpha, KeyDecision)
+                      else torch.as_tensor(alpha, device=device))
         else:
             current = self.lengths[rows, layer].long()
             append = (torch.as_tensor(alpha, device=device) <= 0.5) | (current == 0)
@@ -301,13 +305,11 @@ class PagedKVCache:
     def attention(self, layer: int, seq_slots, q: torch.Tensor, scale: float | None = None, *,
                   use_triton: bool | None = None, num_splits: int | None = None,
                   max_length: int | None = None) -> torch.Tensor:
-        """Decode attention of ``q [batch, q_heads, head_dim]`` over the cached slots of ``layer``.
-
-        Returns ``[batch, q_heads, head_dim]``; ``scale`` defaults to ``head_dim ** -0.5``.
-        While decode steps are open the host lengths of a GPU cache lag by a slot per open step at
-        most: the Triton kernel gets that bound (or ``max_length``, a captured step's launch
-        size), the PyTorch path reads the device lengths.
-        """
+        """Decode attention of ``q [batch, q_heads, head_dim]`` over the cached slots of ``layer``
+        -> ``[batch, q_heads, head_dim]`` (``scale`` default ``head_dim ** -0.5``). While decode
+        steps are open the host lengths of a GPU cache lag by a slot per open step at most: the
+        Triton kernel gets that bound (or ``max_length``, a captured step's launch size), the
+        PyTorch path reads the device lengths."""
         seqs, rows = self.allocator.rows(seq_slots)
         host_lengths = self.allocator.lengths[seqs, layer]  # exact where no step is ahead
         lag = self.allocator.lookahead
@@ -320,10 +322,9 @@ class PagedKVCache:
 
     # ------------------------------------------------------------- eviction
     def read(self, layer: int, seq_slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The cached slots of ``layer`` for ``seq_slots``, gathered through the block tables.
-
-        Returns keys, values ``[batch, kv_heads, max_len, head_dim]`` float32 (zeros past a
-        head's length) and the host lengths ``[batch, kv_heads]`` (long)."""
+        """The cached slots of ``layer`` for ``seq_slots``, gathered through the block tables:
+        keys, values ``[batch, kv_heads, max_len, head_dim]`` float32 (zeros past a head's
+        length) and the host lengths ``[batch, kv_heads]`` (long)."""
         self._settle_for(seq_slots)
         seqs = self.allocator.seq_index(seq_slots)
         lengths = self.allocator.lengths[seqs, layer].long()
@@ -334,9 +335,8 @@ class PagedKVCache:
         pages = torch.where(valid, table[..., slots // self.page_size], 0)
         offsets = (slots % self.page_size).expand_as(pages)
         hidden = ~valid.unsqueeze(-1)
-        keys = self.k_pages[pages, offsets].float().masked_fill(hidden, 0.0)
-        values = self.v_pages[pages, offsets].float().masked_fill(hidden, 0.0)
-        return keys, values, lengths
+        return (self.k_pages[pages, offsets].float().masked_fill(hidden, 0.0),
+                self.v_pages[pages, offsets].float().masked_fill(hidden, 0.0), lengths)
 
     def compact(self, layer: int, seq_slots, keep: torch.Tensor, keys: torch.Tensor | None = None,
                 values: torch.Tensor | None = None) -> torch.Tensor:

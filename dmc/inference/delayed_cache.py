@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from dmc.ops.algorithm1 import KeyDecision
 from dmc.ops.rope import rope_tables, rotate
 
 from .kernels.native import native_delayed_write
@@ -78,10 +79,13 @@ class DelayedMergeCache(WindowRingCache):
         Args:
             positions: ``[batch]`` the positions p (device).
             k, v: ``[batch, kv_heads, head_dim]`` pre-RoPE key (decision channel zeroed) and
-                value; omega, alpha: ``[batch, kv_heads]`` the token's decisions.
+                value; omega, alpha: ``[batch, kv_heads]`` the token's decisions (alpha a
+                :class:`~dmc.ops.algorithm1.KeyDecision`: still in ``k``, split off here).
         """
         if not defer:
             raise ValueError("DelayedMergeCache.write: decode writes are deferred (defer=True)")
+        if isinstance(alpha, KeyDecision):
+            alpha, k = alpha.split(k)
         seqs, rows = self.allocator.rows(seq_slots)
         self.allocator.claim(seqs, layer)
         if (self.native_kernels and self.device.type == "cpu"

@@ -25,10 +25,12 @@ import torch
 from dmc.inference.block_allocator import SeqRows
 from dmc.inference.paging import default_num_pages, to_device
 from dmc.inference.cache import PagedKVCache
+from dmc.inference.kernels import DecisionChannel, resolve_use_triton, run_decode_rope
 from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.config import DMCConfig
 from dmc.ops import zero_decision_channel
-from dmc.ops.algorithm1 import compress_chunk, empty_prefix, hard_decisions, open_slot_prefix
+from dmc.ops.algorithm1 import (KeyDecision, compress_chunk, empty_prefix, hard_decisions,
+                                open_slot_prefix)
 from dmc.ops.mask import bias_from_log_keep, log_keep_next
 from dmc.ops.rope import apply_rope, rope_tables, rotate
 
@@ -173,6 +175,14 @@ class KVWrite:
                             prefill=False)
         return context
 
+    def rotate_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE of the step's ``x [batch, heads, dim]`` at its positions, float32: one launch
+        on the Triton path (:func:`~dmc.inference.kernels.run_decode_rope`), else
+        :func:`~dmc.ops.rope.rotate`."""
+        if resolve_use_triton(x.device, self.use_triton):
+            return run_decode_rope(x, self.step.cos, self.step.sin)[0]
+        return rotate(x.float(), self.step.cos, self.step.sin)
+
     def prefill(self, layer: int, seq: int, query, key, value, start: int) -> torch.Tensor:
         """Exact chunked prefill of ``n`` tokens of sequence ``seq`` at positions ``start ..``:
         ``query [n, heads, dim]``, ``key, value [n, kv, dim]``. Attends over the cached slots
@@ -227,9 +237,8 @@ class VanillaKV(KVWrite):
     """One slot per token; keys rotated at their position when written."""
 
     def write_token(self, layer, step, query, key, value):
-        self.cache.append(layer, step.seqs, rotate(key.float(), step.cos, step.sin), value,
-                          step.reserved)
-        return rotate(query.float(), step.cos, step.sin)
+        self.cache.append(layer, step.seqs, self.rotate_rows(key), value, step.reserved)
+        return self.rotate_rows(query)
 
     def prepare_chunk(self, layer, seq, query, key, value, positions, lengths):
         heads, n, dim = self.cache.num_kv_heads, query.shape[0], query.shape[-1]
@@ -259,6 +268,12 @@ class DMCKV(KVWrite):
         return hard_decisions(query, key, self.config.c, self.config.omega_offset)
 
     def write_token(self, layer, step, query, key, value):
+        if resolve_use_triton(query.device, self.use_triton):  # two launches (see the kernels)
+            q_rot, omega = run_decode_rope(query, step.cos, step.sin, DecisionChannel(
+                key.shape[1], self.config.c, self.config.omega_offset))
+            self.cache.write(layer, step.seqs, step.positions, key, value, omega,
+                             KeyDecision(self.config.c), use_triton=True, defer=True)
+            return q_rot
         decided = self._decide(query[:, :, None], key[:, :, None])
         self.cache.write(layer, step.seqs, step.positions, decided.key[:, :, 0], value,
                          decided.omega[..., 0], decided.alpha[..., 0], use_triton=self.use_triton,

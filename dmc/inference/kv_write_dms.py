@@ -78,9 +78,8 @@ class DMSKV(KVWrite):
 
     def write_token(self, layer, step, query, key, value):
         query, alpha = self._decide(query[:, :, None])
-        keys = rotate(key.float(), step.cos, step.sin)
-        self.cache.decode_write(layer, step.seqs, keys, value, alpha[..., 0], step.positions,
-                                use_triton=self.use_triton)
+        self.cache.decode_write(layer, step.seqs, self.rotate_rows(key), value, alpha[..., 0],
+                                step.positions, use_triton=self.use_triton)
         return self._zero_again(rotate(query, step.cos[:, :, None], step.sin[:, :, None]))[:, :, 0]
 
     def prefill(self, layer: int, seq: int, query, key, value, start: int) -> torch.Tensor:

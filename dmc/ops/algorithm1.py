@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .accumulate import partial_accumulate
-from .decisions import split_decision_channels
+from .decisions import DECISION_CHANNEL, split_decision_channels, zero_decision_channel
 from .rope import apply_rope
 
 
@@ -87,6 +87,18 @@ class CompressedChunk(NamedTuple):
     slot_keys: torch.Tensor
     slot_values: torch.Tensor
     open: OpenSlot
+
+
+class KeyDecision(NamedTuple):
+    """Algorithm 1's decision (line 2) still in the key's last channel: ``alpha = [k[..., -1] -
+    c > 0]``, the channel zeroed before the key is used (what :func:`hard_decisions` does to
+    the key), left to whoever writes the key (the Triton decode write reads it in place)."""
+
+    c: float
+
+    def split(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``alpha [...]`` float32 in {0, 1} and ``key [..., dim]`` with the channel zeroed."""
+        return ((key[..., DECISION_CHANNEL] - self.c) > 0).float(), zero_decision_channel(key)
 
 
 def hard_decisions(query: torch.Tensor, key: torch.Tensor, c: float,

@@ -6,7 +6,8 @@ import torch
 
 from dmc.inference import CacheFullError, PagedKVCache
 from dmc.inference.scheduler import worst_new_pages
-from dmc.ops import partial_accumulate
+from dmc.ops import partial_accumulate, zero_decision_channel
+from dmc.ops.algorithm1 import KeyDecision
 
 F32_TOL = dict(atol=1e-4, rtol=1e-4)
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
@@ -297,12 +298,16 @@ def test_allocator_invariants_under_random_operations():
     assert sorted(cache.allocator.free_list) == list(range(40))
 
 
-@pytest.mark.parametrize("window,use_triton", [(3, False), (None, False), (3, True), (None, True)])
-def test_deferred_write_equals_host_decided_write(window, use_triton):
+@pytest.mark.parametrize("window,use_triton,key_decides", [
+    (3, False, False), (None, False, False), (3, True, False), (None, True, False),
+    (3, True, True), (None, True, True), (3, False, True)])
+def test_deferred_write_equals_host_decided_write(window, use_triton, key_decides):
     """Deferred DMC writes (decisions kept on the device, pages reserved for every head of every
     layer at a page boundary by begin_decode, lengths read back once by settle, with or without a
     carried tensor) leave the same slots, lengths, merge state and page count as host-decided
-    ones; attention before settle sees the new slots."""
+    ones; attention before settle sees the new slots. ``key_decides``: the deferred writes get
+    the decisions in the key's last channel (:class:`KeyDecision`, read in place by the Triton
+    kernel, split off by the PyTorch path), the host-decided ones alpha and the zeroed key."""
     gen = torch.Generator().manual_seed(11)
     layers, heads, dim = 2, 3, 8
     caches = [PagedKVCache(layers, heads, dim, 60, page_size=4, max_seqs=3, window=window,
@@ -313,11 +318,16 @@ def test_deferred_write_equals_host_decided_write(window, use_triton):
         k, v, omega, alpha = random_token(gen, heads, dim, len(batch), p_merge=0.6)
         q = torch.randn(len(batch), 2 * heads, dim, generator=gen)
         positions = torch.full((len(batch),), step)
+        inputs = [(k, alpha)] * 2
+        if key_decides:  # logits 0.5 above or below c in the last channel
+            raw = torch.cat([k[..., :-1], (torch.where(alpha > 0.5, 0.5, -0.5) + 2.0)[..., None]],
+                            dim=-1)
+            inputs = [(zero_decision_channel(raw), alpha), (raw, KeyDecision(2.0))]
         caches[1].begin_decode(batch)
         for layer in range(layers):
             outs = []
-            for cache, defer in zip(caches, (False, True)):
-                cache.write(layer, batch, positions, k, v, omega, alpha, defer=defer,
+            for cache, defer, (key, decisions) in zip(caches, (False, True), inputs):
+                cache.write(layer, batch, positions, key, v, omega, decisions, defer=defer,
                             use_triton=use_triton)
                 outs.append(cache.attention(layer, batch, q))
             torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

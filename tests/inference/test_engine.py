@@ -153,8 +153,11 @@ def test_engine_uses_eval_semantics_whatever_the_runtime_mode(parallel_1x1, qk_n
     assert torch.equal(got[0].compression.slots, expected[0].compression.slots)
 
 
-def test_triton_kernels_in_the_engine(parallel_1x1):
-    model, _ = build(2, 3)
+@pytest.mark.parametrize("window", [3, "vanilla"])
+def test_triton_kernels_in_the_engine(parallel_1x1, window):
+    """DMC (decisions read by the decode RoPE and write kernels) and vanilla (keys and queries
+    rotated by the decode RoPE kernel) decode as with the PyTorch kernels."""
+    model, _ = build(2, window)
     prompt_list = prompts((9, 5))
     params = SamplingParams(max_new_tokens=3)
     reference = Engine(model, page_size=4, max_batch=2, chunk_size=4).generate(prompt_list, params)

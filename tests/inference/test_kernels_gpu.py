@@ -49,6 +49,30 @@ def test_triton_write_on_cuda_matches_reference(window, dtype):
     assert_same_caches(*caches, dtype)
 
 
+@pytest.mark.parametrize("q_heads,kv_heads", [(16, 16), (32, 8)])
+def test_decode_rope_on_cuda_matches_the_pytorch_path(q_heads, kv_heads):
+    """bf16 rows at head_dim 128: DMC's importance as hard_decisions gives it (the same
+    roundings; a GPU sigmoid an ulp apart may move a rare value by one bf16 step), the rotated
+    rows as rotate's to float32 rounding (fused multiply-adds)."""
+    from dmc.inference.kernels import DecisionChannel, run_decode_rope
+    from dmc.ops import zero_decision_channel
+    from dmc.ops.algorithm1 import hard_decisions
+    from dmc.ops.rope import rotate
+    from test_decode_rope import step_rows
+
+    batch, c, offset = 64, 5.0, 2.0 ** -7
+    x, _, cos, sin = (t.cuda() for t in step_rows(batch, q_heads, 128, torch.bfloat16,
+                                                  channel_scale=40.0))
+    out, omega = run_decode_rope(x, cos, sin, DecisionChannel(kv_heads, c, offset))
+    decided = hard_decisions(x[:, :, None], x.new_zeros(batch, kv_heads, 1, 128), c, offset)
+    torch.testing.assert_close(omega, decided.omega[..., 0], atol=0, rtol=2 ** -8)
+    assert omega.eq(decided.omega[..., 0]).float().mean() > 0.99
+    expected = zero_decision_channel(rotate(decided.query[:, :, 0].float(), cos, sin))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    plain, _ = run_decode_rope(x, cos, sin)
+    torch.testing.assert_close(plain, rotate(x.float(), cos, sin), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, None])
 def test_dms_triton_decode_on_cuda_matches_the_gathering_path(dtype, num_splits):

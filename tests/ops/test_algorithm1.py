@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from dmc.ops.algorithm1 import (
+    KeyDecision,
     OpenSlot,
     compress_chunk,
     empty_prefix,
+    hard_decisions,
     merge_into_open_slot,
     open_slot_prefix,
     ring_from_tail,
@@ -93,3 +95,17 @@ def test_llama3_scaling_keeps_short_and_divides_long_wavelengths():
     wavelen = 2 * torch.pi / plain
     assert torch.equal(scaled[wavelen < 8192 / 4], plain[wavelen < 8192 / 4])
     torch.testing.assert_close(scaled[wavelen > 8192], plain[wavelen > 8192] / 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_decision_splits_as_hard_decisions(dtype):
+    """A key that still holds its decision channel splits into hard_decisions' alpha and key,
+    a logit exactly at c included (no merge)."""
+    gen = torch.Generator().manual_seed(4)
+    key = (torch.randn(2, HEADS, SEQ, DIM, generator=gen) * 4).to(dtype)
+    key[0, 0, 0, -1] = 1.5
+    query = torch.randn(2, 2 * HEADS, SEQ, DIM, generator=gen).to(dtype)
+    alpha, zeroed = KeyDecision(1.5).split(key)
+    decided = hard_decisions(query, key, 1.5)
+    assert torch.equal(alpha, decided.alpha) and torch.equal(zeroed, decided.key)
+    assert alpha[0, 0, 0] == 0 and 0 < alpha.mean() < 1

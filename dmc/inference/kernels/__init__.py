@@ -10,6 +10,7 @@ interpreter setting is read then, not when ``dmc.inference`` is imported.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,7 @@ from .reference import dmc_write_reference, paged_decode_reference
 from .write_cpu import dmc_write_inplace
 
 __all__ = [
+    "DecisionChannel",
     "apply_rope",
     "dmc_write_inplace",
     "dmc_write_reference",
@@ -27,6 +29,7 @@ __all__ = [
     "paged_decode_reference",
     "resolve_use_triton",
     "rope_inv_freq",
+    "run_decode_rope",
     "run_dmc_write",
     "run_paged_decode",
 ]
@@ -93,3 +96,22 @@ def run_dmc_write(*tensors, use_triton=None, faults=None, decide=None) -> None:
         raise ValueError("run_dmc_write: decide= needs the Triton kernel")
     else:
         dmc_write_inplace(*tensors)
+
+
+class DecisionChannel(NamedTuple):
+    """DMC's importance read from the last query channel (Sec. 3.2,
+    :func:`~dmc.ops.decisions.importance`): ``omega = max(sigmoid(mean over each KV group of
+    q[..., -1] + c) + offset, OMEGA_MIN)``; the channel is zeroed before and after RoPE."""
+
+    kv_heads: int
+    c: float
+    offset: float = 0.0
+
+
+def run_decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    decision: DecisionChannel | None = None):
+    """Triton RoPE of a decode step's rows (:func:`.decode_rope.decode_rope`: float32 rotated
+    ``x``, and with ``decision`` the importance ``[batch, kv_heads]``); Triton only."""
+    from .decode_rope import decode_rope
+
+    return decode_rope(x, cos, sin, decision)

@@ -11,16 +11,25 @@ import torch
 import triton
 import triton.language as tl
 
+from dmc.ops.algorithm1 import KeyDecision
+
 from .faults import unread_counter
 
 
 @triton.jit
-def _window_half(buf_ptr, x_ptr, rows, cols, col_mask, ring, weights, total, append,
-                 WINDOW: tl.constexpr, DIM: tl.constexpr):
-    """Push ``x[cols]`` into row ``ring`` of ``buf [WINDOW, DIM]``; weighted mean of the rows."""
-    x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+def _load_half(row_ptr, cols, col_mask, zero_col):
+    """``row[cols]`` as float32, column ``zero_col`` zeroed (-1: none)."""
+    x = tl.load(row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return tl.where(cols == zero_col, 0.0, x)
+
+
+@triton.jit
+def _window_half(buf_ptr, x, rows, filled, cols, col_mask, ring, weights, total, append,
+                 DIM: tl.constexpr):
+    """Push ``x`` (columns ``cols``) into row ``ring`` of ``buf [WINDOW, DIM]``; weighted mean
+    of the ``filled`` rows (the others are not read)."""
     buf = tl.load(buf_ptr + rows[:, None] * DIM + cols[None, :],
-                  mask=(rows[:, None] < WINDOW) & col_mask[None, :], other=0.0)
+                  mask=filled[:, None] & col_mask[None, :], other=0.0)
     buf = tl.where(rows[:, None] == ring, x[None, :], buf)
     tl.store(buf_ptr + ring * DIM + cols, x, mask=col_mask)
     mean = tl.sum(weights[:, None] * buf, axis=0) / total
@@ -28,9 +37,8 @@ def _window_half(buf_ptr, x_ptr, rows, cols, col_mask, ring, weights, total, app
 
 
 @triton.jit
-def _exact_half(buf_ptr, x_ptr, cols, col_mask, z, omega, z_new, append):
+def _exact_half(buf_ptr, x, cols, col_mask, z, omega, z_new, append):
     """Running mean ``(z m + omega x) / z_new`` over ``cols``; stored back as the new ``m``."""
-    x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     old = tl.load(buf_ptr + cols, mask=col_mask, other=0.0)
     mean = tl.where(append, x, (z * old + omega * x) / z_new)
     tl.store(buf_ptr + cols, mean, mask=col_mask)
@@ -41,20 +49,34 @@ def _exact_half(buf_ptr, x_ptr, cols, col_mask, z, omega, z_new, append):
 def _dmc_write_kernel(
     k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
     seq_ptr, slot_ptr, append_ptr, k_ptr, v_ptr, omega_ptr, pos_ptr, inv_freq_ptr, faults,
-    lengths_ptr, alpha_ptr,
+    lengths_ptr, alpha_ptr, key_c,
     layer, num_layers, max_pages, num_pages,
     stride_kb, stride_kh, stride_vb, stride_vh,
     HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, DECIDE: tl.constexpr,
+    KEY_DECIDES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_ptr + b).to(tl.int64)
     head = (seq * num_layers + layer) * HEADS + h  # flat (seq, layer, head) of the state tensors
     bh = b * HEADS + h
+    k_row = k_ptr + b * stride_kb + h * stride_kh
+    v_row = v_ptr + b * stride_vb + h * stride_vh
+    key_col = DIM - 1 if KEY_DECIDES else -1  # the key's decision channel, zeroed when read
+    cols = tl.arange(0, HALF_BLOCK)
+    col_mask = cols < HALF
+    k_lo = _load_half(k_row, cols, col_mask, key_col)  # the token's halves, loaded first
+    k_hi = _load_half(k_row, cols + HALF, col_mask, key_col)
+    v_lo = _load_half(v_row, cols, col_mask, -1)
+    v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
     if DECIDE:  # Algorithm 1's test on the device: append if alpha <= 0.5 or the head is empty
         current = tl.load(lengths_ptr + head)
-        append = (tl.load(alpha_ptr + bh).to(tl.float32) <= 0.5) | (current == 0)
+        if KEY_DECIDES:  # alpha = [k[-1] - c > 0] (hard_decisions)
+            merge = tl.load(k_row + DIM - 1).to(tl.float32) - key_c > 0
+        else:
+            merge = tl.load(alpha_ptr + bh).to(tl.float32) > 0.5
+        append = (merge == 0) | (current == 0)
         new_length = current + append.to(current.dtype)
         tl.store(lengths_ptr + head, new_length)
         slot = new_length - 1
@@ -65,38 +87,34 @@ def _dmc_write_kernel(
     count = tl.where(append, 0, tl.load(open_count + head))
     tl.store(open_count + head, count + 1)
 
-    cols = tl.arange(0, HALF_BLOCK)
-    col_mask = cols < HALF
-    k_row = k_ptr + b * stride_kb + h * stride_kh
-    v_row = v_ptr + b * stride_vb + h * stride_vh
     if WINDOW == 0:
         z = tl.where(append, 0.0, tl.load(open_omega + head))
         z_new = z + omega
         tl.store(open_omega + head, z_new)
         mean_k = open_k + head * DIM
         mean_v = open_v + head * DIM
-        k_lo = _exact_half(mean_k, k_row, cols, col_mask, z, omega, z_new, append)
-        k_hi = _exact_half(mean_k, k_row, cols + HALF, col_mask, z, omega, z_new, append)
-        v_lo = _exact_half(mean_v, v_row, cols, col_mask, z, omega, z_new, append)
-        v_hi = _exact_half(mean_v, v_row, cols + HALF, col_mask, z, omega, z_new, append)
+        k_lo = _exact_half(mean_k, k_lo, cols, col_mask, z, omega, z_new, append)
+        k_hi = _exact_half(mean_k, k_hi, cols + HALF, col_mask, z, omega, z_new, append)
+        v_lo = _exact_half(mean_v, v_lo, cols, col_mask, z, omega, z_new, append)
+        v_hi = _exact_half(mean_v, v_hi, cols + HALF, col_mask, z, omega, z_new, append)
     else:
         rows = tl.arange(0, ROWS)
         ring = count % WINDOW
-        old = tl.load(open_omega + head * WINDOW + rows, mask=rows < WINDOW, other=0.0)
-        weights = tl.where(rows == ring, omega, old)
-        weights = tl.where(rows < tl.minimum(count + 1, WINDOW), weights, 0.0)
+        filled = rows < tl.minimum(count + 1, WINDOW)  # the rows of the slot's tokens
+        old = tl.load(open_omega + head * WINDOW + rows, mask=filled, other=0.0)
+        weights = tl.where(filled, tl.where(rows == ring, omega, old), 0.0)
         total = tl.sum(weights, axis=0)
         tl.store(open_omega + head * WINDOW + ring, omega)
         buf_k = open_k + head * WINDOW * DIM
         buf_v = open_v + head * WINDOW * DIM
-        k_lo = _window_half(buf_k, k_row, rows, cols, col_mask, ring, weights, total, append,
-                            WINDOW, DIM)
-        k_hi = _window_half(buf_k, k_row, rows, cols + HALF, col_mask, ring, weights, total, append,
-                            WINDOW, DIM)
-        v_lo = _window_half(buf_v, v_row, rows, cols, col_mask, ring, weights, total, append,
-                            WINDOW, DIM)
-        v_hi = _window_half(buf_v, v_row, rows, cols + HALF, col_mask, ring, weights, total, append,
-                            WINDOW, DIM)
+        k_lo = _window_half(buf_k, k_lo, rows, filled, cols, col_mask, ring, weights, total,
+                            append, DIM)
+        k_hi = _window_half(buf_k, k_hi, rows, filled, cols + HALF, col_mask, ring, weights,
+                            total, append, DIM)
+        v_lo = _window_half(buf_v, v_lo, rows, filled, cols, col_mask, ring, weights, total,
+                            append, DIM)
+        v_hi = _window_half(buf_v, v_hi, rows, filled, cols + HALF, col_mask, ring, weights,
+                            total, append, DIM)
 
     position = tl.load(pos_ptr + b).to(tl.float32)
     angle = position * tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
@@ -130,12 +148,17 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
     locates one. ``decide``: ``(lengths [seqs, layers, kv_heads] int32, alpha [batch, kv_heads])``
     on the device, to take Algorithm 1's decision in the kernel (append where ``alpha <= 0.5``
     or the head is empty; ``slots`` and ``append`` then None) and advance ``lengths``: the
-    deferred write of a decode step, one launch where the decision took a dozen small ops.
+    deferred write of a decode step, one launch where the decision took a dozen small ops;
+    ``alpha`` a :class:`~dmc.ops.algorithm1.KeyDecision`: ``k`` still holds the decision
+    channel, which the kernel reads (``alpha = [k[..., -1] - c > 0]``) and zeroes.
     """
     lengths, alpha = decide if decide is not None else (None, None)
-    if alpha is not None:
+    key_c = alpha.c if isinstance(alpha, KeyDecision) else None
+    if key_c is not None:
+        alpha = None
+    elif alpha is not None:
         alpha = (alpha.view(torch.uint8) if alpha.dtype == torch.bool else alpha).contiguous()
-    batch, heads = (alpha if decide is not None else append).shape
+    batch, heads = k.shape[:2]
     head_dim = k_pages.shape[-1]
     half = head_dim // 2
     window = window or 0
@@ -148,9 +171,9 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
         seq_slots, *((None, None) if decide is not None else
                      (slots.to(torch.int32).contiguous(), append.to(torch.int32).contiguous())),
         k, v, omega.contiguous(), positions, inv_freq, faults, lengths, alpha,
-        layer, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[0],
+        0.0 if key_c is None else key_c, layer, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[0],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         PAGE_SIZE=k_pages.shape[1], WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
-        DECIDE=decide is not None,
+        DECIDE=decide is not None, KEY_DECIDES=key_c is not None,
     )

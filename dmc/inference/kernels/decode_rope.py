@@ -1,0 +1,104 @@
+"""Triton RoPE of a decode step's query or key rows, with DMC's decision channel where asked: one
+launch per tensor and layer (the PyTorch path stays the oracle).
+
+In PyTorch a decode layer rotated its queries in five elementwise ops (``float``, two products,
+``roll``, a sum: :func:`dmc.ops.rope.rotate`) and a vanilla layer its keys in five more; a DMC
+layer also read the importance from the query's last channel (Sec. 3.2: a mean over the query
+group, ``+ c``, a sigmoid, ``+ offset``, the floor of :func:`dmc.ops.decisions.importance`) and
+zeroed that channel before and after RoPE (two ``cat``\\ s): about fifteen launches of a few
+microseconds each over ``[batch, heads, dim]`` per layer. Here one program per (row, KV group)
+loads the group's heads once, in halves (rotate-half RoPE needs no shuffle:
+``out_lo = x_lo cos - x_hi sin``, ``out_hi = x_hi cos + x_lo sin``).
+
+The importance is rounded to the input's dtype after each step as PyTorch's elementwise ops
+round theirs (float32 arithmetic, result in the tensor's dtype), so a bfloat16 model's
+omega is :func:`dmc.ops.decisions.decision_logits`'s. Import this module only after
+``TRITON_INTERPRET`` is settled.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dmc.ops.decisions import OMEGA_MIN
+
+from . import DecisionChannel
+
+
+@triton.jit
+def _in_dtype(x, like_ptr):
+    """float32 ``x`` rounded to the element type of ``like_ptr`` (as a PyTorch op's result),
+    as float32. bfloat16 is rounded to nearest even by hand (finite values): the interpreter's
+    cast truncates, the GPU's rounds; both now give PyTorch's bits."""
+    if like_ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, omega_ptr, stride_xb, stride_xh,
+                        stride_cb, c, omega_offset, omega_min,
+                        GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HALF: tl.constexpr,
+                        HALF_BLOCK: tl.constexpr, DECISION: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = tl.arange(0, GROUP_BLOCK)
+    cols = tl.arange(0, HALF_BLOCK)
+    heads = g * GROUP + rows
+    inside = (rows < GROUP)[:, None] & (cols < HALF)[None, :]
+    x_row = x_ptr + b * stride_xb + heads[:, None] * stride_xh + cols[None, :]
+    lo = tl.load(x_row, mask=inside, other=0.0).to(tl.float32)
+    hi = tl.load(x_row + HALF, mask=inside, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + b * stride_cb + cols, mask=cols < HALF, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + b * stride_cb + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+    last = (cols == HALF - 1)[None, :]  # the decision channel, the last of the upper half
+    if DECISION:
+        channel = tl.sum(tl.where(last & inside, hi, 0.0), axis=1)
+        mean = _in_dtype(tl.sum(channel, axis=0) / GROUP, x_ptr)
+        omega = _in_dtype(tl.sigmoid(_in_dtype(mean + c, x_ptr)), x_ptr)
+        omega = _in_dtype(tl.maximum(_in_dtype(omega + omega_offset, x_ptr), omega_min), x_ptr)
+        tl.store(omega_ptr + b * tl.num_programs(1) + g, omega)
+        hi = tl.where(last, 0.0, hi)
+    out_lo = lo * cos - hi * sin
+    out_hi = hi * cos + lo * sin
+    if DECISION:
+        out_hi = tl.where(last, 0.0, out_hi)
+    out_row = out_ptr + (b * tl.num_programs(1) * GROUP + heads[:, None]) * (2 * HALF) + cols[None, :]
+    tl.store(out_row, out_lo, mask=inside)
+    tl.store(out_row + HALF, out_hi, mask=inside)
+
+
+def decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                decision: DecisionChannel | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`~dmc.ops.rope.rotate` of ``x [batch, heads, dim]`` (any float dtype, unit stride
+    on ``dim``) with the tables of :func:`~dmc.ops.rope.rope_tables` (``[batch, 1, dim]``
+    float32) -> float32 ``[batch, heads, dim]``, and with ``decision`` the importance ``omega
+    [batch, kv_heads]`` float32 (else None), the decision channel zeroed before and after the
+    rotation (:func:`~dmc.ops.decisions.zero_decision_channel`)."""
+    batch, heads, dim = x.shape
+    groups = decision.kv_heads if decision is not None else 1
+    if heads % groups or dim % 2:
+        raise ValueError(f"decode_rope: {heads} heads of dim {dim} do not split into {groups} "
+                         f"groups of rotate-half pairs")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos = cos.reshape(batch, dim).float()
+    sin = sin.reshape(batch, dim).float()
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=x.device)
+    omega = (torch.empty(batch, groups, dtype=torch.float32, device=x.device)
+             if decision is not None else None)
+    group = heads // groups
+    _decode_rope_kernel[(batch, groups)](
+        x, cos, sin, out, omega, x.stride(0), x.stride(1), cos.stride(0),
+        decision.c if decision is not None else 0.0,
+        decision.offset if decision is not None else 0.0, OMEGA_MIN,
+        GROUP=group, GROUP_BLOCK=triton.next_power_of_2(group), HALF=dim // 2,
+        HALF_BLOCK=triton.next_power_of_2(dim // 2), DECISION=decision is not None,
+    )
+    return out, omega
