@@ -128,10 +128,11 @@ def _dmc_write():
 
 
 def _decode_rope():
-    """RoPE of float32 rows, and of bf16 GQA and MHA queries with DMC's decision channel."""
+    """RoPE of float32 rows, of bf16 GQA and MHA queries with DMC's decision channel, and of
+    bf16 GQA queries with DMS's."""
     import torch
 
-    from dmc.inference.kernels import DecisionChannel, run_decode_rope
+    from dmc.inference.kernels import DecisionChannel, EvictionChannel, run_decode_rope
 
     batch, dim = 2, 128
     cos = sin = torch.zeros(batch, 1, dim)
@@ -139,6 +140,8 @@ def _decode_rope():
     for kv_heads in (2, 8):
         run_decode_rope(torch.zeros(batch, 8, dim, dtype=torch.bfloat16), cos, sin,
                         DecisionChannel(kv_heads, 5.0, 2.0 ** -7))
+    run_decode_rope(torch.zeros(batch, 8, dim, dtype=torch.bfloat16), cos, sin,
+                    EvictionChannel(2, 5.0, 100.0))
 
 
 def _dms_write():

@@ -3,8 +3,8 @@ PyTorch decode path it replaces (rotate, and for DMC hard_decisions' channels)."
 import pytest
 import torch
 
-from dmc.inference.kernels import DecisionChannel, run_decode_rope
-from dmc.ops import zero_decision_channel
+from dmc.inference.kernels import DecisionChannel, EvictionChannel, run_decode_rope
+from dmc.ops import split_dms_channels, zero_decision_channel, zero_dms_channel
 from dmc.ops.algorithm1 import hard_decisions
 from dmc.ops.rope import rope_inv_freq, rope_tables, rotate
 
@@ -64,6 +64,27 @@ def test_decision_channel_matches_hard_decisions(dtype, q_heads, kv_heads, c, of
     reference = rope_float64(zero_decision_channel(x), positions)
     torch.testing.assert_close(out.double(), zero_decision_channel(reference), atol=1e-3,
                                rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (4, 4), (6, 2)])
+def test_eviction_channel_matches_split_dms_channels(dtype, q_heads, kv_heads):
+    """DMS: the eviction of each group's first head equals split_dms_channels' bit for bit
+    (about half of the logits above c), the rotated query the PyTorch path's (that channel
+    zeroed, rotated, zeroed again; every other head's last channel kept)."""
+    c, scale = 5.0, 100.0
+    x, positions, cos, sin = step_rows(7, q_heads, 16, dtype, seed=q_heads, channel_scale=0.1)
+    x[..., -1] += 0.05  # logits q * 100 - 5 around 0
+    out, evict = run_decode_rope(x, cos, sin, EvictionChannel(kv_heads, c, scale))
+    channels = split_dms_channels(x[:, :, None], kv_heads, c, scale)
+    assert evict.dtype == torch.bool and torch.equal(evict, channels.alpha_logit[..., 0] > 0)
+    assert 0 < evict.float().mean() < 1
+    rotated = rotate(channels.query.float(), cos[:, :, None], sin[:, :, None])
+    expected = zero_dms_channel(rotated, kv_heads)[:, :, 0]
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    assert out[:, ::q_heads // kv_heads, -1].eq(0).all()
+    if q_heads > kv_heads:
+        assert out[:, 1::q_heads // kv_heads, -1].ne(0).all()
 
 
 def test_uneven_groups_are_refused():

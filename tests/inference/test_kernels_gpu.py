@@ -52,10 +52,11 @@ def test_triton_write_on_cuda_matches_reference(window, dtype):
 @pytest.mark.parametrize("q_heads,kv_heads", [(16, 16), (32, 8)])
 def test_decode_rope_on_cuda_matches_the_pytorch_path(q_heads, kv_heads):
     """bf16 rows at head_dim 128: DMC's importance as hard_decisions gives it (the same
-    roundings; a GPU sigmoid an ulp apart may move a rare value by one bf16 step), the rotated
-    rows as rotate's to float32 rounding (fused multiply-adds)."""
-    from dmc.inference.kernels import DecisionChannel, run_decode_rope
-    from dmc.ops import zero_decision_channel
+    roundings; a GPU sigmoid an ulp apart may move a rare value by one bf16 step), DMS's
+    evictions as split_dms_channels', the rotated rows as rotate's to float32 rounding (fused
+    multiply-adds)."""
+    from dmc.inference.kernels import DecisionChannel, EvictionChannel, run_decode_rope
+    from dmc.ops import split_dms_channels, zero_decision_channel, zero_dms_channel
     from dmc.ops.algorithm1 import hard_decisions
     from dmc.ops.rope import rotate
     from test_decode_rope import step_rows
@@ -71,6 +72,13 @@ def test_decode_rope_on_cuda_matches_the_pytorch_path(q_heads, kv_heads):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     plain, _ = run_decode_rope(x, cos, sin)
     torch.testing.assert_close(plain, rotate(x.float(), cos, sin), atol=1e-5, rtol=1e-5)
+    x[..., -1] = x[..., -1] * 0.0025 + 0.05  # DMS logits q * 100 - 5 around 0
+    out, evict = run_decode_rope(x, cos, sin, EvictionChannel(kv_heads, c, 100.0))
+    channels = split_dms_channels(x[:, :, None], kv_heads, c, 100.0)
+    assert torch.equal(evict, channels.alpha_logit[..., 0] > 0)
+    rotated = rotate(channels.query.float(), cos[:, :, None], sin[:, :, None])
+    torch.testing.assert_close(out, zero_dms_channel(rotated, kv_heads)[:, :, 0], atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -22,6 +22,7 @@ from .write_cpu import dmc_write_inplace
 
 __all__ = [
     "DecisionChannel",
+    "EvictionChannel",
     "apply_rope",
     "dmc_write_inplace",
     "dmc_write_reference",
@@ -108,10 +109,21 @@ class DecisionChannel(NamedTuple):
     offset: float = 0.0
 
 
+class EvictionChannel(NamedTuple):
+    """DMS's eviction read from the last channel of each KV group's first query head (DMS paper
+    Sec. 3.1, :func:`~dmc.ops.decisions.split_dms_channels`): ``evict = [q[..., -1] * scale -
+    c > 0]``; that channel is zeroed before and after RoPE."""
+
+    kv_heads: int
+    c: float
+    scale: float
+
+
 def run_decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    decision: DecisionChannel | None = None):
+                    decision: DecisionChannel | EvictionChannel | None = None):
     """Triton RoPE of a decode step's rows (:func:`.decode_rope.decode_rope`: float32 rotated
-    ``x``, and with ``decision`` the importance ``[batch, kv_heads]``); Triton only."""
+    ``x``, and DMC's importance or DMS's eviction ``[batch, kv_heads]`` per ``decision``);
+    Triton only."""
     from .decode_rope import decode_rope
 
     return decode_rope(x, cos, sin, decision)

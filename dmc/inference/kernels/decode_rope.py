@@ -1,18 +1,20 @@
-"""Triton RoPE of a decode step's query or key rows, with DMC's decision channel where asked: one
-launch per tensor and layer (the PyTorch path stays the oracle).
+"""Triton RoPE of a decode step's query or key rows, with DMC's or DMS's decision channel where
+asked: one launch per tensor and layer (the PyTorch path stays the oracle).
 
 In PyTorch a decode layer rotated its queries in five elementwise ops (``float``, two products,
 ``roll``, a sum: :func:`dmc.ops.rope.rotate`) and a vanilla layer its keys in five more; a DMC
 layer also read the importance from the query's last channel (Sec. 3.2: a mean over the query
 group, ``+ c``, a sigmoid, ``+ offset``, the floor of :func:`dmc.ops.decisions.importance`) and
-zeroed that channel before and after RoPE (two ``cat``\\ s): about fifteen launches of a few
-microseconds each over ``[batch, heads, dim]`` per layer. Here one program per (row, KV group)
-loads the group's heads once, in halves (rotate-half RoPE needs no shuffle:
-``out_lo = x_lo cos - x_hi sin``, ``out_hi = x_hi cos + x_lo sin``).
+zeroed that channel before and after RoPE (two ``cat``\ s), a DMS layer its eviction logit from
+each group's first head (``* scale - c``, ``> 0``) with that channel zeroed the same way: about
+fifteen launches of a few microseconds each over ``[batch, heads, dim]`` per layer. Here one
+program per (row, KV group) loads the group's heads once, in halves (rotate-half RoPE needs no
+shuffle: ``out_lo = x_lo cos - x_hi sin``, ``out_hi = x_hi cos + x_lo sin``).
 
-The importance is rounded to the input's dtype after each step as PyTorch's elementwise ops
-round theirs (float32 arithmetic, result in the tensor's dtype), so a bfloat16 model's
-omega is :func:`dmc.ops.decisions.decision_logits`'s. Import this module only after
+The decisions are rounded to the input's dtype after each step as PyTorch's elementwise ops
+round theirs (float32 arithmetic, result in the tensor's dtype), so a bfloat16 model's omega
+and evictions are :func:`dmc.ops.decisions.decision_logits`'s and
+:func:`~dmc.ops.decisions.dms_alpha_logit`'s. Import this module only after
 ``TRITON_INTERPRET`` is settled.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from dmc.ops.decisions import OMEGA_MIN
 
-from . import DecisionChannel
+from . import DecisionChannel, EvictionChannel
 
 
 @triton.jit
@@ -39,10 +41,12 @@ def _in_dtype(x, like_ptr):
 
 
 @triton.jit
-def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, omega_ptr, stride_xb, stride_xh,
-                        stride_cb, c, omega_offset, omega_min,
+def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, decision_ptr, stride_xb, stride_xh,
+                        stride_cb, c, param, omega_min,
                         GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HALF: tl.constexpr,
-                        HALF_BLOCK: tl.constexpr, DECISION: tl.constexpr):
+                        HALF_BLOCK: tl.constexpr, MODE: tl.constexpr):
+    """MODE 0: RoPE only; 1: DMC (``param`` the importance's offset); 2: DMS (``param`` the
+    logit's scale)."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     rows = tl.arange(0, GROUP_BLOCK)
@@ -54,31 +58,40 @@ def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, omega_ptr, stride_xb, 
     hi = tl.load(x_row + HALF, mask=inside, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + b * stride_cb + cols, mask=cols < HALF, other=0.0)[None, :]
     sin = tl.load(sin_ptr + b * stride_cb + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
-    last = (cols == HALF - 1)[None, :]  # the decision channel, the last of the upper half
-    if DECISION:
-        channel = tl.sum(tl.where(last & inside, hi, 0.0), axis=1)
-        mean = _in_dtype(tl.sum(channel, axis=0) / GROUP, x_ptr)
+    last = (cols == HALF - 1)[None, :] & inside  # the decision channel, the upper half's last
+    if MODE == 2:  # DMS borrows it from the group's first head only
+        last = last & (rows == 0)[:, None]
+    if MODE == 1:  # omega = max(sigmoid(mean + c) + offset, OMEGA_MIN), each step rounded
+        mean = _in_dtype(tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0) / GROUP, x_ptr)
         omega = _in_dtype(tl.sigmoid(_in_dtype(mean + c, x_ptr)), x_ptr)
-        omega = _in_dtype(tl.maximum(_in_dtype(omega + omega_offset, x_ptr), omega_min), x_ptr)
-        tl.store(omega_ptr + b * tl.num_programs(1) + g, omega)
+        omega = _in_dtype(tl.maximum(_in_dtype(omega + param, x_ptr), omega_min), x_ptr)
+        tl.store(decision_ptr + b * tl.num_programs(1) + g, omega)
+    if MODE == 2:  # evict = [q[..., -1] * scale - c > 0], each step rounded
+        logit = tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0)
+        logit = _in_dtype(_in_dtype(logit * param, x_ptr) - c, x_ptr)
+        tl.store(decision_ptr + b * tl.num_programs(1) + g, logit > 0)
+    if MODE != 0:
         hi = tl.where(last, 0.0, hi)
     out_lo = lo * cos - hi * sin
     out_hi = hi * cos + lo * sin
-    if DECISION:
+    if MODE != 0:
         out_hi = tl.where(last, 0.0, out_hi)
-    out_row = out_ptr + (b * tl.num_programs(1) * GROUP + heads[:, None]) * (2 * HALF) + cols[None, :]
+    out_row = (out_ptr + (b * tl.num_programs(1) * GROUP + heads[:, None]) * (2 * HALF)
+               + cols[None, :])
     tl.store(out_row, out_lo, mask=inside)
     tl.store(out_row + HALF, out_hi, mask=inside)
 
 
 def decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                decision: DecisionChannel | None = None
+                decision: DecisionChannel | EvictionChannel | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`~dmc.ops.rope.rotate` of ``x [batch, heads, dim]`` (any float dtype, unit stride
     on ``dim``) with the tables of :func:`~dmc.ops.rope.rope_tables` (``[batch, 1, dim]``
-    float32) -> float32 ``[batch, heads, dim]``, and with ``decision`` the importance ``omega
-    [batch, kv_heads]`` float32 (else None), the decision channel zeroed before and after the
-    rotation (:func:`~dmc.ops.decisions.zero_decision_channel`)."""
+    float32) -> float32 ``[batch, heads, dim]`` and, per ``decision``, None, DMC's importance
+    ``omega [batch, kv_heads]`` float32 (:class:`DecisionChannel`: every head's last channel
+    zeroed before and after the rotation, :func:`~dmc.ops.decisions.zero_decision_channel`) or
+    DMS's eviction ``[batch, kv_heads]`` bool (:class:`EvictionChannel`: the first head of each
+    group's, :func:`~dmc.ops.decisions.zero_dms_channel`)."""
     batch, heads, dim = x.shape
     groups = decision.kv_heads if decision is not None else 1
     if heads % groups or dim % 2:
@@ -91,14 +104,16 @@ def decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=x.device)
-    omega = (torch.empty(batch, groups, dtype=torch.float32, device=x.device)
-             if decision is not None else None)
+    mode = {type(None): 0, DecisionChannel: 1, EvictionChannel: 2}[type(decision)]
+    out_decision = (None if mode == 0 else
+                    torch.empty(batch, groups, dtype=torch.float32 if mode == 1 else torch.bool,
+                                device=x.device))
+    param = (0.0 if mode == 0 else decision.offset if mode == 1 else decision.scale)
     group = heads // groups
     _decode_rope_kernel[(batch, groups)](
-        x, cos, sin, out, omega, x.stride(0), x.stride(1), cos.stride(0),
-        decision.c if decision is not None else 0.0,
-        decision.offset if decision is not None else 0.0, OMEGA_MIN,
+        x, cos, sin, out, out_decision, x.stride(0), x.stride(1), cos.stride(0),
+        0.0 if decision is None else decision.c, param, OMEGA_MIN,
         GROUP=group, GROUP_BLOCK=triton.next_power_of_2(group), HALF=dim // 2,
-        HALF_BLOCK=triton.next_power_of_2(dim // 2), DECISION=decision is not None,
+        HALF_BLOCK=triton.next_power_of_2(dim // 2), MODE=mode,
     )
-    return out, omega
+    return out, out_decision
