@@ -73,10 +73,10 @@ def _dmc_write_kernel(
     if DECIDE:  # Algorithm 1's test on the device: append if alpha <= 0.5 or the head is empty
         current = tl.load(lengths_ptr + head)
         if KEY_DECIDES:  # alpha = [k[-1] - c > 0] (hard_decisions)
-            merge = tl.load(k_row + DIM - 1).to(tl.float32) - key_c > 0
+            append = (tl.load(k_row + DIM - 1).to(tl.float32) - key_c > 0) == 0
         else:
-            merge = tl.load(alpha_ptr + bh).to(tl.float32) > 0.5
-        append = (merge == 0) | (current == 0)
+            append = tl.load(alpha_ptr + bh).to(tl.float32) <= 0.5
+        append = append | (current == 0)
         new_length = current + append.to(current.dtype)
         tl.store(lengths_ptr + head, new_length)
         slot = new_length - 1
