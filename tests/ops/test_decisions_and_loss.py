@@ -8,6 +8,7 @@ from dmc.ops import (
     gumbel_sigmoid,
     split_decision_channels,
     straight_through_round,
+    zero_decision_channel,
 )
 from dmc.ops.reference import compression_loss_reference
 
@@ -190,3 +191,22 @@ def test_cr_schedule():
     assert CRSchedule(2.0, 0)(0) == 2.0
     with pytest.raises(ValueError, match="target_cr"):
         CRSchedule(0.5, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeroing_the_channel_by_a_mask_equals_the_slices(dtype):
+    """zero_decision_channel's mask product gives the values of the slice-and-cat form bit for
+    bit (signed zeros included) and the same gradient: the last channel's zeroed, the rest
+    passed through."""
+    x = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(5)).to(dtype)
+    x[0, 0, 0, -1] = -2.0  # a negative channel gives -0.0 both ways
+    got_x = x.clone().requires_grad_()
+    want_x = x.clone().requires_grad_()
+    got = zero_decision_channel(got_x)
+    want = torch.cat([want_x[..., :-1], want_x[..., -1:] * 0.0], dim=-1)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert got.dtype == dtype and torch.equal(got.view(bits), want.view(bits))
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    got.backward(grad)
+    want.backward(grad)
+    assert torch.equal(got_x.grad, want_x.grad) and got_x.grad[..., -1].eq(0).all()
