@@ -60,20 +60,22 @@ def bias_gradient(grad_out, out, lse, query, key, value, log_keep, scale, transp
     batch, q_heads, seq, dim_v = grad_out.shape
     kv_heads, keys = key.shape[1], log_keep.shape[-1]
     group = q_heads // kv_heads
-    upstream = grad_out.float()
-    delta = (upstream * out.float()).sum(-1, keepdim=True)  # D_i [batch, q_heads, seq, 1]
-    # [dO_i, D_i] padded to twice dim_v (FlexAttention takes power-of-two head sizes)
-    answers = torch.cat([upstream, delta, upstream.new_zeros(batch, q_heads, seq, dim_v - 1)],
-                        dim=-1).to(query.dtype)
+    # [dO_i, D_i] in the pass's dtype, padded to twice dim_v (FlexAttention takes power-of-two
+    # head sizes): written in place, not a float32 concatenation cast afterwards
+    answers = grad_out.new_zeros(batch, q_heads, seq, 2 * dim_v, dtype=query.dtype)
+    answers[..., :dim_v] = grad_out
+    answers[..., dim_v] = (grad_out.float() * out.float()).sum(-1)  # D_i [batch, q_heads, seq]
     bias, lse = log_keep.detach().float(), lse.detach().float()
 
     def score_mod(score, b, h, q_idx, kv_idx):  # q_idx: a key j, kv_idx: a query i
         log_p = score + bias[b, h // group, q_idx] - lse[b, h, kv_idx]
         return torch.where(weighted(kv_idx, q_idx), log_p, float("-inf"))
 
-    askers = key[:, :, :keys].repeat_interleave(group, dim=1)  # [batch, q_heads, keys, dim]
+    askers = key[:, :, :keys]  # [batch, q_heads, keys, dim]: each query head's keys
+    if group > 1:
+        askers = askers.repeat_interleave(group, dim=1)
     sums, sums_lse = transposed_pass(askers, query, answers, score_mod)
-    sums = sums.float() * torch.exp(sums_lse.float())[..., None]  # rows with no pair: 0 * 0
-    values = value[:, :, :keys].float().repeat_interleave(group, dim=1)
-    per_head = (sums[..., :dim_v] * values).sum(-1) - sums[..., dim_v]  # [batch, q_heads, keys]
-    return per_head.reshape(batch, kv_heads, group, keys).sum(2)
+    sums = sums.reshape(batch, kv_heads, group, keys, 2 * dim_v)  # query head kv * group + g
+    dots = (sums[..., :dim_v].float() * value[:, :, None, :keys].float()).sum(-1)
+    scale_back = torch.exp(sums_lse.float()).reshape(dots.shape)  # rows with no pair: 0
+    return (scale_back * (dots - sums[..., dim_v].float())).sum(2)  # [batch, kv_heads, keys]
