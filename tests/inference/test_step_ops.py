@@ -23,12 +23,15 @@ NOT_COMPUTING = {
     "unflatten", "contiguous", "numel", "size", "dim", "stride", "item", "_local_scalar_dense",
     "is_nonzero", "result_type", "to", "empty", "empty_like", "empty_strided",
 }
-# measured 2026-11-26 (ops per layer): vanilla 27, DMC 42, DMS 46 (DMS 65 on 2026-11-24, when
-# reserving a step's pages ran its ops only if some head needed a page, which in these steps the
-# 3-layer DMS model did and the 2-layer one did not);
-# 63, 55, 83 before the layers of a step shared its RoPE tables, validated sequence rows and
-# vanilla's page reservation.
-OPS_PER_LAYER = {"vanilla": 30, "dmc": 46, "dms": 70}
+# measured 2026-11-27 (ops per layer, the CPU's PyTorch path): vanilla 27, DMC 49, DMS 48 (46
+# and 46 before zero_decision_channel became a product with a mask: its ones, zero_ and mul
+# against the cat's two ops, for one pass over the tensor and its gradient in training);
+# 2026-11-26: vanilla 27, DMC 42, DMS 46 (DMS 65 on 2026-11-24, when reserving a step's pages
+# ran its ops only if some head needed a page, which in these steps the 3-layer DMS model did
+# and the 2-layer one did not); 63, 55, 83 before the layers of a step shared its RoPE tables,
+# validated sequence rows and vanilla's page reservation. (On CUDA the DMC and DMS layers
+# rotate and decide in one Triton launch instead.)
+OPS_PER_LAYER = {"vanilla": 30, "dmc": 52, "dms": 70}
 
 
 def build(kind: str, layers: int):
