@@ -38,7 +38,10 @@
 # paged kernel: 20 iterations; train step: 1 warm-up + 4 steps);
 # DMC_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes (where xdist is installed),
 # which compile their FlexAttention and Triton kernels side by side; DMC_DECODE_MODES (e.g.
-# vanilla,dmc:2,dmc:8) replaces the decode step's modes.
+# vanilla,dmc:2,dmc:8) replaces the decode step's modes; DMC_TEST_PATHS (default tests) the
+# test folders or files the GPU tests are collected from (e.g. tests/inference, for a call
+# that checks decode changes only); DMC_TRAIN_BACKENDS and DMC_TRAIN_ACCUMULATE the train
+# step's --backends and --accumulate (e.g. flex-transposed and triton: one DMC row).
 #
 # For one command under a hard time limit (a lease whose calls are killed at N seconds, taking
 # every file not yet copied out with them): DMC_CHECK_DEADLINE=SECONDS, counted from the script's
@@ -97,6 +100,14 @@ for step in $SELECTED; do
     *" $step "*) ;;
     *) echo "gpu_check: DMC_CHECK_STEPS: unknown step '$step'; accepted: $ALL_STEPS" >&2; exit 2 ;;
   esac
+done
+for path in ${DMC_TEST_PATHS:-tests}; do
+  case $path in
+    tests|tests/*) [ -e "$ROOT/$path" ] && continue ;;
+  esac
+  echo "gpu_check: DMC_TEST_PATHS: '$path' is not a test folder or file of this checkout;" \
+    "accepted: tests or paths below it, e.g. tests/inference" >&2
+  exit 2
 done
 
 # archive: RESULTS as the tarball DMC_CHECK_ARCHIVE names (nothing without one).
@@ -184,11 +195,20 @@ DECODE_MODES=()
 if [ -n "${DMC_DECODE_MODES:-}" ]; then  # after QUICK_DECODE's: the last --modes wins
   DECODE_MODES=(--modes "$DMC_DECODE_MODES")
 fi
+TRAIN_ROWS=()
+if [ -n "${DMC_TRAIN_BACKENDS:-}" ]; then
+  TRAIN_ROWS+=(--backends "$DMC_TRAIN_BACKENDS")
+fi
+if [ -n "${DMC_TRAIN_ACCUMULATE:-}" ]; then
+  TRAIN_ROWS+=(--accumulate "$DMC_TRAIN_ACCUMULATE")
+fi
 # a test module that cannot be imported there (another extra missing) must not stop the GPU
 # tests: it is counted as an error in gpu_tests.xml and the summary
 # -v: a line per test as it ends, so a run stopped by its time limit still tells which passed
+read -r -a TEST_PATHS <<< "${DMC_TEST_PATHS:-tests}"
 run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v -rs --durations 15 \
-  "${WORKERS[@]}" --continue-on-collection-errors --junitxml "$RESULTS/gpu_tests.xml" tests
+  "${WORKERS[@]}" --continue-on-collection-errors --junitxml "$RESULTS/gpu_tests.xml" \
+  "${TEST_PATHS[@]}"
 
 if [ "$CUDA" = 1 ]; then
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs \
@@ -198,7 +218,7 @@ if [ "$CUDA" = 1 ]; then
     --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
     --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
-    --by-site 8 --profile 30 --out "$RESULTS/train_step.json"
+    "${TRAIN_ROWS[@]}" --by-site 8 --profile 30 --out "$RESULTS/train_step.json"
 else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
@@ -206,8 +226,8 @@ else
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --cpu-reference --batch 4 --q-heads 8 \
     --kv-heads 2 --head-dim 64 --length 512 --iters 5 --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 2 --hidden 128 --heads 4 \
-    --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 --by-site 8 --profile 12 \
-    --out "$RESULTS/train_step.json"
+    --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 "${TRAIN_ROWS[@]}" \
+    --by-site 8 --profile 12 --out "$RESULTS/train_step.json"
 fi
 
 "$PYTHON" "$ROOT/scripts/gpu_check_summary.py" "$RESULTS"

@@ -20,7 +20,9 @@ def test_kit_usage_errors_exit_2(tmp_path):
     for setting, value, accepted in (("DMC_CHECK_DEADLINE", "9m", "whole number of seconds"),
                                      ("DMC_CHECK_MIN_STEP", "-5", "whole number of seconds"),
                                      ("DMC_CHECK_ARCHIVE", str(tmp_path / "r.zip"), ".tgz"),
-                                     ("DMC_CHECK_ARCHIVE", str(tmp_path / "r.tgz"), "inside")):
+                                     ("DMC_CHECK_ARCHIVE", str(tmp_path / "r.tgz"), "inside"),
+                                     ("DMC_TEST_PATHS", "tests/nowhere", "tests/inference"),
+                                     ("DMC_TEST_PATHS", "/etc", "paths below it")):
         done = subprocess.run(["bash", kit, str(tmp_path)], capture_output=True, text=True,
                               env={"PATH": "/usr/bin:/bin", setting: value})
         assert done.returncode == 2 and setting in done.stderr and accepted in done.stderr
@@ -127,3 +129,21 @@ def test_decode_modes_replace_the_presets(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads((results / "decode_throughput.json").read_text())["rows"]
     assert [row["mode"] for row in rows] == ["vanilla", "dmc 2x"]
+
+
+def test_test_paths_and_train_rows_narrow_the_steps(tmp_path):
+    """DMC_TEST_PATHS collects the GPU tests of the paths named only; DMC_TRAIN_BACKENDS and
+    DMC_TRAIN_ACCUMULATE pick the train step's DMC rows (here on the CPU preset)."""
+    results = tmp_path / "r"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DMC_WHEELS": str(tmp_path),
+           "DMC_CHECK_STEPS": "gpu_tests train_step",
+           "DMC_TEST_PATHS": "tests/ops/test_mask_gpu.py tests/inference/test_kernels_gpu.py",
+           "DMC_TRAIN_BACKENDS": "dense", "DMC_TRAIN_ACCUMULATE": "torch"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(results)],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    collected = {line.split("::")[0] for line in (results / "gpu_tests.log").read_text()
+                 .splitlines() if "::" in line and " SKIPPED" in line}
+    assert collected == {"tests/ops/test_mask_gpu.py", "tests/inference/test_kernels_gpu.py"}
+    rows = json.loads((results / "train_step.json").read_text())["results"]
+    assert list(rows) == ["vanilla", "dmc-dense"]
