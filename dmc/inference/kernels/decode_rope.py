@@ -5,7 +5,7 @@ In PyTorch a decode layer rotated its queries in five elementwise ops (``float``
 ``roll``, a sum: :func:`dmc.ops.rope.rotate`) and a vanilla layer its keys in five more; a DMC
 layer also read the importance from the query's last channel (Sec. 3.2: a mean over the query
 group, ``+ c``, a sigmoid, ``+ offset``, the floor of :func:`dmc.ops.decisions.importance`) and
-zeroed that channel before and after RoPE (two ``cat``\ s), a DMS layer its eviction logit from
+zeroed that channel before and after RoPE (two ``cat`` calls), a DMS layer its eviction logit from
 each group's first head (``* scale - c``, ``> 0``) with that channel zeroed the same way: about
 fifteen launches of a few microseconds each over ``[batch, heads, dim]`` per layer. Here one
 program per (row, KV group) loads the group's heads once, in halves (rotate-half RoPE needs no

@@ -171,7 +171,8 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
         seq_slots, *((None, None) if decide is not None else
                      (slots.to(torch.int32).contiguous(), append.to(torch.int32).contiguous())),
         k, v, omega.contiguous(), positions, inv_freq, faults, lengths, alpha,
-        0.0 if key_c is None else key_c, layer, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[0],
+        0.0 if key_c is None else key_c, layer, block_tables.shape[1], block_tables.shape[-1],
+        k_pages.shape[0],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         PAGE_SIZE=k_pages.shape[1], WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
