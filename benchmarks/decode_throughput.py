@@ -7,11 +7,12 @@ temperature 1, no stop token) with the largest batch whose cache fits ONE memory
    length P + G, the peak state a policy keeps per sequence, and the measured CR;
 2. the budget counts everything the cache allocates (:func:`cache_allocation`): the K/V pages,
    and per sequence slot the block-table row of every (layer, KV head), its length, and the DMC
-   open-slot merge state (float32 window ring of pre-RoPE keys and values, their weights, the
-   token count), under DMS the window ring of ``w + 1`` keys, values and eviction flags in the
-   cache dtype, under delayed merging the ring of ``d + 1`` raw keys and values (cache dtype)
-   and their two float32 decisions; plus the policy's state per sequence. The batch is the
-   largest that fits with a page per (layer, KV head) to spare (the scheduler's margin for
+   open-slot merge state (window ring of pre-RoPE keys and values in the model's dtype, their
+   float32 weights, the token count), under DMS the window ring of ``w + 1`` keys, values and
+   eviction flags in the cache dtype, under delayed merging the ring of ``d + 1`` raw keys and
+   values (cache dtype) and their two float32 decisions; plus the policy's state per sequence.
+   The batch is the largest that fits with a page per (layer, KV head) to spare (the
+   scheduler's margin for
    admitting a prompt while others run: without it the last sequence of a batch can wait for
    the others to finish) and, per sequence, the pages the scheduler reserves for one decode
    step beyond what the step takes (the probe's most, ``step_reserve_per_seq``: a DMC, DMS or
@@ -354,9 +355,10 @@ def graphs_for(policy, args) -> bool:
 
 def probe(mode, model, dmc, policy, args, params) -> dict:
     """Pages and policy state one sequence holds at its full length, the measured CR, the
-    cache's DMC window (None: exact, vanilla or DMS), DMS window (None: not DMS) and merge delay
-    (None: not delayed merging), and the most pages the scheduler reserved for one sequence's
-    decode step beyond those the step took (``step_reserve_per_seq``, 0 for vanilla)."""
+    cache's DMC window (None: exact, vanilla or DMS) and the dtype of its ring, DMS window (None:
+    not DMS) and merge delay (None: not delayed merging), and the most pages the scheduler
+    reserved for one sequence's decode step beyond those the step took
+    (``step_reserve_per_seq``, 0 for vanilla)."""
     from dmc.inference import CompressionStats
     from dmc.inference.scheduler import worst_new_pages
 
@@ -384,7 +386,7 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
     comp = CompressionStats.combine([r.compression for r in results])
     pages = max(max(r.kv_pages for r in results),
                 math.ceil(engine.stats.peak_pages / args.probe))
-    return {"window": engine.cache.window,
+    return {"window": engine.cache.window, "ring_dtype": engine.cache.open_k.dtype,
             "dms_window": getattr(engine.cache, "dms_window", None),
             "merge_delay": getattr(engine.cache, "merge_delay", None),
             "pages_per_seq": pages, "policy_state_per_seq": state,
@@ -412,6 +414,7 @@ def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
                      window=row.pop("window"), dtype=getattr(torch, args.dtype),
                      max_seq_len=args.prompt_len + args.gen_len,
                      dms_window=row.pop("dms_window"), merge_delay=row.pop("merge_delay"),
+                     ring_dtype=row.pop("ring_dtype"),
                      device="cuda" if args.cuda else "cpu")
         batch, num_pages = fit_batch(budget, row["pages_per_seq"] + row["step_reserve_per_seq"],
                                      row["policy_state_per_seq"], shape,

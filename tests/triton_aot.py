@@ -107,24 +107,25 @@ def _paged_decode():
 
 
 def _dmc_write():
-    """The windowed (window 12) and exact merges into a bf16 cache, decided on the host, then
-    deferred with the decisions read from the key (the decode step's launch)."""
+    """The windowed (window 12, a float32 ring and a bf16 one) and exact merges into a bf16
+    cache, decided on the host, then deferred with the decisions read from the key (the decode
+    step's launch)."""
     import torch
 
     from dmc.inference.cache import PagedKVCache
     from dmc.ops.algorithm1 import KeyDecision
 
     heads, dim, batch = 2, 128, 2
-    for window in (12, None):
+    for window, ring in ((12, torch.float32), (12, torch.bfloat16), (None, torch.float32)):
         cache = PagedKVCache(1, heads, dim, 16, page_size=16, max_seqs=batch, window=window,
-                             dtype=torch.bfloat16)
+                             dtype=torch.bfloat16, ring_dtype=ring)
         seqs = [cache.add_sequence() for _ in range(batch)]
         k = torch.zeros(batch, heads, dim, dtype=torch.bfloat16)
         cache.write(0, seqs, torch.zeros(batch, dtype=torch.long), k, k.clone(),
                     torch.ones(batch, heads), torch.zeros(batch, heads), use_triton=True)
-    cache.begin_decode(seqs)
-    cache.write(0, seqs, torch.ones(batch, dtype=torch.long), k, k.clone(),
-                torch.ones(batch, heads), KeyDecision(5.0), use_triton=True, defer=True)
+        cache.begin_decode(seqs)
+        cache.write(0, seqs, torch.ones(batch, dtype=torch.long), k, k.clone(),
+                    torch.ones(batch, heads), KeyDecision(5.0), use_triton=True, defer=True)
 
 
 def _decode_rope():

@@ -20,16 +20,17 @@ FLOAT32 = 4
 def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                      page_size: int, max_seqs: int, window: int | None, dtype: torch.dtype,
                      max_seq_len: int, dms_window: int | None = None,
-                     device: str = "cpu", merge_delay: int | None = None) -> dict:
+                     device: str = "cpu", merge_delay: int | None = None,
+                     ring_dtype: torch.dtype = torch.float32) -> dict:
     """Bytes the cache built with these arguments allocates on ``device``, by part: ``pages``
     (K and V pools), ``block_tables`` (one int32 row of ``ceil(max_seq_len / page_size)`` page
     ids per (sequence slot, layer, KV head)), ``lengths`` (int32 per head), ``dmc_state``
-    (float32 ring of ``window`` pre-RoPE keys and values, or the running mean, their weights,
-    and the int32 token count, per head; a DMS cache, built with ``window=None``, allocates the
-    one-row form too), ``rope`` (the float32 frequencies), ``fault_counter`` (two int64, see
-    :mod:`dmc.inference.kernels.faults`), ``free_pages`` (the allocator's
-    int32 stack of free page ids, host memory, counted only when ``device`` is the CPU);
-    ``total`` sums them.
+    (ring of ``window`` pre-RoPE keys and values in ``ring_dtype``, or the float32 running mean,
+    their float32 weights, and the int32 token count, per head; a DMS cache, built with
+    ``window=None``, allocates the one-row form too), ``rope`` (the float32 frequencies),
+    ``fault_counter`` (two int64, see :mod:`dmc.inference.kernels.faults`), ``free_pages`` (the
+    allocator's int32 stack of free page ids, host memory, counted only when ``device`` is the
+    CPU); ``total`` sums them.
 
     With ``dms_window`` (a DMS cache; ``window`` must then be None) also ``dms_ring``: per head
     the window ring of ``dms_window + 1`` keys, values and eviction flags (:func:`ring_bytes`),
@@ -45,11 +46,12 @@ def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_page
     heads = max_seqs * num_layers * num_kv_heads
     rows = window or 1
     element = torch.empty((), dtype=dtype).element_size()
+    ring_element = torch.empty((), dtype=ring_dtype).element_size()
     out = {
         "pages": 2 * num_pages * page_size * head_dim * element,
         "block_tables": heads * math.ceil(max_seq_len / page_size) * INT32,
         "lengths": heads * INT32,
-        "dmc_state": heads * (2 * rows * head_dim * FLOAT32 + rows * FLOAT32 + INT32),
+        "dmc_state": heads * (2 * rows * head_dim * ring_element + rows * FLOAT32 + INT32),
         "rope": head_dim // 2 * FLOAT32,
         "fault_counter": 2 * INT64,
     }

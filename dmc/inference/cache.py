@@ -3,17 +3,18 @@
 The pages, free list, block tables and lengths are the :class:`BlockAllocator`'s (``allocator``);
 this module holds the storage: ONE pool of pages per model, ``k_pages``, ``v_pages``
 ``[num_pages, page_size, head_dim]`` in the cache dtype (slot ``n`` of a head at
-``k_pages[block_tables[seq, layer, head, n // page_size], n % page_size]``), and, in float32,
-the DMC merge state of each head's open (last) slot (Eq. 9), so that merging at inference equals
-the training-time accumulation:
+``k_pages[block_tables[seq, layer, head, n // page_size], n % page_size]``), and the DMC merge
+state of each head's open (last) slot (Eq. 9), so that merging at inference equals the
+training-time accumulation:
 
 * ``open_k``, ``open_v``: ``[max_seqs, num_layers, num_kv_heads, rows, head_dim]`` pre-RoPE;
 * ``open_omega``: ``[max_seqs, num_layers, num_kv_heads, rows]``;
 * ``open_count``: ``[max_seqs, num_layers, num_kv_heads]`` int32 tokens merged into the open slot.
 
 With ``window=w`` the rows (``rows = w``) are a ring of the open slot's last ``w`` tokens (token
-``j`` of the slot in row ``j % w``) with their omegas. With ``window=None`` (exact Eq. 9) there is
-one row: the running pre-RoPE mean and its running weight ``z``.
+``j`` of the slot in row ``j % w``), keys and values in ``ring_dtype`` (the model's holds its
+own outputs exactly, the mean is taken in float32), omegas in float32. With ``window=None``
+(exact Eq. 9) one float32 row holds the running pre-RoPE mean and its running weight ``z``.
 
 Deferred DMC writes (``write(..., defer=True)``: decided on the device) run between
 :meth:`begin_decode` (every layer's next pages reserved at once: the writes take no page, make
@@ -30,11 +31,13 @@ import torch
 from dmc.ops.algorithm1 import KeyDecision, OpenSlot, ring_from_tail
 
 from .block_allocator import BlockAllocator, SeqRows
+from .eviction import SlotEviction
 from .paging import at_page_boundary, pages_for, to_device
 from .kernels import resolve_use_triton, rope_inv_freq, run_dmc_write, run_paged_decode
 
+RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the window ring's keys, values
 
-class PagedKVCache:
+class PagedKVCache(SlotEviction):
     """Page pools and DMC open-slot state over a :class:`BlockAllocator`.
 
     Args:
@@ -48,17 +51,24 @@ class PagedKVCache:
         rope_base: RoPE base (``rope_theta``) of the keys the cache rotates.
         inv_freq: ``[head_dim // 2]`` RoPE frequencies (e.g. the model's, Llama 3.x scaling
             included); default: plain RoPE of ``rope_base``.
+        ring_dtype: dtype of the window ring's keys and values (:data:`RING_DTYPES`; float32
+            with ``window=None``): the dtype of the keys and values given to :meth:`write`
+            and :meth:`pack_prefill` holds them exactly.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  page_size: int = 16, max_seqs: int = 64, window: int | None = 12,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", *,
                  max_seq_len: int = 4096, rope_base: float = 10000.0,
-                 inv_freq: torch.Tensor | None = None):
+                 inv_freq: torch.Tensor | None = None, ring_dtype: torch.dtype = torch.float32):
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
         if window is not None and window < 1:
             raise ValueError(f"window must be None or >= 1, got {window}")
+        accepted = RING_DTYPES if window else RING_DTYPES[:1]  # a running mean accumulates
+        if ring_dtype not in accepted:
+            raise ValueError(f"ring_dtype: accepted {', '.join(map(str, accepted))} with window="
+                             f"{window}, got {ring_dtype}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_pages, self.page_size, self.max_seqs = num_pages, page_size, max_seqs
         self.window, self.dtype, self.device = window, dtype, torch.device(device)
@@ -69,7 +79,7 @@ class PagedKVCache:
         self.k_pages = torch.zeros(pool, dtype=dtype, device=self.device)
         self.v_pages = torch.zeros(pool, dtype=dtype, device=self.device)
         heads, rows = (max_seqs, num_layers, num_kv_heads), window or 1
-        self.open_k = torch.zeros(heads + (rows, head_dim), dtype=torch.float32, device=self.device)
+        self.open_k = torch.zeros(heads + (rows, head_dim), dtype=ring_dtype, device=self.device)
         self.open_v = torch.zeros_like(self.open_k)
         self.open_omega = torch.zeros(heads + (rows,), dtype=torch.float32, device=self.device)
         self.open_count = torch.zeros(heads, dtype=torch.int32, device=self.device)
@@ -105,8 +115,9 @@ class PagedKVCache:
         """Bytes held for one sequence: ``kv`` (its pages of keys and values), ``metadata`` (a
         4-byte block-table entry per page and a 4-byte length per head) and, with
         ``dmc_state``, ``dmc_state``: the open slot's merge state of every (layer, KV head)
-        (float32 ring of ``window`` pre-RoPE keys and values and their omegas, or the running
-        mean and ``z``, plus the int32 token count), allocated whether or not a head merges."""
+        (ring of ``window`` pre-RoPE keys and values in the ring dtype and their float32
+        omegas, or the float32 running mean and ``z``, plus the int32 token count), allocated
+        whether or not a head merges."""
         self._settle_for([seq_slot])
         lengths = self.allocator.lengths[seq_slot].long()
         pages = int(pages_for(lengths, self.page_size).sum())
@@ -143,11 +154,11 @@ class PagedKVCache:
         return self.allocator.lengths[self.allocator.seq_index(seq_slots), layer].long()
 
     def open_state(self, layer: int, seq_slots) -> OpenSlot:
-        """The open slot's merge state of ``layer`` for ``seq_slots`` (copies): the ring
+        """The open slot's merge state of ``layer`` for ``seq_slots`` (float32 copies): the ring
         ``[batch, kv_heads, rows, head_dim]`` of pre-RoPE keys and values, its omegas (or ``z``)
         ``[batch, kv_heads, rows]`` and the token counts ``[batch, kv_heads]``."""
         rows = self.allocator.seq_index(seq_slots).to(self.device)
-        return OpenSlot(self.open_k[rows, layer], self.open_v[rows, layer],
+        return OpenSlot(self.open_k[rows, layer].float(), self.open_v[rows, layer].float(),
                         self.open_omega[rows, layer], self.open_count[rows, layer].long())
 
     # ------------------------------------------------------------- sequences
@@ -319,61 +330,6 @@ class PagedKVCache:
             self.head_dim**-0.5 if scale is None else scale, use_triton=use_triton,
             num_splits=num_splits, max_length=max_length or int(host_lengths.max()) + lag,
             host_lengths=None if lag else host_lengths, faults=self.allocator.faults)
-
-    # ------------------------------------------------------------- eviction
-    def read(self, layer: int, seq_slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The cached slots of ``layer`` for ``seq_slots``, gathered through the block tables:
-        keys, values ``[batch, kv_heads, max_len, head_dim]`` float32 (zeros past a head's
-        length) and the host lengths ``[batch, kv_heads]`` (long)."""
-        self._settle_for(seq_slots)
-        seqs = self.allocator.seq_index(seq_slots)
-        lengths = self.allocator.lengths[seqs, layer].long()
-        max_len = int(lengths.max()) if lengths.numel() else 0
-        slots = torch.arange(max_len, device=self.device)
-        valid = slots < lengths.to(self.device).unsqueeze(-1)
-        table = self.block_tables[seqs.to(self.device), layer].long()
-        pages = torch.where(valid, table[..., slots // self.page_size], 0)
-        offsets = (slots % self.page_size).expand_as(pages)
-        hidden = ~valid.unsqueeze(-1)
-        return (self.k_pages[pages, offsets].float().masked_fill(hidden, 0.0),
-                self.v_pages[pages, offsets].float().masked_fill(hidden, 0.0), lengths)
-
-    def compact(self, layer: int, seq_slots, keep: torch.Tensor, keys: torch.Tensor | None = None,
-                values: torch.Tensor | None = None) -> torch.Tensor:
-        """Evict slots for real: each head of ``(seq_slots, layer)`` keeps the slots marked in
-        ``keep``, moved to the front in their order, and returns the pages it no longer needs
-        (beyond ``ceil(new_length / page_size)``) to the free list.
-
-        Args:
-            keep: ``[batch, kv_heads, n]`` bool, ``n >=`` the longest head; slots past a head's
-                length are ignored.
-            keys, values: optional ``[batch, kv_heads, n, head_dim]`` new contents of the slots
-                (a merge or a re-rotation); default: the cached ones.
-
-        Returns the new host lengths ``[batch, kv_heads]`` (long).
-        """
-        self._settle_for(seq_slots)
-        seqs = self.allocator.seq_index(seq_slots)
-        lengths = self.allocator.lengths[seqs, layer].long()
-        n = keep.shape[-1]
-        if keep.shape[:2] != lengths.shape or (lengths > n).any():
-            raise ValueError(f"compact: keep must be [batch, kv_heads, >= {int(lengths.max())}]"
-                             f" for lengths {tuple(lengths.shape)}, got {tuple(keep.shape)}")
-        if keys is None or values is None:
-            cached_k, cached_v, _ = self.read(layer, seqs)
-            keys = cached_k if keys is None else keys
-            values = cached_v if values is None else values
-        slots = torch.arange(n, device=self.device)
-        keep = keep.to(self.device, torch.bool) & (slots < lengths.to(self.device)[..., None])
-        new_lengths = keep.sum(-1).cpu()
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept first, in order
-        index = order[..., None].expand(-1, -1, -1, self.head_dim)
-        moved_k, moved_v = keys[..., :n, :].gather(2, index), values[..., :n, :].gather(2, index)
-        b, h, s = (torch.arange(n) < new_lengths[..., None]).nonzero(as_tuple=True)
-        picked = (b.to(self.device), h.to(self.device), s.to(self.device))
-        self._scatter(seqs[b], layer, h, s, moved_k[picked], moved_v[picked])
-        self.allocator.shrink(seqs, layer, new_lengths)
-        return new_lengths
 
     # --------------------------------------------------------------- helpers
     def _scatter(self, seqs, layer, heads, slots, k, v) -> None:

@@ -136,7 +136,7 @@ class Engine:
                                 num_pages=num_pages, kv_cache_bytes=kv_cache_bytes,
                                 page_size=page_size, max_batch=max_batch,
                                 max_seq_len=self.max_seq_len, dtype=cache_dtype or self.dtype,
-                                device=self.device,
+                                device=self.device, model_dtype=self.dtype,
                                 inv_freq=rope_frequencies(model, self.head_dim))
         self.policy = make_policy(policy, self.dmc, self.cache, self.num_heads, self.scale)
         self.kv = make_kv_write(self.dmc, self.cache, self.num_heads, self.scale,

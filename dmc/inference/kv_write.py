@@ -24,7 +24,7 @@ import torch
 
 from dmc.inference.block_allocator import SeqRows
 from dmc.inference.paging import default_num_pages, to_device
-from dmc.inference.cache import PagedKVCache
+from dmc.inference.cache import RING_DTYPES, PagedKVCache
 from dmc.inference.kernels import DecisionChannel, resolve_use_triton, run_decode_rope
 from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.config import DMCConfig
@@ -313,12 +313,14 @@ class DMCKV(KVWrite):
 def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_dim: int, *,
                num_pages: int | None, kv_cache_bytes: int | None, page_size: int,
                max_batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device,
-               inv_freq: torch.Tensor) -> PagedKVCache:
+               inv_freq: torch.Tensor, model_dtype: torch.dtype = torch.float32) -> PagedKVCache:
     """The cache of a model kind: a :class:`PagedKVCache` (vanilla, GQA, DMC), a
     ``DMSPagedCache`` (``method="dms"``) or a ``DelayedMergeCache`` (``merge_delay``), of
     ``num_pages`` pages or, when None, as many as :func:`default_num_pages` gives for
     ``max_batch`` sequences of ``max_seq_len`` tokens within ``kv_cache_bytes`` (window rings
-    counted)."""
+    counted). A DMC cache with a window keeps its merge ring in ``model_dtype`` (the dtype of
+    the keys and values the model writes, held exactly; float32 under delayed merging, whose
+    ring takes keys rotated back from the cache dtype)."""
     from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
     from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
 
@@ -339,7 +341,9 @@ def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_d
         return DMSPagedCache(*shape, dmc.dms_window, **options)
     if delay:
         return DelayedMergeCache(*shape, delay, window=dmc.window, **options)
-    return PagedKVCache(*shape, window=dmc.window if dmc else None, **options)
+    window = dmc.window if dmc else None
+    ring_dtype = model_dtype if window and model_dtype in RING_DTYPES else torch.float32
+    return PagedKVCache(*shape, window=window, ring_dtype=ring_dtype, **options)
 
 
 def make_kv_write(dmc: DMCConfig | None, *args) -> KVWrite:

@@ -47,7 +47,8 @@ class HardDecisions(NamedTuple):
 class OpenSlot(NamedTuple):
     """The open slot's merge state of each head (see the module docstring).
 
-    k, v: ``[..., rows, dim]`` float32 pre-RoPE (ring, or tail oldest first, or the running mean).
+    k, v: ``[..., rows, dim]`` pre-RoPE (ring, or tail oldest first, or the running mean),
+        float32; a ring may hold a 16-bit model's keys in its dtype (computed on in float32).
     omega: ``[..., rows]`` their omegas (``window=None``: the running weight ``z``).
     count: ``[...]`` long, tokens merged into the open slot.
     """

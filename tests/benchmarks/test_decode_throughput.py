@@ -43,17 +43,19 @@ def storage_sizes(root, device: torch.device) -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("layers,kv_heads,head_dim,pages,page_size,seqs,window,dtype,max_len", [
-    (2, 4, 16, 37, 16, 3, None, torch.float32, 100),
-    (3, 2, 32, 10, 5, 4, 12, torch.bfloat16, 64),
-    (1, 1, 8, 1, 7, 1, 3, torch.float16, 13),
-])
+@pytest.mark.parametrize(
+    "layers,kv_heads,head_dim,pages,page_size,seqs,window,dtype,max_len,ring", [
+    (2, 4, 16, 37, 16, 3, None, torch.float32, 100, torch.float32),
+    (3, 2, 32, 10, 5, 4, 12, torch.bfloat16, 64, torch.float32),
+    (3, 2, 32, 10, 5, 4, 12, torch.bfloat16, 64, torch.bfloat16),
+    (1, 1, 8, 1, 7, 1, 3, torch.float16, 13, torch.float16),
+    ])
 def test_budget_accounting_equals_the_bytes_the_cache_allocates(
-        layers, kv_heads, head_dim, pages, page_size, seqs, window, dtype, max_len):
+        layers, kv_heads, head_dim, pages, page_size, seqs, window, dtype, max_len, ring):
     cache = PagedKVCache(layers, kv_heads, head_dim, pages, page_size=page_size, max_seqs=seqs,
-                         window=window, dtype=dtype, max_seq_len=max_len)
+                         window=window, dtype=dtype, max_seq_len=max_len, ring_dtype=ring)
     counted = bench.cache_allocation(layers, kv_heads, head_dim, pages, page_size, seqs, window,
-                                     dtype, max_len)
+                                     dtype, max_len, ring_dtype=ring)
     assert counted["total"] == allocated_bytes(cache, cache.device)
 
 
@@ -108,11 +110,12 @@ def test_budget_accounting_on_cuda(window):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(device)
     cache = PagedKVCache(4, 8, 128, 1000, page_size=16, max_seqs=32, window=window,
-                         dtype=torch.bfloat16, device=device, max_seq_len=4096)
+                         dtype=torch.bfloat16, device=device, max_seq_len=4096,
+                         ring_dtype=torch.bfloat16 if window else torch.float32)
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated(device) - before
     counted = bench.cache_allocation(4, 8, 128, 1000, 16, 32, window, torch.bfloat16, 4096,
-                                     device="cuda")
+                                     device="cuda", ring_dtype=cache.open_k.dtype)
     sizes = storage_sizes(cache, device)
     assert counted["total"] == sum(sizes)
     rounding = 512 * len(sizes) + 2**20 * sum(size > 2**20 for size in sizes)

@@ -449,3 +449,12 @@ def test_sequence_bytes_counts_pages_tables_and_merge_state(window, rows):
     assert got == {"kv": pages * 2 * page * dim * 2, "metadata": pages * 4 + layers * heads * 4,
                    "dmc_state": layers * heads * ((2 * rows * dim + rows) * 4 + 4)}
     assert cache.sequence_bytes(slot, dmc_state=False)["dmc_state"] == 0
+
+
+@pytest.mark.parametrize("window,ring_dtype", [(None, torch.bfloat16), (3, torch.int8),
+                                               (3, torch.float64)])
+def test_a_ring_dtype_the_window_cannot_take_is_refused(window, ring_dtype):
+    """The running mean (``window=None``) accumulates: float32 only; a ring holds float32 or a
+    16-bit model's own keys."""
+    with pytest.raises(ValueError, match=f"ring_dtype: accepted torch.float32.* got {ring_dtype}"):
+        PagedKVCache(1, 1, 4, 4, page_size=2, max_seqs=1, window=window, ring_dtype=ring_dtype)

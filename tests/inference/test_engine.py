@@ -12,6 +12,7 @@ from dmc.inference import (
     load_inference_state,
     save_inference_state,
 )
+from dmc.inference import kv_write
 from dmc.inference.sampling import filtered_probs
 from dmc.megatron.attention import dmc_layers
 from dmc.megatron.model import build_gpt_model
@@ -121,6 +122,27 @@ def test_head_dim_other_than_hidden_over_heads(parallel_1x1, window):
         assert min(r.compression.overall for r in results) > 1.5
     check_against_model(model, results, prompt_list, dmc=runtime is not None)
 
+
+
+def test_a_16_bit_models_ring_holds_its_keys_in_its_dtype(parallel_1x1, monkeypatch):
+    """A bfloat16 DMC model's window ring is in bfloat16 (half a float32 ring's bytes), and
+    serving through it (chunked prefill reads the ring back across chunks, decode merges into
+    it) gives the tokens, log-probabilities and slots of a float32 ring bit for bit; the exact
+    running mean stays float32."""
+    model = build(2, 3)[0].to(torch.bfloat16)
+    prompt_list, params = prompts(), SamplingParams(max_new_tokens=12)
+    engines = [Engine(model, page_size=4, max_batch=4, chunk_size=5)]
+    monkeypatch.setattr(kv_write, "RING_DTYPES", (torch.float32,))
+    engines.append(Engine(model, page_size=4, max_batch=4, chunk_size=5))
+    assert [e.cache.open_k.dtype for e in engines] == [torch.bfloat16, torch.float32]
+    narrow, wide = (e.generate(prompt_list, params) for e in engines)
+    assert min(r.compression.overall for r in narrow) > 1.5
+    for a, b in zip(narrow, wide):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs
+        assert torch.equal(a.compression.slots, b.compression.slots)
+    monkeypatch.undo()
+    exact = Engine(model, DMCConfig(window=None, c=-1.0), page_size=4, max_batch=4)
+    assert exact.cache.open_k.dtype == torch.float32
 
 def test_chunk_size_does_not_change_the_result(parallel_1x1):
     model, _ = build(2, 3)

@@ -16,6 +16,7 @@ from dmc.inference.kernels import (
     paged_decode_batched,
     paged_decode_reference,
     resolve_use_triton,
+    run_dmc_write,
     run_paged_decode,
 )
 from dmc.inference.kernels import native as native_kernels
@@ -335,6 +336,60 @@ def test_inplace_write_matches_reference(window, dtype, native):
     assert not torch.equal(results[1]["open_k"], state["open_k"])
 
 
+
+RING_WRITES = {
+    "reference": dmc_write_reference,
+    "compiled": functools.partial(dmc_write_inplace, native=True),
+    "pytorch": functools.partial(dmc_write_inplace, native=False),
+    "triton": functools.partial(run_dmc_write, use_triton=True),
+}
+
+
+@pytest.mark.parametrize("ring_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", sorted(RING_WRITES))
+def test_a_ring_in_the_keys_dtype_writes_what_a_float32_ring_writes(path, ring_dtype):
+    """A 16-bit model's keys and values (and so its rings) are exact in its dtype: three steps of
+    random writes through a ring of that dtype leave the pages, omegas and counts equal bit for
+    bit to a float32 ring's, and the ring equal to it in value."""
+    if path == "compiled" and (ring_dtype == torch.float16
+                               or native_kernels.load_library() is None):
+        pytest.skip("the compiled kernel takes float32 and bfloat16 rings")
+    gen = torch.Generator().manual_seed(11)
+    seqs, layers, heads, dim, window, pages, size = 4, 2, 3, 16, 4, 128, 4
+
+    def model_dtype(*shape):
+        return torch.randn(*shape, generator=gen).to(ring_dtype)
+
+    ring = {"open_k": model_dtype(seqs, layers, heads, window, dim),
+            "open_v": model_dtype(seqs, layers, heads, window, dim)}
+    state = {
+        "k_pages": torch.zeros(pages, size, dim, dtype=ring_dtype),
+        "v_pages": torch.zeros(pages, size, dim, dtype=ring_dtype),
+        "block_tables": torch.randperm(pages, generator=gen)[:seqs * layers * heads * 4]
+        .reshape(seqs, layers, heads, 4).int(),
+        "open_omega": torch.rand(seqs, layers, heads, window, generator=gen) + 0.1,
+        "open_count": torch.randint(1, 2 * window, (seqs, layers, heads), generator=gen).int(),
+    }
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2).float() / dim)
+    caches = [{**state, **{name: t.to(dtype) for name, t in ring.items()}}
+              for dtype in (torch.float32, ring_dtype)]
+    caches = [{name: cache[name].clone() for name in ("k_pages", "v_pages", "block_tables",
+                                                      "open_k", "open_v", "open_omega",
+                                                      "open_count")} for cache in caches]
+    for step in range(3):
+        batch = torch.tensor([2, 0, 3])
+        args = (batch, torch.full((3, heads), step + 4), torch.rand(3, heads, generator=gen) < 0.3,
+                model_dtype(3, heads, dim), model_dtype(3, heads, dim),
+                torch.rand(3, heads, generator=gen) + 0.1, torch.tensor([9, 4, 30]) + step)
+        for cache in caches:
+            RING_WRITES[path](*cache.values(), inv_freq, window, step % layers, *args)
+    wide, narrow = caches
+    assert narrow["open_k"].dtype == ring_dtype
+    for name, tensor in wide.items():
+        assert torch.equal(narrow[name].to(tensor.dtype), tensor), name
+    assert not torch.equal(wide["k_pages"], state["k_pages"])
+
+
 def unreserved_page_calls(entry: int):
     """One call of each compiled kernel on a small state whose block table has ``entry`` (-1:
     never reserved, or a page past the pool) where sequence slot 3's KV head 1 of layer 1 needs
@@ -456,16 +511,16 @@ def test_pytorch_paths_refuse_a_page_outside_the_pool(entry):
 
 
 def test_triton_kernels_compile_for_hopper():
-    """The paged decode (split, its ring mode and reduce), the DMC write (windowed, exact,
-    deciding from the key), the decode RoPE (plain, DMC, DMS), the DMS write and the Gumbel-max
-    draw pass Triton's compiler for sm_90 down to a cubin, as on an H100 (the interpreter never
-    compiles)."""
+    """The paged decode (split, its ring mode and reduce), the DMC write (windowed with a float32
+    and a bf16 ring, exact; each also deciding from the key), the decode RoPE (plain, DMC,
+    DMS), the DMS write and the Gumbel-max draw pass Triton's compiler for sm_90 down to a
+    cubin, as on an H100 (the interpreter never compiles)."""
     done = compile_in_subprocess("paged_decode", "dmc_write", "decode_rope", "dms_write", "gumbel")
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = done.stdout.splitlines()
     assert sum("_decode_split_kernel: compiled" in line for line in compiled) == 4
     assert sum("_decode_reduce_kernel: compiled" in line for line in compiled) == 2
-    assert sum("_dmc_write_kernel: compiled" in line for line in compiled) == 3
+    assert sum("_dmc_write_kernel: compiled" in line for line in compiled) == 6
     assert sum("_decode_rope_kernel: compiled" in line for line in compiled) == 4
     assert sum("_dms_write_kernel: compiled" in line for line in compiled) == 1
     assert sum("_gumbel_argmax_kernel: compiled" in line for line in compiled) == 1

@@ -26,12 +26,13 @@ def _load_half(row_ptr, cols, col_mask, zero_col):
 @triton.jit
 def _window_half(buf_ptr, x, rows, filled, cols, col_mask, ring, weights, total, append,
                  DIM: tl.constexpr):
-    """Push ``x`` (columns ``cols``) into row ``ring`` of ``buf [WINDOW, DIM]``; weighted mean
-    of the ``filled`` rows (the others are not read)."""
+    """Push ``x`` (columns ``cols``) into row ``ring`` of ``buf [WINDOW, DIM]`` (float32 or the
+    token's dtype, which holds it exactly); weighted mean of the ``filled`` rows (the others are
+    not read), in float32."""
     buf = tl.load(buf_ptr + rows[:, None] * DIM + cols[None, :],
-                  mask=filled[:, None] & col_mask[None, :], other=0.0)
+                  mask=filled[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     buf = tl.where(rows[:, None] == ring, x[None, :], buf)
-    tl.store(buf_ptr + ring * DIM + cols, x, mask=col_mask)
+    tl.store(buf_ptr + ring * DIM + cols, x.to(buf_ptr.dtype.element_ty), mask=col_mask)
     mean = tl.sum(weights[:, None] * buf, axis=0) / total
     return tl.where(append, x, mean)
 

@@ -119,7 +119,7 @@ def _load(compiler: str) -> ctypes.CDLL:
     library.dmc_paged_limits.argtypes = [integer]
     library.dmc_write_window.restype = integer
     library.dmc_write_window.argtypes = ([pointer] * 9 + [integer] * 2 + [pointer] * 6
-                                         + [integer] * 9 + [pointer])
+                                         + [integer] * 10 + [pointer])
     library.dms_write_token.restype = integer
     library.dms_write_token.argtypes = [pointer] * 12 + [integer] * 11 + [pointer]
     library.delayed_write_token.restype = integer
@@ -251,7 +251,8 @@ def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
                      positions) -> bool:
     """The windowed DMC write by the compiled kernel; ``False`` (nothing written) where it does
     not apply: no library, the exact running mean (``window=None``), a GPU tensor, a pool dtype
-    other than float32 / bfloat16, state tensors not contiguous or not of the cache's dtypes.
+    other than float32 / bfloat16, state tensors not contiguous or not of the cache's dtypes
+    (rings of keys and values: float32 or bfloat16, both alike).
 
     Arguments and effect: :func:`~dmc.inference.kernels.reference.dmc_write_reference`.
     """
@@ -261,7 +262,9 @@ def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
     if (library is None or window is None or not _in_place(k_pages, v_pages)
             or k_pages.shape[-1] > 1024 or k_pages.shape[-1] % 2
             or not all(t.is_contiguous() for t in state.values())
-            or any(state[name].dtype != dtype for name, dtype in WRITE_INPUTS.items())):
+            or open_k.dtype not in (torch.float32, torch.bfloat16) or open_v.dtype != open_k.dtype
+            or any(state[name].dtype != dtype for name, dtype in WRITE_INPUTS.items()
+                   if name not in ("open_k", "open_v"))):
         return False
     batch, heads = append.shape
     token = [t.to(torch.float32).contiguous() for t in (k, v, omega)]
@@ -276,7 +279,7 @@ def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
         flags.data_ptr(), token[0].data_ptr(), token[1].data_ptr(), token[2].data_ptr(),
         batch, heads, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[-1],
         k_pages.shape[1], k_pages.shape[0], int(k_pages.dtype == torch.bfloat16),
-        torch.get_num_threads(), ctypes.byref(bad_row))
+        int(open_k.dtype == torch.bfloat16), torch.get_num_threads(), ctypes.byref(bad_row))
     _check_rows(bad, bad_row, "DMC write", _row_of(index[0], heads, layer))
     return True
 

@@ -80,9 +80,10 @@ def dmc_write_reference(k_pages, v_pages, block_tables, open_k, open_v, open_ome
     Args:
         k_pages, v_pages: ``[num_pages, page_size, head_dim]`` pools (written).
         block_tables: ``[max_seqs, num_layers, kv_heads, max_pages]`` int page ids.
-        open_k, open_v: ``[max_seqs, num_layers, kv_heads, rows, head_dim]`` float32 open-slot
-            rings; open_omega ``[max_seqs, num_layers, kv_heads, rows]``; open_count
-            ``[max_seqs, num_layers, kv_heads]`` int32 (all updated).
+        open_k, open_v: ``[max_seqs, num_layers, kv_heads, rows, head_dim]`` open-slot rings
+            (float32, or with a window the dtype of ``k``, ``v``); open_omega ``[max_seqs,
+            num_layers, kv_heads, rows]``; open_count ``[max_seqs, num_layers, kv_heads]``
+            int32 (all updated).
         inv_freq: ``[head_dim // 2]`` RoPE frequencies; window: ``w`` or None (exact).
         layer: layer index.
         seq_slots: ``[batch]`` cache sequence slots, distinct.
@@ -98,7 +99,8 @@ def dmc_write_reference(k_pages, v_pages, block_tables, open_k, open_v, open_ome
     state = (seq, layer, head)
     ring = OpenSlot(open_k[state], open_v[state], open_omega[state], open_count[state])
     ring, mean_k, mean_v = merge_into_open_slot(ring, append.bool(), k, v, omega, window)
-    open_k[state], open_v[state], open_omega[state] = ring.k, ring.v, ring.omega
+    open_k[state], open_v[state] = ring.k.to(open_k.dtype), ring.v.to(open_v.dtype)
+    open_omega[state] = ring.omega
     open_count[state] = ring.count.to(open_count.dtype)
     rotated = apply_rope(mean_k, positions.unsqueeze(1), inv_freq)
     slots = slots.long()

@@ -11,12 +11,14 @@
  *
  * Layout: pools [num_pages, page_size, head_dim] float32 or bfloat16 (rounded to nearest even);
  * tables [max_seqs, layers, kv_heads, max_pages] int32; open_k, open_v [max_seqs, layers, kv_heads,
- * window, head_dim] float32; open_omega [..., window] float32; open_count [max_seqs, layers,
- * kv_heads] int32; per token: k, v [batch, kv_heads, head_dim] float32, omega [batch, kv_heads]
- * float32, append [batch, kv_heads] int8, slots [batch, kv_heads] int64, seq_slots and positions
- * [batch] int64; the cosines and sines of each token's RoPE angles, cos, sin [batch, head_dim / 2]
- * float32 (dmc.ops.rope.rope_angles), computed once per position for all its heads (per head,
- * cosf and sinf took about a quarter of the write's time at head_dim 16 and 64).
+ * window, head_dim] float32 or bfloat16 (the dtype of a bfloat16 model's keys, which it holds
+ * exactly; the mean is taken in float32); open_omega [..., window] float32; open_count
+ * [max_seqs, layers, kv_heads] int32; per token: k, v [batch, kv_heads, head_dim] float32,
+ * omega [batch, kv_heads] float32, append [batch, kv_heads] int8, slots [batch, kv_heads]
+ * int64, seq_slots and positions [batch] int64; the cosines and sines of each token's RoPE
+ * angles, cos, sin [batch, head_dim / 2] float32 (dmc.ops.rope.rope_angles), computed once per
+ * position for all its heads (per head, cosf and sinf took about a quarter of the write's time
+ * at head_dim 16 and 64).
  */
 #include <stdint.h>
 #include <string.h>
@@ -67,37 +69,48 @@ static inline int64_t page_of(const int32_t *table, int64_t slot, int64_t max_pa
     return page >= 0 && page < num_pages ? page : -1;
 }
 
+/* Row `row` of a ring (float32, or bfloat16 when ring_bf16) as float32: in place, or converted
+ * into `scratch`. */
+static inline const float *ring_row(const void *ring, int64_t row, int64_t head_dim,
+                                    int ring_bf16, float *scratch) {
+    if (!ring_bf16) return (const float *)ring + row * head_dim;
+    load(ring, row * head_dim, scratch, head_dim, 1);
+    return scratch;
+}
+
 /* Algorithm 1 for one token of head `state` (k, v pre-RoPE, weight omega): `count` tokens merged
  * before it (0 = append), its ring row, the slot's weighted mean rotated by the angles of cos,
  * sin [head_dim / 2] (the token's position), written at `slot` of the head's pages. Returns 0,
  * nothing changed, when that slot's page is not one of the pool's `num_pages`; else 1. */
-static int merge_token(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
-                        float *open_v, float *open_omega, int32_t *open_count,
+static int merge_token(void *k_pages, void *v_pages, const int32_t *tables, void *open_k,
+                        void *open_v, float *open_omega, int32_t *open_count,
                         const float *cos, const float *sin, int64_t window, int64_t state,
                         int64_t count, const float *k, const float *v, float omega,
                         int64_t slot, int64_t max_pages, int64_t head_dim, int64_t page_size,
-                        int64_t num_pages, int bf16) {
+                        int64_t num_pages, int bf16, int ring_bf16) {
     const int64_t page = page_of(tables + state * max_pages, slot, max_pages, page_size,
                                  num_pages);
     if (page < 0) return 0;
-    float *ring_k = open_k + state * window * head_dim;
-    float *ring_v = open_v + state * window * head_dim;
-    float *ring_omega = open_omega + state * window;
+    const int64_t first = state * window;  /* the head's first ring row */
+    float *ring_omega = open_omega + first;
     const int64_t put = count % window;
-    memcpy(ring_k + put * head_dim, k, sizeof(float) * head_dim);
-    memcpy(ring_v + put * head_dim, v, sizeof(float) * head_dim);
+    store(open_k, (first + put) * head_dim, k, head_dim, ring_bf16);
+    store(open_v, (first + put) * head_dim, v, head_dim, ring_bf16);
     ring_omega[put] = omega;
     open_count[state] = (int32_t)(count + 1);
     const int64_t filled = count + 1 < window ? count + 1 : window;
-    float mean_k[MAX_HEAD], mean_v[MAX_HEAD], rotated[MAX_HEAD], total = 0.0f;
+    float mean_k[MAX_HEAD], mean_v[MAX_HEAD], rotated[MAX_HEAD], row_k[MAX_HEAD],
+        row_v[MAX_HEAD], total = 0.0f;
     memset(mean_k, 0, sizeof(float) * head_dim);
     memset(mean_v, 0, sizeof(float) * head_dim);
     for (int64_t r = 0; r < filled; ++r) {
         const float weight = ring_omega[r];
+        const float *key = ring_row(open_k, first + r, head_dim, ring_bf16, row_k);
+        const float *value = ring_row(open_v, first + r, head_dim, ring_bf16, row_v);
         total += weight;
         for (int64_t d = 0; d < head_dim; ++d) {
-            mean_k[d] += weight * ring_k[r * head_dim + d];
-            mean_v[d] += weight * ring_v[r * head_dim + d];
+            mean_k[d] += weight * key[d];
+            mean_v[d] += weight * value[d];
         }
     }
     for (int64_t d = 0; d < head_dim; ++d) {
@@ -121,13 +134,14 @@ static inline int64_t refused(int64_t row, int64_t *bad_row) {
 /* Each of the writes below returns the number of (sequence, KV head) rows left unwritten because
  * their slot's page is not one of the pool's `num_pages` (an unreserved page: -1 in the block
  * table), one of them in *bad_row; the caller raises. */
-int64_t dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, float *open_k,
-                         float *open_v, float *open_omega, int32_t *open_count, const float *cos,
+int64_t dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, void *open_k,
+                         void *open_v, float *open_omega, int32_t *open_count, const float *cos,
                          const float *sin, int64_t window, int64_t layer, const int64_t *seq_slots,
                          const int64_t *slots, const int8_t *append, const float *k,
                          const float *v, const float *omega, int64_t batch, int64_t kv_heads,
                          int64_t layers, int64_t max_pages, int64_t head_dim, int64_t page_size,
-                         int64_t num_pages, int64_t is_bf16, int64_t threads, int64_t *bad_row) {
+                         int64_t num_pages, int64_t is_bf16, int64_t ring_bf16,
+                         int64_t threads, int64_t *bad_row) {
     int64_t bad = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : bad)
     for (int64_t row = 0; row < batch * kv_heads; ++row) {
@@ -137,7 +151,8 @@ int64_t dmc_write_window(void *k_pages, void *v_pages, const int32_t *tables, fl
         if (!merge_token(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
                          cos + b * (head_dim / 2), sin + b * (head_dim / 2), window, state,
                          count, k + row * head_dim, v + row * head_dim, omega[row], slots[row],
-                         max_pages, head_dim, page_size, num_pages, (int)is_bf16))
+                         max_pages, head_dim, page_size, num_pages, (int)is_bf16,
+                         (int)ring_bf16))
             bad += refused(row, bad_row);
     }
     return bad;
@@ -183,7 +198,7 @@ int64_t delayed_write_token(void *k_pages, void *v_pages, const int32_t *tables,
                              cos_out + at, sin_out + at, window, state,
                              append ? 0 : open_count[state], pre, value, ring_omega[ring_row],
                              append ? length : length - 1, max_pages, head_dim, page_size,
-                             num_pages, (int)is_bf16)) {
+                             num_pages, (int)is_bf16, 0)) {
                 bad += refused(row, bad_row);
                 continue;
             }
