@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from dmc.inference.cache import open_slot_bytes
 from dmc.inference.delayed_cache import delayed_ring_bytes
 from dmc.inference.dms_cache import ring_bytes
 
@@ -46,12 +47,11 @@ def cache_allocation(num_layers: int, num_kv_heads: int, head_dim: int, num_page
     heads = max_seqs * num_layers * num_kv_heads
     rows = window or 1
     element = torch.empty((), dtype=dtype).element_size()
-    ring_element = torch.empty((), dtype=ring_dtype).element_size()
     out = {
         "pages": 2 * num_pages * page_size * head_dim * element,
         "block_tables": heads * math.ceil(max_seq_len / page_size) * INT32,
         "lengths": heads * INT32,
-        "dmc_state": heads * (2 * rows * head_dim * ring_element + rows * FLOAT32 + INT32),
+        "dmc_state": heads * open_slot_bytes(rows, head_dim, ring_dtype),
         "rope": head_dim // 2 * FLOAT32,
         "fault_counter": 2 * INT64,
     }

@@ -37,6 +37,12 @@ from .kernels import resolve_use_triton, rope_inv_freq, run_dmc_write, run_paged
 
 RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the window ring's keys, values
 
+
+def open_slot_bytes(rows: int, head_dim: int, ring_dtype: torch.dtype) -> int:
+    """Bytes of one head's open-slot state: ``rows`` keys and values in ``ring_dtype``, their
+    float32 omegas and the int32 count (``rows`` = the window, 1 for the exact running mean)."""
+    return rows * (2 * head_dim * torch.empty((), dtype=ring_dtype).element_size() + 4) + 4
+
 class PagedKVCache(SlotEviction):
     """Page pools and DMC open-slot state over a :class:`BlockAllocator`.
 
@@ -126,10 +132,8 @@ class PagedKVCache(SlotEviction):
                "metadata": pages * self.allocator.tables.element_size() + heads * 4,
                "dmc_state": 0}
         if dmc_state:
-            per_head = (self.open_k[seq_slot, 0, 0].numel() * 2 * self.open_k.element_size()
-                        + self.open_omega[seq_slot, 0, 0].numel() * self.open_omega.element_size()
-                        + self.open_count.element_size())
-            out["dmc_state"] = heads * per_head
+            rows = self.open_omega.shape[-1]
+            out["dmc_state"] = heads * open_slot_bytes(rows, self.head_dim, self.open_k.dtype)
         return out
 
     def head_lengths(self, seq_slot: int) -> torch.Tensor:

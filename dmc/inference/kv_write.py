@@ -24,7 +24,7 @@ import torch
 
 from dmc.inference.block_allocator import SeqRows
 from dmc.inference.paging import default_num_pages, to_device
-from dmc.inference.cache import RING_DTYPES, PagedKVCache
+from dmc.inference.cache import RING_DTYPES, PagedKVCache, open_slot_bytes
 from dmc.inference.kernels import DecisionChannel, resolve_use_triton, run_decode_rope
 from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.config import DMCConfig
@@ -317,20 +317,26 @@ def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_d
     """The cache of a model kind: a :class:`PagedKVCache` (vanilla, GQA, DMC), a
     ``DMSPagedCache`` (``method="dms"``) or a ``DelayedMergeCache`` (``merge_delay``), of
     ``num_pages`` pages or, when None, as many as :func:`default_num_pages` gives for
-    ``max_batch`` sequences of ``max_seq_len`` tokens within ``kv_cache_bytes`` (window rings
-    counted). A DMC cache with a window keeps its merge ring in ``model_dtype`` (the dtype of
-    the keys and values the model writes, held exactly; float32 under delayed merging, whose
-    ring takes keys rotated back from the cache dtype)."""
+    ``max_batch`` sequences of ``max_seq_len`` tokens within ``kv_cache_bytes`` (the window
+    rings of every sequence slot counted: DMC's merge ring, DMS's and delayed merging's rings
+    of raw tokens). A DMC cache with a window keeps its merge ring in ``model_dtype`` (the
+    dtype of the keys and values the model writes, held exactly; float32 under delayed
+    merging, whose ring takes keys rotated back from the cache dtype)."""
     from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
     from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
 
     dms = dmc is not None and dmc.method == "dms"
     delay = dmc.merge_delay if dmc is not None else 0
+    window = None if dms or dmc is None else dmc.window
+    ring_dtype = (model_dtype if window and not delay and model_dtype in RING_DTYPES
+                  else torch.float32)
     if num_pages is None:
         heads = num_layers * num_kv_heads
         item = torch.empty((), dtype=dtype).element_size()
         ring = (ring_bytes(dmc.dms_window, head_dim, item) if dms else
                 delayed_ring_bytes(delay, head_dim, item) if delay else 0)
+        if window:
+            ring += open_slot_bytes(window, head_dim, ring_dtype)
         num_pages = default_num_pages(max_batch, max_seq_len, page_size, heads,
                                       2 * page_size * head_dim * item, kv_cache_bytes, device,
                                       reserved=max_batch * heads * ring)
@@ -340,9 +346,7 @@ def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_d
     if dms:
         return DMSPagedCache(*shape, dmc.dms_window, **options)
     if delay:
-        return DelayedMergeCache(*shape, delay, window=dmc.window, **options)
-    window = dmc.window if dmc else None
-    ring_dtype = model_dtype if window and model_dtype in RING_DTYPES else torch.float32
+        return DelayedMergeCache(*shape, delay, window=window, **options)
     return PagedKVCache(*shape, window=window, ring_dtype=ring_dtype, **options)
 
 

@@ -60,20 +60,22 @@ def test_out_of_pages_preempts_and_restarts_with_the_same_output(parallel_1x1):
 
 
 def test_the_byte_budget_and_the_accounting_hold_the_rings(parallel_1x1):
-    """kv_cache_bytes covers the pages and the rings of every sequence slot; a sequence's bytes
-    are its pages, their metadata, the merge state and the ring, as allocated."""
+    """kv_cache_bytes covers the pages and the rings of every sequence slot (raw tokens, and
+    the merge ring of window 3); a sequence's bytes are its pages, their metadata, the merge
+    state and the ring, as allocated."""
     model = build_delayed(2, 3)
     page = 2 * 16 * 16 * 4  # keys + values, 16 slots of head_dim 16, float32
-    rings = 3 * 2 * 2 * delayed_ring_bytes(3, 16, 4)  # max_batch x layers x kv heads
+    merge = 3 * (2 * 16 * 4 + 4) + 4  # window 3: float32 keys, values, omegas; the count
+    rings = 3 * 2 * 2 * (delayed_ring_bytes(3, 16, 4) + merge)  # max_batch x layers x kv heads
     engine = Engine(model, max_batch=3, kv_cache_bytes=rings + 10 * page + 5)
     cache = engine.cache
     assert cache.num_pages == 10
-    ring_tensors = (cache.ring_k, cache.ring_v, cache.ring_alpha, cache.ring_omega)
+    ring_tensors = (cache.ring_k, cache.ring_v, cache.ring_alpha, cache.ring_omega,
+                    cache.open_k, cache.open_v, cache.open_omega, cache.open_count)
     assert sum(t.numel() * t.element_size() for t in ring_tensors) == rings
     engine.add_request(prompts((30,))[0], SamplingParams(max_new_tokens=5))
     engine.step()
     seq = engine.scheduler.running[0]
     held = cache.sequence_bytes(seq.slot)
-    state = [cache.open_k, cache.open_v, cache.open_omega, cache.open_count, *ring_tensors]
-    assert held["dmc_state"] == sum(t[seq.slot].numel() * t.element_size() for t in state)
+    assert held["dmc_state"] == sum(t[seq.slot].numel() * t.element_size() for t in ring_tensors)
     assert held["kv"] == cache.pages_in_use * cache.page_bytes

@@ -396,6 +396,12 @@ def test_default_pool_respects_the_byte_budget(parallel_1x1):
     page_bytes = 2 * 16 * 16 * 4  # keys + values, 16 slots of head_dim 16, float32
     engine = Engine(model, dmc=None, max_batch=4, kv_cache_bytes=10 * page_bytes + 5)
     assert engine.cache.num_pages == 10
+    merging, runtime = build(2, 3)  # DMC, window 3: the merge rings of 4 slots count too
+    rings = 4 * 2 * 2 * (3 * (2 * 16 * 4 + 4) + 4)  # slots x layers x kv x open-slot state
+    engine = Engine(merging, max_batch=4, kv_cache_bytes=rings + 10 * page_bytes + 5)
+    state = (engine.cache.open_k, engine.cache.open_v, engine.cache.open_omega,
+             engine.cache.open_count)
+    assert engine.cache.num_pages == 10 and sum(t.nbytes for t in state) == rings
     roomy = Engine(model, dmc=None, max_batch=4, kv_cache_bytes=1 << 40)
     assert roomy.cache.num_pages == 4 * (MAX_SEQ // 16) * 2 * 2  # uncompressed, all layers/heads
     with pytest.raises(ValueError, match="kv_cache_bytes"):
