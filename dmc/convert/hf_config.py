@@ -99,7 +99,8 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
     """A ``config.json`` dict: ``LlamaForCausalLM`` or, with ``model.qk_layernorm``,
     ``Qwen3ForCausalLM`` (``dmc`` None), the exported DMC model
     (:class:`dmc.convert.hf_modeling_dmc.DMCLlamaConfig`: ``dmc``'s settings as its ``dmc_*``
-    fields, ``dmc_merge_delay`` only under delayed merging) or, for ``dmc.method == "dms"``, the exported DMS model
+    fields, ``dmc_merge_delay`` only under delayed merging) or, for ``dmc.method == "dms"``,
+    the exported DMS model
     (:class:`dmc.convert.hf_modeling_dms.DMSLlamaConfig`: ``dms_window``, ``dms_c``,
     ``dms_logit_scale``, ``dms_channel``, and ``dms_decision`` for adapter decisions), plus
     ``dmc_extra``, e.g. the target and measured CR

@@ -15,9 +15,9 @@ Decode (:meth:`write`, batched over sequences and heads): token ``p - R`` leaves
 deferred DMC write), its pre-RoPE key recovered by rotating back (RoPE is orthogonal: rotating
 by ``-t`` undoes rotating by ``t``, exact up to rounding in the cache dtype). On the CPU a
 compiled kernel does the whole write, in static steps too (the positions are host memory there:
-:func:`~dmc.inference.kernels.native.native_delayed_write`, tested against the PyTorch path). Prefill is the
-KV write's (:class:`~dmc.inference.kv_write_delayed.DelayedDMCKV`) over :meth:`raw_window` and
-:meth:`keep_window_tail`, with :meth:`window_decisions`.
+:func:`~dmc.inference.kernels.native.native_delayed_write`, tested against the PyTorch path).
+Prefill is the KV write's (:class:`~dmc.inference.kv_write_delayed.DelayedDMCKV`) over
+:meth:`raw_window` and :meth:`keep_window_tail`, with :meth:`window_decisions`.
 
 Memory (:meth:`sequence_bytes`, ``dmc_state``): the DMC merge state of every head plus its ring
 of R keys and values in the cache dtype and two float32 decisions per row
