@@ -18,8 +18,8 @@ A token the last prompt query still sees raw is held whole whatever the decision
 last ``dms_window`` tokens under DMS, the last ``merge_delay`` under DMC with delayed merging
 (``dmc.merge_delay``). The last prompt token (the query's last key token) is left out. Prints,
 per layer, the share of heads x tokens held whole among haystack tokens, the needle's key and
-its value, and ``value / haystack`` (above 1: the heads single out the value, a decision that depends on the
-content); ``--json PATH`` writes the numbers.
+its value, and ``value / haystack`` (above 1: the heads single out the value, a decision that
+depends on the content); ``--json PATH`` writes the numbers.
 """
 from __future__ import annotations
 
