@@ -43,6 +43,7 @@ def open_slot_bytes(rows: int, head_dim: int, ring_dtype: torch.dtype) -> int:
     float32 omegas and the int32 count (``rows`` = the window, 1 for the exact running mean)."""
     return rows * (2 * head_dim * torch.empty((), dtype=ring_dtype).element_size() + 4) + 4
 
+
 class PagedKVCache(SlotEviction):
     """Page pools and DMC open-slot state over a :class:`BlockAllocator`.
 
