@@ -242,8 +242,17 @@ def native_paged_decode(
     return out, lse
 
 
-WRITE_INPUTS = dict(open_k=torch.float32, open_v=torch.float32, open_omega=torch.float32,
-                    open_count=torch.int32, block_tables=torch.int32)
+WRITE_INPUTS = dict(open_omega=torch.float32, open_count=torch.int32, block_tables=torch.int32)
+
+
+def _merge_state_fits(state: dict, ring_dtypes: tuple) -> bool:
+    """Whether the merge state ``state`` (``open_k``, ``open_v`` and :data:`WRITE_INPUTS`'
+    tensors) is contiguous and of the kernel's dtypes: rings of keys and values of one dtype of
+    ``ring_dtypes``, the others as :data:`WRITE_INPUTS` lists."""
+    return (all(t.is_contiguous() for t in state.values())
+            and state["open_k"].dtype in ring_dtypes
+            and state["open_v"].dtype == state["open_k"].dtype
+            and all(state[name].dtype == dtype for name, dtype in WRITE_INPUTS.items()))
 
 
 def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
@@ -261,10 +270,7 @@ def native_dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega,
                  block_tables=block_tables)
     if (library is None or window is None or not _in_place(k_pages, v_pages)
             or k_pages.shape[-1] > 1024 or k_pages.shape[-1] % 2
-            or not all(t.is_contiguous() for t in state.values())
-            or open_k.dtype not in (torch.float32, torch.bfloat16) or open_v.dtype != open_k.dtype
-            or any(state[name].dtype != dtype for name, dtype in WRITE_INPUTS.items()
-                   if name not in ("open_k", "open_v"))):
+            or not _merge_state_fits(state, (torch.float32, torch.bfloat16))):
         return False
     batch, heads = append.shape
     token = [t.to(torch.float32).contiguous() for t in (k, v, omega)]
@@ -336,8 +342,8 @@ def native_delayed_write(cache, layer: int, seqs: torch.Tensor, positions: torch
     if (library is None or cache.window is None
             or not _in_place(cache.k_pages, cache.v_pages, cache.ring_k, cache.ring_v)
             or cache.head_dim > 1024 or cache.head_dim % 2
-            or not all(t.is_contiguous() for t in (*state.values(), *rings))
-            or any(state[name].dtype != dtype for name, dtype in WRITE_INPUTS.items())
+            or not all(t.is_contiguous() for t in rings)
+            or not _merge_state_fits(state, (torch.float32,))
             or cache.lengths.dtype != torch.int32):
         return False
     batch, heads = keys.shape[:2]
