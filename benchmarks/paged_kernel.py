@@ -4,8 +4,14 @@ The kernel reads every cached K and V slot of every (sequence, KV head) once per
 its useful traffic is ``sum(lengths) * head_dim * 2 * bytes`` (plus q and the output). The
 reference is a device-to-device ``copy_`` of a buffer of the same size, whose bandwidth is counted
 as bytes read + bytes written. Lengths are per (sequence, KV head); ``--cr`` > 1 draws DMC-like
-variable lengths around ``length / cr``. Pages are handed out in shuffled order (as after many
-allocations and frees).
+variable lengths around ``length / cr`` (``--spread``: within that mean times ``1 +- spread``).
+Pages are handed out in shuffled order (as after many allocations and frees).
+
+``--compare-cr R`` times a second layout of about the same K/V bytes: ``R`` times the sequences,
+each head ``R`` times shorter (``--compare-spread``, default 0.05: a forced-CR DMC model's heads
+differ by a few percent), as DMC at ``R``-fold compression holds the cache of vanilla's batch;
+its rows carry `` at cr R`` and the table ends with its kernel time against the first layout's
+(1.0: the kernel is as fast per byte on many short heads as on few long ones).
 
 On CUDA: the Triton kernel. Without a GPU: the CPU paths, each a row: the compiled kernel
 (``paged_cpu.c``, when a C compiler is present), the PyTorch batched path, and with
@@ -15,6 +21,7 @@ On CUDA: the Triton kernel. Without a GPU: the CPU paths, each a row: the compil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -30,6 +37,12 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--length", type=int, default=4096, help="slots per head (before --cr)")
     p.add_argument("--cr", type=float, default=1.0, help="DMC-like variable lengths ~ length/cr")
+    p.add_argument("--spread", type=float, default=None,
+                   help="lengths within mean x (1 +- spread) (default 0.5 with --cr > 1, else 0)")
+    p.add_argument("--compare-cr", type=float, default=None, metavar="R",
+                   help="also time R x the sequences with R x shorter heads (equal bytes)")
+    p.add_argument("--compare-spread", type=float, default=0.05,
+                   help="--spread of the --compare-cr layout")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--iters", type=int, default=50)
@@ -41,37 +54,68 @@ def parse_args(argv=None):
                         "and print the fastest")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value in (("--spread", args.spread), ("--compare-spread", args.compare_spread)):
+        if value is not None and not 0 <= value < 1:
+            p.error(f"{flag}: accepted 0 <= spread < 1, got {value}")
+    if args.cr < 1 or (args.compare_cr is not None and args.compare_cr < 1):
+        p.error(f"--cr / --compare-cr: accepted values >= 1, got {args.cr} / {args.compare_cr}")
+    return args
 
 
-def make_inputs(args, device):
-    """q, K and V pages, block tables and lengths of ``args`` on ``device`` (made once per run and
-    device: the sweep times every tuning on the same inputs)."""
-    key = str(device)
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Sequences of ``kv_heads`` heads whose lengths lie within ``mean x (1 +- spread)``."""
+
+    batch: int
+    mean: float
+    spread: float
+    suffix: str = ""  # appended to the row names of this layout
+
+
+def layouts(args) -> list[Layout]:
+    """The run's layout, then the ``--compare-cr`` one: ``R`` times the sequences, heads ``R``
+    times shorter."""
+    spread = args.spread if args.spread is not None else (0.5 if args.cr > 1 else 0.0)
+    main = Layout(args.batch, args.length / args.cr, spread)
+    if args.compare_cr is None:
+        return [main]
+    ratio = args.compare_cr
+    return [main, Layout(round(args.batch * ratio), main.mean / ratio, args.compare_spread,
+                         f" at cr {ratio:g}")]
+
+
+def make_inputs(args, device, layout: Layout):
+    """q, K and V pages, block tables and lengths of ``layout`` on ``device`` (made once per run,
+    device and layout: the sweep times every tuning on the same inputs)."""
+    key = (str(device), layout)
     if key not in _INPUTS:
-        _INPUTS[key] = _random_inputs(args, device)
+        _INPUTS.clear()  # one layout's pools at a time on the device
+        _INPUTS[key] = _random_inputs(args, device, layout)
     return _INPUTS[key]
 
 
 _INPUTS: dict = {}
 
 
-def _random_inputs(args, device):
+def head_lengths(layout: Layout, kv_heads: int, gen: torch.Generator) -> torch.Tensor:
+    """``[batch, kv_heads]`` lengths drawn uniformly within ``mean x (1 +- spread)``, >= 1."""
+    unit = 2 * torch.rand(layout.batch, kv_heads, generator=gen, dtype=torch.float64) - 1
+    return (layout.mean * (1 + layout.spread * unit)).round().long().clamp(min=1)
+
+
+def _random_inputs(args, device, layout: Layout):
     gen = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
-    mean = args.length / args.cr
-    if args.cr > 1:  # per-head variable lengths in [mean / 2, 3 mean / 2]
-        lengths = (mean * (0.5 + torch.rand(args.batch, args.kv_heads, generator=gen))).long()
-    else:
-        lengths = torch.full((args.batch, args.kv_heads), args.length, dtype=torch.long)
-    lengths = lengths.clamp(min=1)
+    batch = layout.batch
+    lengths = head_lengths(layout, args.kv_heads, gen)
     pages_per_head = (lengths + args.page_size - 1) // args.page_size
     num_pages = int(pages_per_head.sum())
     max_pages = int(pages_per_head.max())
     order = torch.randperm(num_pages, generator=gen)
-    tables = torch.full((args.batch, args.kv_heads, max_pages), -1, dtype=torch.int32)
+    tables = torch.full((batch, args.kv_heads, max_pages), -1, dtype=torch.int32)
     cursor = 0
-    for b in range(args.batch):
+    for b in range(batch):
         for h in range(args.kv_heads):
             n = int(pages_per_head[b, h])
             tables[b, h, :n] = order[cursor:cursor + n].to(torch.int32)
@@ -79,7 +123,7 @@ def _random_inputs(args, device):
     shape = (num_pages, args.page_size, args.head_dim)
     k_pages = torch.randn(shape, generator=gen).to(dtype).to(device)
     v_pages = torch.randn(shape, generator=gen).to(dtype).to(device)
-    q = torch.randn(args.batch, args.q_heads, args.head_dim, generator=gen).to(dtype).to(device)
+    q = torch.randn(batch, args.q_heads, args.head_dim, generator=gen).to(dtype).to(device)
     return q, k_pages, v_pages, tables.to(device), lengths.to(torch.int32).to(device)
 
 
@@ -109,8 +153,8 @@ def time_cpu(fn, iters):
     return (time.perf_counter() - started) / iters
 
 
-def measure(args, device, kernel, timer):
-    q, k_pages, v_pages, tables, lengths = make_inputs(args, device)
+def measure(args, device, kernel, timer, layout: Layout):
+    q, k_pages, v_pages, tables, lengths = make_inputs(args, device, layout)
     scale = args.head_dim ** -0.5
     moved = useful_bytes(q, lengths, args.head_dim, k_pages.element_size())
     max_length = int(lengths.max())
@@ -126,6 +170,7 @@ def measure(args, device, kernel, timer):
         "kv_bytes": size, "kernel_seconds": seconds, "kernel_GBps": kernel_bw / 1e9,
         "copy_seconds": copy_seconds, "copy_GBps": copy_bw / 1e9,
         "fraction_of_copy": kernel_bw / copy_bw, "mean_length": float(lengths.float().mean()),
+        "batch": layout.batch,
     }
     if device.type == "cpu":  # a plain read of the same bytes: what a reading kernel can reach
         words = src.view(torch.float32)
@@ -134,21 +179,24 @@ def measure(args, device, kernel, timer):
 
 
 def report(args, results: dict, device_name: str) -> None:
-    """One table row per path; JSON with every number when ``--out`` is given."""
-    first = next(iter(results.values()))
-    print(f"paged decode on {device_name}: batch {args.batch}, {args.q_heads} q / "
-          f"{args.kv_heads} kv heads, head_dim {args.head_dim}, {args.dtype}, page "
-          f"{args.page_size}, mean length {first['mean_length']:.0f} (cr {args.cr})")
-    header = ("path", "KV MiB", "kernel us", "kernel GB/s", "copy GB/s", "fraction", "read GB/s",
-              "of read")
-    print(" | ".join(f"{h:>14}" for h in header))
+    """One table row per path (and layout); the ``--compare-cr`` layout's kernel time against
+    the first's, path by path; JSON with every number when ``--out`` is given."""
+    print(f"paged decode on {device_name}: {args.q_heads} q / {args.kv_heads} kv heads, head_dim "
+          f"{args.head_dim}, {args.dtype}, page {args.page_size}")
+    header = ("path", "batch", "mean length", "KV MiB", "kernel us", "kernel GB/s", "copy GB/s",
+              "fraction", "read GB/s", "of read")
+    print(" | ".join(f"{h:>{26 if i == 0 else 12}}" for i, h in enumerate(header)))
     for path, result in results.items():
         read = result.get("read_GBps")
-        cells = (path, f"{result['kv_bytes'] / 2**20:.1f}", f"{result['kernel_seconds'] * 1e6:.1f}",
+        cells = (path, str(result["batch"]), f"{result['mean_length']:.0f}",
+                 f"{result['kv_bytes'] / 2**20:.1f}", f"{result['kernel_seconds'] * 1e6:.1f}",
                  f"{result['kernel_GBps']:.1f}", f"{result['copy_GBps']:.1f}",
                  f"{result['fraction_of_copy']:.3f}", "-" if read is None else f"{read:.1f}",
                  "-" if read is None else f"{result['kernel_GBps'] / read:.3f}")
-        print(" | ".join(f"{c:>14}" for c in cells))
+        print(" | ".join(f"{c:>{26 if i == 0 else 12}}" for i, c in enumerate(cells)))
+    for path, ratio in short_head_cost(results).items():
+        print(f"{path}: kernel time per K/V byte at cr {args.compare_cr:g} x{ratio:.3f} the "
+              f"first layout's")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": device_name, "args": vars(args), "paths": results}, f, indent=2)
@@ -185,9 +233,22 @@ SWEEP = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 
          for stages in (2, 3, 4)]
 
 
-def sweep(args) -> dict:
-    """``{"sweep bN wW sS": result}`` of the Triton kernel under each tuning of ``SWEEP``
-    (the default's row is "triton"); prints the fastest."""
+def short_head_cost(results: dict) -> dict[str, float]:
+    """For each path with a ``--compare-cr`` row (``"<path> at cr R"``): its kernel seconds per
+    K/V byte over the first layout's (1.0: as fast per byte on many short heads)."""
+    costs = {}
+    for name, row in results.items():
+        base, _, ratio = name.partition(" at cr ")
+        if ratio and base in results:
+            first = results[base]
+            costs[base] = ((row["kernel_seconds"] / row["kv_bytes"])
+                           / (first["kernel_seconds"] / first["kv_bytes"]))
+    return costs
+
+
+def sweep(args, layout: Layout) -> dict:
+    """``{"sweep bN wW sS<suffix>": result}`` of the Triton kernel on ``layout`` under each
+    tuning of ``SWEEP`` (the default's row is "triton"); prints the fastest."""
     from dmc.inference.kernels.paged_decode import paged_decode
 
     results = {}
@@ -197,8 +258,8 @@ def sweep(args) -> dict:
                                 max_length=max_length, block_n=block_n, num_warps=warps,
                                 num_stages=stages)
 
-        results[f"sweep b{block_n} w{warps} s{stages}"] = measure(
-            args, torch.device("cuda"), kernel, time_cuda)
+        results[f"sweep b{block_n} w{warps} s{stages}{layout.suffix}"] = measure(
+            args, torch.device("cuda"), kernel, time_cuda, layout)
     best = max(results, key=lambda name: results[name]["fraction_of_copy"])
     print(f"fastest tuning: {best} ({results[best]['fraction_of_copy']:.3f} of copy)")
     return results
@@ -213,14 +274,17 @@ def main(argv=None) -> int:
             return paged_decode(q, k, v, t, lengths, scale, num_splits=args.num_splits,
                                 max_length=max_length)
 
-        results = {"triton": measure(args, torch.device("cuda"), kernel, time_cuda)}
-        if args.sweep:
-            results.update(sweep(args))
+        results = {}
+        for layout in layouts(args):
+            results[f"triton{layout.suffix}"] = measure(args, torch.device("cuda"), kernel,
+                                                        time_cuda, layout)
+            if args.sweep:
+                results.update(sweep(args, layout))
         report(args, results, torch.cuda.get_device_name())
         return 0
     cpu = torch.device("cpu")
-    results = {name: measure(args, cpu, kernel, time_cpu)
-               for name, kernel in cpu_paths(args).items()}
+    results = {f"{name}{layout.suffix}": measure(args, cpu, kernel, time_cpu, layout)
+               for layout in layouts(args) for name, kernel in cpu_paths(args).items()}
     report(args, results, f"cpu ({torch.get_num_threads()} threads)")
     return 0
 

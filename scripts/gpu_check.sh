@@ -214,8 +214,8 @@ if [ "$CUDA" = 1 ]; then
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs \
     --overlap both --profile "${QUICK_DECODE[@]}" "${DECODE_MODES[@]}" \
     --out "$RESULTS/decode_throughput.json"
-  run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep "${QUICK_KERNEL[@]}" \
-    --out "$RESULTS/paged_kernel.json"
+  run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep --compare-cr 4 \
+    "${QUICK_KERNEL[@]}" --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
     --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
     "${TRAIN_ROWS[@]}" --by-site 8 --profile 30 --out "$RESULTS/train_step.json"
@@ -224,7 +224,8 @@ else
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
     "${DECODE_MODES[@]}" --out "$RESULTS/decode_throughput.json"
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --cpu-reference --batch 4 --q-heads 8 \
-    --kv-heads 2 --head-dim 64 --length 512 --iters 5 --out "$RESULTS/paged_kernel.json"
+    --kv-heads 2 --head-dim 64 --length 512 --iters 5 --compare-cr 4 \
+    --out "$RESULTS/paged_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 2 --hidden 128 --heads 4 \
     --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 "${TRAIN_ROWS[@]}" \
     --by-site 8 --profile 12 --out "$RESULTS/train_step.json"

@@ -6,6 +6,7 @@ before any kernel module is imported, hence here at the top of the root conftest
 import importlib.util
 import os
 import random
+import sys
 import warnings
 from pathlib import Path
 
@@ -23,8 +24,9 @@ def load_benchmark(name: str):
     """The script ``benchmarks/<name>.py`` as a module (the benchmarks are not a package;
     import with ``from conftest import load_benchmark``)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where dataclasses look up the module's globals
     spec.loader.exec_module(module)
     return module
 
