@@ -25,11 +25,11 @@
 # step failed, 2 on bad usage.
 #
 # Files in RESULTS_DIR: environment.txt, install.log, gpu_tests.log, gpu_tests.xml (JUnit),
-# decode_throughput.{log,json}, paged_kernel.{log,json}, train_step.{log,json}, steps.tsv,
-# summary.txt, summary.json. PYTHON (default python3) picks the interpreter. DMC_CHECK_STEPS runs
-# some steps only (of: gpu_tests decode_throughput paged_kernel train_step), e.g. one per call
-# where a command's time is limited; steps.tsv keeps the earlier calls' records (the summary
-# reads the newest of each step).
+# decode_throughput.{log,json}, paged_kernel.{log,json}, write_kernel.{log,json},
+# train_step.{log,json}, steps.tsv, summary.txt, summary.json. PYTHON (default python3) picks the
+# interpreter. DMC_CHECK_STEPS runs some steps only (of: gpu_tests decode_throughput paged_kernel
+# write_kernel train_step), e.g. one per call where a command's time is limited; steps.tsv keeps
+# the earlier calls' records (the summary reads the newest of each step).
 #
 # For a leased machine whose minutes are counted: DMC_TIMEOUT_<step> (e.g. DMC_TIMEOUT_gpu_tests
 # =150) stops a step after that many seconds (exit 124 in the summary; the others still run);
@@ -93,7 +93,7 @@ if [ -n "$ARCHIVE" ]; then
                     "archives; name a file elsewhere" >&2; exit 2 ;;
   esac
 fi
-ALL_STEPS="gpu_tests decode_throughput paged_kernel train_step"
+ALL_STEPS="gpu_tests decode_throughput paged_kernel write_kernel train_step"
 SELECTED=${DMC_CHECK_STEPS:-$ALL_STEPS}
 for step in $SELECTED; do
   case " $ALL_STEPS " in
@@ -216,6 +216,8 @@ if [ "$CUDA" = 1 ]; then
     --out "$RESULTS/decode_throughput.json"
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep --compare-cr 4 \
     "${QUICK_KERNEL[@]}" --out "$RESULTS/paged_kernel.json"
+  run write_kernel "$PYTHON" benchmarks/write_kernel.py "${QUICK_KERNEL[@]}" \
+    --out "$RESULTS/write_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
     --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
     "${TRAIN_ROWS[@]}" --by-site 8 --profile 30 --out "$RESULTS/train_step.json"
@@ -226,6 +228,8 @@ else
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --cpu-reference --batch 4 --q-heads 8 \
     --kv-heads 2 --head-dim 64 --length 512 --iters 5 --compare-cr 4 \
     --out "$RESULTS/paged_kernel.json"
+  run write_kernel "$PYTHON" benchmarks/write_kernel.py --batch 8 --kv-heads 4 --head-dim 64 \
+    --length 256 --iters 5 --out "$RESULTS/write_kernel.json"
   run train_step "$PYTHON" benchmarks/train_step.py --layers 2 --hidden 128 --heads 4 \
     --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 "${TRAIN_ROWS[@]}" \
     --by-site 8 --profile 12 --out "$RESULTS/train_step.json"

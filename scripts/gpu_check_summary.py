@@ -87,6 +87,11 @@ def summarise(results: Path) -> dict:
         summary["figures"]["paged_kernel"] = [
             {"path": path, **{k: row[k] for k in ("kernel_GBps", "copy_GBps", "fraction_of_copy")}}
             for path, row in kernel["paths"].items() if not path.startswith("sweep")]
+    write = read_json(results / "write_kernel.json")
+    if write:
+        summary["figures"]["write_kernel"] = [
+            {"path": path, "us_per_call": seconds * 1e6, "programs": write["programs"]}
+            for path, seconds in write["seconds"].items()]
     train = read_json(results / "train_step.json")
     if train:
         summary["figures"]["train_step"] = [
@@ -124,6 +129,9 @@ def as_text(summary: dict) -> str:
     for k in figures.get("paged_kernel", []):
         lines.append(f"paged kernel ({k['path']}): {k['kernel_GBps']:.1f} GB/s, "
                      f"{k['fraction_of_copy']:.3f} of copy ({k['copy_GBps']:.1f} GB/s)")
+    for w in figures.get("write_kernel", []):
+        lines.append(f"DMC write ({w['path']}): {w['us_per_call']:.1f} us a layer, "
+                     f"{w['programs']} heads")
     for t in figures.get("train_step", []):
         if t.get("error"):
             lines.append(f"train step {t['attention']}: failed: {t['error'][:200]}")

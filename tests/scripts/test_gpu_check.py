@@ -65,6 +65,8 @@ def test_summary_of_a_results_folder(tmp_path):
     (tmp_path / "paged_kernel.json").write_text(json.dumps({"paths": {
         "compiled": {"kernel_GBps": 9.5, "copy_GBps": 20.0, "fraction_of_copy": 0.475},
         "pytorch": {"kernel_GBps": 4.0, "copy_GBps": 20.0, "fraction_of_copy": 0.2}}}))
+    (tmp_path / "write_kernel.json").write_text(json.dumps({"programs": 2192, "seconds": {
+        "triton w1": 8e-6, "triton w4 (default)": 2.56e-5}}))
     (tmp_path / "train_step.json").write_text(json.dumps({"results": {
         "vanilla": {"step_s": 1.0, "time_vs_vanilla": 1.0, "memory_vs_vanilla": 1.0},
         "dmc-dense": {"step_s": 1.2, "time_vs_vanilla": 1.2, "memory_vs_vanilla": 1.5,
@@ -92,6 +94,9 @@ def test_summary_of_a_results_folder(tmp_path):
     assert "train step dmc-flex: x1.100 vanilla time\n" in text
     assert "train step dmc-flex+torch-sums: failed: CompilationError: out of resources" in text
     assert [k["path"] for k in summary["figures"]["paged_kernel"]] == ["compiled", "pytorch"]
+    assert "DMC write (triton w4 (default)): 25.6 us a layer, 2192 heads" in text
+    assert summary["figures"]["write_kernel"][0] == {"path": "triton w1", "us_per_call": 8.0,
+                                                     "programs": 2192}
     assert subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "none")],
                           capture_output=True).returncode == 2
 

@@ -15,6 +15,8 @@ from dmc.ops.algorithm1 import KeyDecision
 
 from .faults import unread_counter
 
+NUM_WARPS = 4  # Triton's default; a program moves one token of one head
+
 
 @triton.jit
 def _load_half(row_ptr, cols, col_mask, zero_col):
@@ -139,7 +141,7 @@ def _dmc_write_kernel(
 
 def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count, inv_freq,
               window, layer, seq_slots, slots, append, k, v, omega, positions,
-              faults=None, decide=None) -> None:
+              faults=None, decide=None, num_warps: int = NUM_WARPS) -> None:
     """Triton :func:`~dmc.inference.kernels.reference.dmc_write_reference` (same arguments).
 
     Pages, block tables and open-slot state must be contiguous (as the cache builds them); ``k``,
@@ -152,6 +154,8 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
     deferred write of a decode step, one launch where the decision took a dozen small ops;
     ``alpha`` a :class:`~dmc.ops.algorithm1.KeyDecision`: ``k`` still holds the decision
     channel, which the kernel reads (``alpha = [k[..., -1] - c > 0]``) and zeroes.
+    ``num_warps``: warps per (sequence, KV head) program (tuning only; ``benchmarks/
+    write_kernel.py`` times each).
     """
     lengths, alpha = decide if decide is not None else (None, None)
     key_c = alpha.c if isinstance(alpha, KeyDecision) else None
@@ -177,5 +181,5 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         PAGE_SIZE=k_pages.shape[1], WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
-        DECIDE=decide is not None, KEY_DECIDES=key_c is not None,
+        DECIDE=decide is not None, KEY_DECIDES=key_c is not None, num_warps=num_warps,
     )

@@ -1,0 +1,180 @@
+"""Time of one layer's DMC decode write (Algorithm 1, Eq. 9: a token per (sequence, KV head)
+merged into its window ring or appended, rotated and written to its page), per call.
+
+The write moves little (per head: the token, the ring of ``window`` keys and values, one page
+row), so its time is latency: a chain of dependent loads (the head's length, its decision, the
+page of its slot) per program. On CUDA: the Triton kernel as a decode step runs it (the decision
+taken in the kernel from the key's decision channel, the lengths advanced on the device), under
+``--warps`` (default: 1, 2, 4 and 8 warps per program, the kernel's default marked). Without a
+GPU: the compiled CPU kernel and the PyTorch path with the decisions taken on the host. Inputs:
+``--batch`` sequences of ``--kv-heads`` heads of about ``--length`` slots, a ring of ``--window``
+rows, pages in shuffled order, one decision in ``--cr`` appending. The default layout is DMC 4x's
+batch at the GPU decode preset (137 sequences, 16 KV heads, head_dim 128, bf16, 653 slots a
+head after 2560 tokens).
+
+    python benchmarks/write_kernel.py --out write_kernel.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=137)
+    p.add_argument("--kv-heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--length", type=int, default=653, help="slots per head before the calls")
+    p.add_argument("--window", type=int, default=12)
+    p.add_argument("--cr", type=float, default=4.0, help="one decision in CR appends")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warps", default="1,2,4,8", help="CUDA: comma separated warps per program")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    try:
+        args.warps = [int(w) for w in args.warps.split(",")]
+    except ValueError:
+        p.error(f"--warps: accepted comma separated powers of two, got {args.warps!r}")
+    if not args.warps or any(w < 1 or w & (w - 1) for w in args.warps):
+        p.error(f"--warps: accepted comma separated powers of two, got {args.warps}")
+    for flag, value in (("--batch", args.batch), ("--kv-heads", args.kv_heads),
+                        ("--length", args.length), ("--window", args.window),
+                        ("--iters", args.iters), ("--page-size", args.page_size)):
+        if value < 1:
+            p.error(f"{flag}: accepted values >= 1, got {value}")
+    if args.head_dim < 2 or args.head_dim % 2:
+        p.error(f"--head-dim: accepted even values >= 2, got {args.head_dim}")
+    if args.cr < 1:
+        p.error(f"--cr: accepted values >= 1, got {args.cr}")
+    return args
+
+
+def write_inputs(args, device: torch.device) -> dict:
+    """The cache of one layer (``dmc_write``'s keyword arguments but the decisions): pools
+    with room for the ``--iters`` timed calls and two warm-ups to append to every head beyond
+    ``--length`` slots, full rings, the new tokens."""
+    gen = torch.Generator().manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    batch, heads, dim, window = args.batch, args.kv_heads, args.head_dim, args.window
+    max_pages = math.ceil((args.length + args.iters + 2) / args.page_size)
+    num_pages = batch * heads * max_pages
+    tables = torch.randperm(num_pages, generator=gen).view(batch, 1, heads, max_pages)
+    ring = (batch, 1, heads, window)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    return dict(
+        k_pages=torch.zeros(num_pages, args.page_size, dim, dtype=dtype, device=device),
+        v_pages=torch.zeros(num_pages, args.page_size, dim, dtype=dtype, device=device),
+        block_tables=tables.to(device, torch.int32),
+        open_k=normal(*ring, dim), open_v=normal(*ring, dim),
+        open_omega=(0.5 + torch.rand(ring, generator=gen)).to(device),
+        open_count=torch.full(ring[:3], window, dtype=torch.int32, device=device),
+        inv_freq=(10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)).to(device),
+        window=window, layer=0,
+        seq_slots=torch.arange(batch, dtype=torch.int32, device=device),
+        k=normal(batch, heads, dim), v=normal(batch, heads, dim),
+        omega=(0.5 + torch.rand(batch, heads, generator=gen)).to(device),
+        positions=torch.full((batch,), 4 * args.length, dtype=torch.long, device=device),
+    )
+
+
+def decisions(args, device: torch.device) -> torch.Tensor:
+    """``alpha [batch, kv_heads]`` float32: 1 (merge) for all but one in ``--cr``."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    return (torch.rand(args.batch, args.kv_heads, generator=gen) >= 1 / args.cr).float().to(
+        device)
+
+
+def time_calls(fn, iters: int, cuda: bool) -> float:
+    """Seconds per call of ``fn`` (two warm-up calls first)."""
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    started = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - started) / iters
+
+
+def triton_rows(args, device: torch.device, lengths: torch.Tensor | None = None) -> dict:
+    """``{"triton wN": seconds}``: the kernel as a decode step launches it, per warp count
+    (on a CPU device: the Triton interpreter, the tests); ``lengths``: the heads' lengths
+    ``[batch, 1, kv_heads]`` int32 the calls advance (reset to ``--length`` before each
+    warp count)."""
+    from dmc.inference.kernels.dmc_write import NUM_WARPS, dmc_write
+    from dmc.ops.algorithm1 import KeyDecision
+
+    inputs, alpha = write_inputs(args, device), decisions(args, device)
+    inputs["k"][..., -1] = 2 * alpha - 1  # the decision channel: merge where > c = 0
+    if lengths is None:
+        lengths = torch.empty((args.batch, 1, args.kv_heads), dtype=torch.int32, device=device)
+    rows = {}
+    for warps in args.warps:
+        def call():
+            dmc_write(**inputs, slots=None, append=None, decide=(lengths, KeyDecision(0.0)),
+                      num_warps=warps)
+
+        lengths.fill_(args.length)
+        name = f"triton w{warps}" + (" (default)" if warps == NUM_WARPS else "")
+        rows[name] = time_calls(call, args.iters, cuda=device.type == "cuda")
+    return rows
+
+
+def cpu_rows(args) -> dict:
+    """``{"compiled" | "pytorch": seconds}``: the CPU paths, the decisions taken on the host."""
+    from dmc.inference.kernels import dmc_write_inplace
+    from dmc.inference.kernels.native import native_dmc_write
+
+    device = torch.device("cpu")
+    inputs, alpha = write_inputs(args, device), decisions(args, device)
+    append = alpha <= 0.5
+    slots = torch.full_like(append, args.length - 1, dtype=torch.long) + append.long()
+    call_args = dict(inputs, slots=slots, append=append)
+    rows = {}
+    if native_dmc_write(**call_args):
+        rows["compiled"] = time_calls(lambda: dmc_write_inplace(**call_args), args.iters, False)
+    rows["pytorch"] = time_calls(lambda: dmc_write_inplace(**call_args, native=False),
+                                 args.iters, False)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    rows = triton_rows(args, torch.device("cuda")) if cuda else cpu_rows(args)
+    device = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    programs = args.batch * args.kv_heads
+    print(f"DMC decode write on {device}: batch {args.batch}, {args.kv_heads} KV heads "
+          f"({programs} programs), head_dim {args.head_dim}, window {args.window}, {args.dtype}")
+    print(f"{'path':>20} | {'us a call':>10} | {'ns a head':>10}")
+    for name, seconds in rows.items():
+        print(f"{name:>20} | {seconds * 1e6:10.1f} | {seconds * 1e9 / programs:10.1f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": device, "args": vars(args), "programs": programs,
+                       "seconds": rows}, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

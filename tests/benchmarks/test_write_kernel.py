@@ -1,0 +1,48 @@
+"""benchmarks/write_kernel.py: the Triton write as a decode step launches it (through the
+interpreter: its decisions read from the key, one in CR appending), the CPU paths' rows and
+JSON, bad flags exiting 2."""
+import json
+
+import pytest
+import torch
+
+from conftest import load_benchmark
+
+bench = load_benchmark("write_kernel")
+SMALL = ["--batch", "6", "--kv-heads", "4", "--head-dim", "16", "--length", "20", "--window",
+         "3", "--iters", "1", "--dtype", "float32"]
+
+
+def test_the_triton_rows_append_one_decision_in_cr():
+    """Three calls per warp count (two warm-ups, one timed) from the lengths reset to
+    --length: a head grows by 3 where its decision appends, by 0 where it merges."""
+    args = bench.parse_args(SMALL + ["--warps", "1,4", "--cr", "2"])
+    lengths = torch.empty(6, 1, 4, dtype=torch.int32)
+    rows = bench.triton_rows(args, torch.device("cpu"), lengths)
+    assert list(rows) == ["triton w1", "triton w4 (default)"]
+    assert all(seconds > 0 for seconds in rows.values())
+    appends = bench.decisions(args, torch.device("cpu")) <= 0.5
+    assert 0 < int(appends.sum()) < appends.numel()
+    torch.testing.assert_close(lengths[:, 0], 20 + 3 * appends.int())
+
+
+def test_a_cpu_run_writes_its_rows(tmp_path, capsys):
+    out = tmp_path / "write.json"
+    assert bench.main(SMALL + ["--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "pytorch" in result["seconds"] and result["programs"] == 24
+    assert "ns a head" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--warps", "3"], "--warps: accepted comma separated powers of two"),
+    (["--warps", "a"], "--warps: accepted comma separated powers of two"),
+    (["--head-dim", "15"], "--head-dim: accepted even values >= 2"),
+    (["--window", "0"], "--window: accepted values >= 1"),
+    (["--cr", "0.5"], "--cr: accepted values >= 1"),
+])
+def test_bad_flags_exit_2_naming_them(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(SMALL + flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
