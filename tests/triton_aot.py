@@ -109,10 +109,11 @@ def _paged_decode():
 def _dmc_write():
     """The windowed (window 12, a float32 ring and a bf16 one) and exact merges into a bf16
     cache, decided on the host, then deferred with the decisions read from the key (the decode
-    step's launch)."""
+    step's launch); that launch again at 1 and 8 warps (``benchmarks/write_kernel.py``'s)."""
     import torch
 
     from dmc.inference.cache import PagedKVCache
+    from dmc.inference.kernels.dmc_write import dmc_write
     from dmc.ops.algorithm1 import KeyDecision
 
     heads, dim, batch = 2, 128, 2
@@ -126,6 +127,26 @@ def _dmc_write():
         cache.begin_decode(seqs)
         cache.write(0, seqs, torch.ones(batch, dtype=torch.long), k, k.clone(),
                     torch.ones(batch, heads), KeyDecision(5.0), use_triton=True, defer=True)
+    write_kernel = _benchmark("write_kernel")  # the deferred write at the other warp counts
+    inputs = write_kernel.write_inputs(write_kernel.parse_args(
+        ["--batch", "2", "--kv-heads", str(heads), "--length", "20"]), torch.device("cpu"))
+    lengths = torch.full((2, 1, heads), 20, dtype=torch.int32)
+    for warps in (1, 8):
+        dmc_write(**inputs, slots=None, append=None, decide=(lengths, KeyDecision(5.0)),
+                  num_warps=warps)
+
+
+def _benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _decode_rope():
