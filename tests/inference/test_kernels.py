@@ -513,8 +513,8 @@ def test_pytorch_paths_refuse_a_page_outside_the_pool(entry):
 def test_triton_kernels_compile_for_hopper():
     """The paged decode (split, its ring mode and reduce), the DMC write (windowed with a float32
     and a bf16 ring, exact; each also deciding from the key, and at 1 and 8 warps), the decode
-    RoPE (plain, DMC, DMS), the DMS write and the Gumbel-max draw pass Triton's compiler for sm_90 down to a
-    cubin, as on an H100 (the interpreter never compiles)."""
+    RoPE (plain, DMC, DMS), the DMS write and the Gumbel-max draw pass Triton's compiler for
+    sm_90 down to a cubin, as on an H100 (the interpreter never compiles)."""
     done = compile_in_subprocess("paged_decode", "dmc_write", "decode_rope", "dms_write", "gumbel")
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = done.stdout.splitlines()
