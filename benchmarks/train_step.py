@@ -18,8 +18,11 @@ packed by ``saved_tensors_hooks``, parameters left out: the activation memory, o
 CPU); ``--by-site N`` also prints, per mode, the N call sites (innermost ``dmc`` or megatron
 frame) whose saved storages weigh most; ``--profile N`` runs one more step of each mode under
 torch.profiler and prints its N ops with the most self time (CUDA kernels on a GPU: where a DMC
-step's time goes). Prints each row's step time as it is measured and a table at the end, and
-rewrites the JSON after every row (a run stopped by a time limit keeps the rows it measured);
+step's time goes); ``--copy-sites N`` profiles that step with Python stacks and prints the N
+(op, call site) pairs of the ops that copy or fill memory with the most self time (which
+function of ``dmc`` or megatron launched them). Prints each row's step time as it is measured
+and a table at the end, and rewrites the JSON after every row (a run stopped by a time limit
+keeps the rows it measured);
 a DMC row that fails (say, a kernel that does not compile on that GPU) is recorded with its
 error, the others still run, and the exit code is 1.
 
@@ -74,11 +77,16 @@ def saved_activation_bytes(model, runtime, mode, tokens, positions,
 def saving_site(tensor: torch.Tensor) -> str:
     """``file:line [shape] dtype`` of the innermost ``dmc`` or megatron frame saving ``tensor``
     (the CPU shim ``dmc/megatron/compat.py`` skipped)."""
-    frames = [f for f in traceback.extract_stack()[:-2]
-              if ("/dmc/" in f.filename or "megatron/core" in f.filename)
-              and not f.filename.endswith("compat.py")]
+    frames = [f for f in traceback.extract_stack()[:-2] if ours(f.filename)]
     where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
     return f"{where} {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def ours(path: str) -> bool:
+    """Whether a frame's file is one of ``dmc``'s (a relative path under a test runner too) or
+    megatron's, the CPU shim ``dmc/megatron/compat.py`` left out."""
+    return (path.startswith("dmc/") or "/dmc/" in path or "megatron/core" in path) \
+        and "compat.py" not in path
 
 
 def train_step(model, runtime, mode, tokens, positions, optimizer, step: int) -> None:
@@ -92,9 +100,11 @@ def train_step(model, runtime, mode, tokens, positions, optimizer, step: int) ->
         torch.cuda.synchronize()
 
 
-def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=0):
+def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=0,
+            copy_sites=0):
     """(tokens/s, median step seconds, peak allocated bytes or None, the ``profile_ops``
-    busiest ops of one more step) of ``steps`` train steps."""
+    busiest ops of one more step, its ``copy_sites`` busiest data-movement call sites) of
+    ``steps`` train steps."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timings = []
     cuda = torch.cuda.is_available()
@@ -109,27 +119,58 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=
             timings.append(time.perf_counter() - start)
     seconds = sorted(timings)[len(timings) // 2]
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    busiest = busiest_ops(lambda: train_step(model, runtime, mode, tokens, positions, optimizer,
-                                             warmup + steps), profile_ops)
-    return tokens.numel() / seconds, seconds, peak, busiest
+    busiest, sites = busiest_ops(lambda: train_step(model, runtime, mode, tokens, positions,
+                                                    optimizer, warmup + steps),
+                                 profile_ops, copy_sites)
+    return tokens.numel() / seconds, seconds, peak, busiest, sites
 
 
-def busiest_ops(step, count: int) -> list[dict]:
-    """Every op of ``step()`` under torch.profiler (none when ``count`` is 0), by self time on
-    the device (CUDA kernels) or, without CUDA, on the CPU, most first: name, milliseconds,
-    calls."""
-    if count <= 0:
-        return []
+COPY_OPS = ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::clone", "aten::fill_",
+            "aten::zero_", "aten::contiguous")  # the ops that move or fill memory
+
+
+def busiest_ops(step, count: int, copy_sites: int = 0) -> tuple[list[dict], list[dict]]:
+    """Every op of ``step()`` under torch.profiler (none when ``count`` and ``copy_sites`` are
+    0), by self time on the device (CUDA kernels) or, without CUDA, on the CPU, most first:
+    name, milliseconds, calls; and the ``copy_sites`` (op, call site) pairs of
+    :data:`COPY_OPS` with the most self time (:func:`op_sites`)."""
+    if count <= 0 and copy_sites <= 0:
+        return [], []
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-                 ) as prof:
+    options = {}
+    if copy_sites > 0:  # the Python stack of every op (the verbose config records it)
+        options = dict(with_stack=True,
+                       experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 **options) as prof:
         step()
     attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute), reverse=True)
-    return [{"name": e.key, "ms": getattr(e, attribute) / 1e3, "calls": e.count}
-            for e in events]
+    ops = [{"name": e.key, "ms": getattr(e, attribute) / 1e3, "calls": e.count}
+           for e in events]
+    return ops, op_sites(prof, attribute, copy_sites) if copy_sites > 0 else []
+
+
+def op_sites(prof, attribute: str, count: int) -> list[dict]:
+    """The ``count`` (op of :data:`COPY_OPS`, call site) pairs of a profile with the most self
+    time: name, site (the innermost ``dmc`` or megatron function on the op's Python stack,
+    ``(autograd engine)`` for an op run with none, a backward's, or the innermost frame
+    otherwise), milliseconds, calls."""
+    totals = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.key_averages(group_by_stack_n=16):
+        if event.key not in COPY_OPS:
+            continue
+        stack = list(event.stack or [])
+        frames = [frame for frame in stack if ours(frame)]
+        site = frames[0] if frames else stack[0] if stack else "(autograd engine)"
+        total = totals[(event.key, site.rsplit("/", 1)[-1])]
+        total[0] += getattr(event, attribute) / 1e3
+        total[1] += event.count
+    rows = [{"name": name, "site": site, "ms": ms, "calls": calls}
+            for (name, site), (ms, calls) in totals.items()]
+    return sorted(rows, key=lambda row: -row["ms"])[:count]
 
 
 def excess_ops(ops: list[dict], base: list[dict], count: int) -> list[dict]:
@@ -182,9 +223,15 @@ def main(argv=None) -> int:
                              "torch.profiler: its N ops with the most self time (CUDA kernels "
                              "on a GPU) printed and in the JSON as busiest_ops, and for a DMC "
                              "row the N whose time exceeds vanilla's most (excess_over_vanilla)")
+    parser.add_argument("--copy-sites", type=int, default=0, metavar="N",
+                        help="profile that step with Python stacks and print, per mode, the N "
+                             "(op, call site) pairs of the ops that copy or fill memory (copy_, "
+                             "cat, dtype conversions, clone, fill_) with the most self time "
+                             "(copy_sites in the JSON)")
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
     args = parser.parse_args(argv)
-    for flag, value in (("--by-site", args.by_site), ("--profile", args.profile)):
+    for flag, value in (("--by-site", args.by_site), ("--profile", args.profile),
+                        ("--copy-sites", args.copy_sites)):
         if value < 0:
             parser.error(f"{flag}: must be >= 0, got {value}")
     args.backends = args.backends or ("dense,flex-transposed,flex" if torch.cuda.is_available()
@@ -281,19 +328,27 @@ def write_results(args, device_name: str, rows: dict) -> None:
 
 def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
     """One row of the table: the timed steps (unless ``--kept-only``), the activations kept,
-    and with ``--profile`` / ``--by-site`` the busiest ops and the heaviest saving sites
-    (printed as they come)."""
-    tok_s, seconds, peak, busiest = (None, None, None, []) if args.kept_only else measure(
-        model, runtime, mode, tokens, positions, args.steps, args.warmup, args.profile)
+    and with ``--profile`` / ``--copy-sites`` / ``--by-site`` the busiest ops, the busiest
+    call sites of the ops that copy or fill memory and the heaviest saving sites (printed as
+    they come)."""
+    tok_s, seconds, peak, busiest, copies = (None, None, None, [], []) if args.kept_only else \
+        measure(model, runtime, mode, tokens, positions, args.steps, args.warmup, args.profile,
+                args.copy_sites)
     sites = collections.Counter() if args.by_site else None
     saved = saved_activation_bytes(model, runtime, mode, tokens, positions, sites)
     row = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak, "saved_bytes": saved}
-    if busiest:
+    if busiest and args.profile:
         row["busiest_ops"] = busiest[:args.profile]
         print(f"{name}: the {args.profile} ops of one step with the most self time")
         for op in row["busiest_ops"]:
             print(f"  {op['ms']:10.2f} ms  x{op['calls']:<5} {op['name']}")
         row["ops"] = busiest  # main() compares them with vanilla's, then drops them
+    if copies:
+        row["copy_sites"] = copies
+        print(f"{name}: the {len(copies)} (op, call site) pairs that copy or fill memory with "
+              f"the most self time")
+        for op in copies:
+            print(f"  {op['ms']:10.2f} ms  x{op['calls']:<5} {op['name']:<16} {op['site']}")
     if sites is not None:
         row["saved_by_site"] = dict(sites.most_common(args.by_site))
         print(f"{name}: the {args.by_site} call sites whose saved storages weigh most")

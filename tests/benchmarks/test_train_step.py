@@ -50,6 +50,24 @@ def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
     assert "ops whose self time exceeds vanilla's most" in out
 
 
+def test_copy_sites_name_the_functions_that_copy(tmp_path, capsys):
+    """--copy-sites alone: no busiest_ops, the data-movement ops by call site, the DMC row's
+    among them in dmc's own modules (the window sums' shifts of the PyTorch path)."""
+    out = tmp_path / "sites.json"
+    assert bench.main(TINY + ["--steps", "1", "--warmup", "0", "--copy-sites", "40",
+                              "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    for row in rows.values():
+        assert "busiest_ops" not in row and 0 < len(row["copy_sites"]) <= 40
+        assert all(op["name"] in bench.COPY_OPS and op["site"] and op["calls"] >= 1
+                   for op in row["copy_sites"])
+        times = [op["ms"] for op in row["copy_sites"]]
+        assert times == sorted(times, reverse=True)
+    assert any(op["site"].startswith("accumulate.py") for op in rows["dmc-dense"]["copy_sites"])
+    assert not any(op["site"].startswith("accumulate.py") for op in rows["vanilla"]["copy_sites"])
+    assert "pairs that copy or fill memory with the most self time" in capsys.readouterr().out
+
+
 def test_a_failing_dmc_row_leaves_the_others(tmp_path, monkeypatch, capsys):
     """A DMC row whose step raises (a kernel that does not compile on that GPU) is recorded
     with its error; vanilla is still measured, the JSON written, the exit code 1."""
@@ -100,6 +118,7 @@ def test_the_kits_rows():
 
 @pytest.mark.parametrize("flags,named", [(["--by-site", "-1"], "--by-site"),
                                          (["--profile", "-2"], "--profile"),
+                                         (["--copy-sites", "-1"], "--copy-sites"),
                                          (["--dtype", "half"], "--dtype"),
                                          (["--accumulate", "cuda"], "--accumulate"),
                                          (["--backends", "flash"], "--backends"),
