@@ -56,10 +56,11 @@ class Engine:
             ``None`` (vanilla attention).
         num_pages: pages in the pool; default: room for ``max_batch`` uncompressed sequences of
             ``max_seq_len`` tokens, capped by ``kv_cache_bytes``.
-        kv_cache_bytes: byte budget of the page pool (keys and values) and of the window
-            rings of ``max_batch`` sequences (DMC's merge ring, DMS's and delayed merging's
-            rings of raw tokens) when ``num_pages`` is not given; default: 90% of the free GPU
-            memory on CUDA, a quarter of the RAM on CPU.
+        kv_cache_bytes: byte budget of everything the cache allocates when ``num_pages`` is
+            not given (:func:`~dmc.inference.allocation.cache_allocation`: the page pool of
+            keys and values, and for ``max_batch`` sequence slots their block tables and
+            lengths, DMC's merge state, DMS's and delayed merging's rings of raw tokens);
+            default: 90% of the free GPU memory on CUDA, a quarter of the RAM on CPU.
         page_size: slots per page.
         max_batch: most sequences running at once (= cache sequence slots).
         max_seq_len: most tokens (prompt + generated) per sequence; default: the model's

@@ -24,7 +24,7 @@ import torch
 
 from dmc.inference.block_allocator import SeqRows
 from dmc.inference.paging import default_num_pages, to_device
-from dmc.inference.cache import RING_DTYPES, PagedKVCache, open_slot_bytes
+from dmc.inference.cache import RING_DTYPES, PagedKVCache
 from dmc.inference.kernels import DecisionChannel, resolve_use_triton, run_decode_rope
 from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.config import DMCConfig
@@ -317,13 +317,16 @@ def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_d
     """The cache of a model kind: a :class:`PagedKVCache` (vanilla, GQA, DMC), a
     ``DMSPagedCache`` (``method="dms"``) or a ``DelayedMergeCache`` (``merge_delay``), of
     ``num_pages`` pages or, when None, as many as :func:`default_num_pages` gives for
-    ``max_batch`` sequences of ``max_seq_len`` tokens within ``kv_cache_bytes`` (the window
-    rings of every sequence slot counted: DMC's merge ring, DMS's and delayed merging's rings
-    of raw tokens). A DMC cache with a window keeps its merge ring in ``model_dtype`` (the
+    ``max_batch`` sequences of ``max_seq_len`` tokens within ``kv_cache_bytes``, which holds
+    everything the cache allocates (:func:`~dmc.inference.allocation.cache_allocation`: the
+    pages, and per sequence slot the block tables and lengths, DMC's merge state, DMS's and
+    delayed merging's rings of raw tokens). A DMC cache with a window keeps its merge ring in
+    ``model_dtype`` (the
     dtype of the keys and values the model writes, held exactly; float32 under delayed
     merging, whose ring takes keys rotated back from the cache dtype)."""
-    from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
-    from dmc.inference.dms_cache import DMSPagedCache, ring_bytes
+    from dmc.inference.allocation import cache_allocation, page_bytes
+    from dmc.inference.delayed_cache import DelayedMergeCache
+    from dmc.inference.dms_cache import DMSPagedCache
 
     dms = dmc is not None and dmc.method == "dms"
     delay = dmc.merge_delay if dmc is not None else 0
@@ -331,15 +334,14 @@ def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_d
     ring_dtype = (model_dtype if window and not delay and model_dtype in RING_DTYPES
                   else torch.float32)
     if num_pages is None:
-        heads = num_layers * num_kv_heads
-        item = torch.empty((), dtype=dtype).element_size()
-        ring = (ring_bytes(dmc.dms_window, head_dim, item) if dms else
-                delayed_ring_bytes(delay, head_dim, item) if delay else 0)
-        if window:
-            ring += open_slot_bytes(window, head_dim, ring_dtype)
-        num_pages = default_num_pages(max_batch, max_seq_len, page_size, heads,
-                                      2 * page_size * head_dim * item, kv_cache_bytes, device,
-                                      reserved=max_batch * heads * ring)
+        shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=page_size, window=window, dtype=dtype, max_seq_len=max_seq_len,
+                     dms_window=dmc.dms_window if dms else None, merge_delay=delay or None,
+                     device=torch.device(device).type, ring_dtype=ring_dtype)
+        num_pages = default_num_pages(
+            max_batch, max_seq_len, page_size, num_layers * num_kv_heads, page_bytes(**shape),
+            kv_cache_bytes, device,
+            reserved=cache_allocation(num_pages=0, max_seqs=max_batch, **shape)["total"])
     shape = (num_layers, num_kv_heads, head_dim, num_pages)
     options = dict(page_size=page_size, max_seqs=max_batch, dtype=dtype, device=device,
                    max_seq_len=max_seq_len, inv_freq=inv_freq)

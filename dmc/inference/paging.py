@@ -45,8 +45,8 @@ def default_num_pages(max_batch: int, max_seq_len: int, page_size: int, heads: i
                       reserved: int = 0) -> int:
     """Pages for ``max_batch`` uncompressed sequences of ``max_seq_len`` tokens over ``heads``
     (layers x KV heads), within ``budget`` bytes (default: 90% of the free CUDA memory, or a
-    quarter of the host RAM) less ``reserved`` bytes (what the cache allocates besides pages
-    and counts in the budget: DMS's window rings)."""
+    quarter of the host RAM) less ``reserved`` bytes (what the cache allocates besides its
+    pages: :func:`~dmc.inference.allocation.cache_allocation` with no page)."""
     full = max_batch * math.ceil(max_seq_len / page_size) * heads
     if budget is None:
         if device.type == "cuda":
@@ -55,10 +55,10 @@ def default_num_pages(max_batch: int, max_seq_len: int, page_size: int, heads: i
             import psutil
 
             budget = psutil.virtual_memory().total // 4
-    budget -= reserved
-    pages = min(full, budget // page_bytes)
+    pages = min(full, (budget - reserved) // page_bytes)
     if pages < 1:
-        raise ValueError(f"kv_cache_bytes={budget} holds no page of {page_bytes} bytes")
+        raise ValueError(f"kv_cache_bytes={budget} holds no page of {page_bytes} bytes beside the "
+                         f"{reserved} bytes the cache allocates for its sequence slots")
     return pages
 
 

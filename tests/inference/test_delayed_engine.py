@@ -11,7 +11,9 @@ import torch
 
 from dmc.inference import Engine, SamplingParams
 from dmc.inference.delayed_cache import DelayedMergeCache, delayed_ring_bytes
-from test_engine import build, check_against_model, check_preemption, prompts
+from dmc.inference.allocation import cache_allocation
+from test_engine import (CACHE_SHAPE, build, check_against_model, check_preemption,
+                         prompts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,14 +62,16 @@ def test_out_of_pages_preempts_and_restarts_with_the_same_output(parallel_1x1):
 
 
 def test_the_byte_budget_and_the_accounting_hold_the_rings(parallel_1x1):
-    """kv_cache_bytes covers the pages and the rings of every sequence slot (raw tokens, and
-    the merge ring of window 3); a sequence's bytes are its pages, their metadata, the merge
-    state and the ring, as allocated."""
+    """kv_cache_bytes covers everything the cache allocates, the rings of every sequence slot
+    among it (raw tokens, and the merge ring of window 3); a sequence's bytes are its pages,
+    their metadata, the merge state and the ring, as allocated."""
     model = build_delayed(2, 3)
-    page = 2 * 16 * 16 * 4  # keys + values, 16 slots of head_dim 16, float32
     merge = 3 * (2 * 16 * 4 + 4) + 4  # window 3: float32 keys, values, omegas; the count
     rings = 3 * 2 * 2 * (delayed_ring_bytes(3, 16, 4) + merge)  # max_batch x layers x kv heads
-    engine = Engine(model, max_batch=3, kv_cache_bytes=rings + 10 * page + 5)
+    budget = cache_allocation(num_pages=10, max_seqs=3, window=3, merge_delay=3,
+                              **CACHE_SHAPE)["total"]
+    assert Engine(model, max_batch=3, kv_cache_bytes=budget - 1).cache.num_pages == 9
+    engine = Engine(model, max_batch=3, kv_cache_bytes=budget)
     cache = engine.cache
     assert cache.num_pages == 10
     ring_tensors = (cache.ring_k, cache.ring_v, cache.ring_alpha, cache.ring_omega,

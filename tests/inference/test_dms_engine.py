@@ -10,13 +10,14 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
 from dmc.inference import Engine, SamplingParams
+from dmc.inference.allocation import cache_allocation
 from dmc.inference.paging import pages_for
 from dmc.megatron.config import DMCConfig
 from dmc.megatron.dms_attention import DMSSelfAttention
 from dmc.megatron.model import build_gpt_model
 from dmc.megatron.runtime import DMCRuntime
 from dmc.ops import dmc_attention, log_keep_next, split_dms_channels, zero_dms_channel
-from test_engine import check_preemption, teacher_forced
+from test_engine import CACHE_SHAPE, check_preemption, teacher_forced
 from tiny_models import VOCAB, build_tiny, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -224,11 +225,14 @@ def test_a_saved_dms_model_loads_into_a_dms_engine(parallel_1x1, tmp_path):
 
 
 def test_the_byte_budget_holds_the_window_rings(parallel_1x1):
-    """kv_cache_bytes covers the pages and, under DMS, the rings of every sequence slot."""
+    """kv_cache_bytes covers everything the cache allocates, under DMS the rings of every
+    sequence slot among it."""
     model = build(2)
-    page = 2 * 16 * 16 * 4  # keys + values, 16 slots of head_dim 16, float32
     rings = 3 * 2 * 2 * 4 * (2 * 16 * 4 + 1)  # max_batch x layers x kv x (w + 1) rows
-    engine = Engine(model, dms(3), max_batch=3, kv_cache_bytes=rings + 10 * page + 5)
+    budget = cache_allocation(num_pages=10, max_seqs=3, window=None, dms_window=3,
+                              **CACHE_SHAPE)["total"]
+    assert Engine(model, dms(3), max_batch=3, kv_cache_bytes=budget - 1).cache.num_pages == 9
+    engine = Engine(model, dms(3), max_batch=3, kv_cache_bytes=budget)
     assert engine.cache.num_pages == 10
     assert engine.cache.ring_k.numel() * 4 * 2 + engine.cache.ring_evict.numel() == rings
 

@@ -13,6 +13,7 @@ from dmc.inference import (
     save_inference_state,
 )
 from dmc.inference import kv_write
+from dmc.inference.allocation import cache_allocation
 from dmc.inference.sampling import filtered_probs
 from dmc.megatron.attention import dmc_layers
 from dmc.megatron.model import build_gpt_model
@@ -391,14 +392,26 @@ def test_files_without_newer_dmc_fields_load_with_the_paper_defaults(parallel_1x
     assert loaded.dmc.omega_offset == 0.0 and loaded.dmc.prior == "global"
 
 
+# what a float32 cache of build(2) allocates (cache_allocation's shape, but pages and slots)
+CACHE_SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16, dtype=torch.float32,
+                   max_seq_len=MAX_SEQ)
+
+
 def test_default_pool_respects_the_byte_budget(parallel_1x1):
+    """kv_cache_bytes holds everything the cache allocates (cache_allocation, equal to the
+    bytes allocated: tests/benchmarks/test_decode_throughput.py): the pool is the most pages
+    that fit beside the block tables, lengths and merge state of the max_batch slots."""
     model, _ = build(2)
-    page_bytes = 2 * 16 * 16 * 4  # keys + values, 16 slots of head_dim 16, float32
-    engine = Engine(model, dmc=None, max_batch=4, kv_cache_bytes=10 * page_bytes + 5)
-    assert engine.cache.num_pages == 10
+    budget = cache_allocation(num_pages=10, max_seqs=4, window=None, **CACHE_SHAPE)["total"]
+    assert Engine(model, dmc=None, max_batch=4, kv_cache_bytes=budget).cache.num_pages == 10
+    assert Engine(model, dmc=None, max_batch=4, kv_cache_bytes=budget - 1).cache.num_pages == 9
+    page = 2 * 16 * 16 * 4 + 4  # keys + values of 16 slots of head_dim 16, a free-list id
+    tables = 4 * 2 * 2 * (MAX_SEQ // 16 * 4 + 4)  # slots x layers x kv x (page ids, length)
+    assert budget > 10 * page + tables
     merging, runtime = build(2, 3)  # DMC, window 3: the merge rings of 4 slots count too
     rings = 4 * 2 * 2 * (3 * (2 * 16 * 4 + 4) + 4)  # slots x layers x kv x open-slot state
-    engine = Engine(merging, max_batch=4, kv_cache_bytes=rings + 10 * page_bytes + 5)
+    budget = cache_allocation(num_pages=10, max_seqs=4, window=3, **CACHE_SHAPE)["total"]
+    engine = Engine(merging, max_batch=4, kv_cache_bytes=budget + page - 1)
     state = (engine.cache.open_k, engine.cache.open_v, engine.cache.open_omega,
              engine.cache.open_count)
     assert engine.cache.num_pages == 10 and sum(t.nbytes for t in state) == rings
