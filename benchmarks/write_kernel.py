@@ -20,9 +20,14 @@ import argparse
 import json
 import math
 import sys
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paged_kernel import time_cpu, time_cuda  # noqa: E402
+
+WARMUPS = 3  # the most calls a timer makes before it times (time_cuda's)
 
 
 def parse_args(argv=None):
@@ -60,12 +65,12 @@ def parse_args(argv=None):
 
 def write_inputs(args, device: torch.device) -> dict:
     """The cache of one layer (``dmc_write``'s keyword arguments but the decisions): pools
-    with room for the ``--iters`` timed calls and two warm-ups to append to every head beyond
-    ``--length`` slots, full rings, the new tokens."""
+    with room for the ``--iters`` timed calls and the timer's warm-ups to append to every head
+    beyond ``--length`` slots, full rings, the new tokens."""
     gen = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     batch, heads, dim, window = args.batch, args.kv_heads, args.head_dim, args.window
-    max_pages = math.ceil((args.length + args.iters + 2) / args.page_size)
+    max_pages = math.ceil((args.length + args.iters + WARMUPS) / args.page_size)
     num_pages = batch * heads * max_pages
     tables = torch.randperm(num_pages, generator=gen).view(batch, 1, heads, max_pages)
     ring = (batch, 1, heads, window)
@@ -96,25 +101,6 @@ def decisions(args, device: torch.device) -> torch.Tensor:
         device)
 
 
-def time_calls(fn, iters: int, cuda: bool) -> float:
-    """Seconds per call of ``fn`` (two warm-up calls first)."""
-    for _ in range(2):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
-    started = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - started) / iters
-
-
 def triton_rows(args, device: torch.device, lengths: torch.Tensor | None = None) -> dict:
     """``{"triton wN": seconds}``: the kernel as a decode step launches it, per warp count
     (on a CPU device: the Triton interpreter, the tests); ``lengths``: the heads' lengths
@@ -135,7 +121,7 @@ def triton_rows(args, device: torch.device, lengths: torch.Tensor | None = None)
 
         lengths.fill_(args.length)
         name = f"triton w{warps}" + (" (default)" if warps == NUM_WARPS else "")
-        rows[name] = time_calls(call, args.iters, cuda=device.type == "cuda")
+        rows[name] = (time_cuda if device.type == "cuda" else time_cpu)(call, args.iters)
     return rows
 
 
@@ -151,9 +137,8 @@ def cpu_rows(args) -> dict:
     call_args = dict(inputs, slots=slots, append=append)
     rows = {}
     if native_dmc_write(**call_args):
-        rows["compiled"] = time_calls(lambda: dmc_write_inplace(**call_args), args.iters, False)
-    rows["pytorch"] = time_calls(lambda: dmc_write_inplace(**call_args, native=False),
-                                 args.iters, False)
+        rows["compiled"] = time_cpu(lambda: dmc_write_inplace(**call_args), args.iters)
+    rows["pytorch"] = time_cpu(lambda: dmc_write_inplace(**call_args, native=False), args.iters)
     return rows
 
 
