@@ -101,23 +101,30 @@ def decisions(args, device: torch.device) -> torch.Tensor:
         device)
 
 
-def triton_rows(args, device: torch.device, lengths: torch.Tensor | None = None) -> dict:
-    """``{"triton wN": seconds}``: the kernel as a decode step launches it, per warp count
-    (on a CPU device: the Triton interpreter, the tests); ``lengths``: the heads' lengths
-    ``[batch, 1, kv_heads]`` int32 the calls advance (reset to ``--length`` before each
-    warp count)."""
-    from dmc.inference.kernels.dmc_write import NUM_WARPS, dmc_write
+def deferred_write(args, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """``dmc_write``'s keyword arguments for a decode step's deferred write (the decisions in
+    the keys' last channel, read by the kernel: merge where it is > c = 0) and the heads'
+    lengths ``[batch, 1, kv_heads]`` int32 (``--length``) the write advances."""
     from dmc.ops.algorithm1 import KeyDecision
 
-    inputs, alpha = write_inputs(args, device), decisions(args, device)
-    inputs["k"][..., -1] = 2 * alpha - 1  # the decision channel: merge where > c = 0
-    if lengths is None:
-        lengths = torch.empty((args.batch, 1, args.kv_heads), dtype=torch.int32, device=device)
+    inputs = write_inputs(args, device)
+    inputs["k"][..., -1] = 2 * decisions(args, device) - 1
+    lengths = torch.full((args.batch, 1, args.kv_heads), args.length, dtype=torch.int32,
+                         device=device)
+    return dict(inputs, slots=None, append=None, decide=(lengths, KeyDecision(0.0))), lengths
+
+
+def triton_rows(args, device: torch.device) -> dict:
+    """``{"triton wN": seconds}``: the kernel as a decode step launches it, per warp count
+    (on a CPU device: the Triton interpreter, the tests), the lengths reset to ``--length``
+    before each."""
+    from dmc.inference.kernels.dmc_write import NUM_WARPS, dmc_write
+
+    call_args, lengths = deferred_write(args, device)
     rows = {}
     for warps in args.warps:
         def call():
-            dmc_write(**inputs, slots=None, append=None, decide=(lengths, KeyDecision(0.0)),
-                      num_warps=warps)
+            dmc_write(**call_args, num_warps=warps)
 
         lengths.fill_(args.length)
         name = f"triton w{warps}" + (" (default)" if warps == NUM_WARPS else "")

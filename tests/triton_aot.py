@@ -128,12 +128,10 @@ def _dmc_write():
         cache.write(0, seqs, torch.ones(batch, dtype=torch.long), k, k.clone(),
                     torch.ones(batch, heads), KeyDecision(5.0), use_triton=True, defer=True)
     write_kernel = _benchmark("write_kernel")  # the deferred write at the other warp counts
-    inputs = write_kernel.write_inputs(write_kernel.parse_args(
+    call_args, _ = write_kernel.deferred_write(write_kernel.parse_args(
         ["--batch", "2", "--kv-heads", str(heads), "--length", "20"]), torch.device("cpu"))
-    lengths = torch.full((2, 1, heads), 20, dtype=torch.int32)
     for warps in (1, 8):
-        dmc_write(**inputs, slots=None, append=None, decide=(lengths, KeyDecision(5.0)),
-                  num_warps=warps)
+        dmc_write(**call_args, num_warps=warps)
 
 
 def _benchmark(name: str):

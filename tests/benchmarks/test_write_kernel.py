@@ -13,17 +13,25 @@ SMALL = ["--batch", "6", "--kv-heads", "4", "--head-dim", "16", "--length", "20"
          "3", "--iters", "1", "--dtype", "float32"]
 
 
-def test_the_triton_rows_append_one_decision_in_cr():
-    """Two calls per warp count on the CPU (time_cpu's warm-up, one timed) from the lengths
-    reset to --length: a head grows by 2 where its decision appends, by 0 where it merges."""
-    args = bench.parse_args(SMALL + ["--warps", "1,4", "--cr", "2"])
-    lengths = torch.empty(6, 1, 4, dtype=torch.int32)
-    rows = bench.triton_rows(args, torch.device("cpu"), lengths)
-    assert list(rows) == ["triton w1", "triton w4 (default)"]
-    assert all(seconds > 0 for seconds in rows.values())
+def test_the_deferred_write_appends_one_decision_in_cr():
+    """The write the Triton rows time, through the interpreter: a head grows where its key's
+    channel says append, and stays where it merges."""
+    from dmc.inference.kernels.dmc_write import dmc_write
+
+    args = bench.parse_args(SMALL + ["--cr", "2"])
+    call_args, lengths = bench.deferred_write(args, torch.device("cpu"))
+    dmc_write(**call_args)
+    dmc_write(**call_args)
     appends = bench.decisions(args, torch.device("cpu")) <= 0.5
     assert 0 < int(appends.sum()) < appends.numel()
     torch.testing.assert_close(lengths[:, 0], 20 + 2 * appends.int())
+
+
+def test_the_triton_rows_time_each_warp_count():
+    args = bench.parse_args(SMALL + ["--warps", "1,4"])
+    rows = bench.triton_rows(args, torch.device("cpu"))
+    assert list(rows) == ["triton w1", "triton w4 (default)"]
+    assert all(seconds > 0 for seconds in rows.values())
 
 
 def test_a_cpu_run_writes_its_rows(tmp_path, capsys):

@@ -49,6 +49,30 @@ def test_triton_write_on_cuda_matches_reference(window, dtype):
     assert_same_caches(*caches, dtype)
 
 
+@pytest.mark.parametrize("warps", [1, 2, 8])
+def test_the_deferred_dmc_write_at_other_warp_counts_writes_the_same(warps):
+    """benchmarks/write_kernel.py's write (bf16, window 12, decided from the key) at ``warps``
+    warps a program and at the default 4: the same pages, rings and lengths (the tuning only
+    lays the work out; a sum may round in another order)."""
+    from conftest import load_benchmark
+    from dmc.inference.kernels.dmc_write import dmc_write
+
+    bench = load_benchmark("write_kernel")
+    args = bench.parse_args(["--batch", "9", "--kv-heads", "4", "--length", "40", "--cr", "2"])
+    writes = [bench.deferred_write(args, torch.device("cuda")) for _ in range(2)]
+    for (call_args, _), num_warps in zip(writes, (4, warps)):
+        for _ in range(3):
+            dmc_write(**call_args, num_warps=num_warps)
+    (default, default_lengths), (other, other_lengths) = writes
+    assert torch.equal(other_lengths, default_lengths)
+    assert int((default_lengths > 40).sum()) > 0 and int((default_lengths == 40).sum()) > 0
+    for name in ("k_pages", "v_pages", "open_k", "open_v"):
+        torch.testing.assert_close(other[name].float(), default[name].float(),
+                                   **TOLERANCE[torch.bfloat16])
+    for name in ("open_omega", "open_count"):
+        torch.testing.assert_close(other[name], default[name], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("q_heads,kv_heads", [(16, 16), (32, 8)])
 def test_decode_rope_on_cuda_matches_the_pytorch_path(q_heads, kv_heads):
     """bf16 rows at head_dim 128: DMC's importance as hard_decisions gives it (the same
