@@ -40,6 +40,24 @@ def test_triton_decode_on_cuda_matches_reference(dtype, batch, q_heads, kv_heads
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 2), (64, 4, 3), (64, 8, 4),
+                                                          (128, 8, 2)])
+def test_other_tunings_of_the_decode_kernel_match_the_reference(block_n, num_warps, num_stages):
+    """Tunings of benchmarks/paged_kernel.py's sweep, on DMC-like short GQA heads and on long
+    ones split: the result does not depend on the tuning (a default may change to any)."""
+    from dmc.inference.kernels.paged_decode import paged_decode
+
+    gen = torch.Generator().manual_seed(block_n + num_warps + num_stages)
+    for batch, max_len, splits in ((24, 700, None), (2, 4096, 8)):
+        lengths = torch.randint(1, max_len + 1, (batch, 4), generator=gen)
+        paged = [t.cuda() for t in random_paged_kv(lengths, 128, 16, torch.bfloat16, gen)]
+        q = torch.randn(batch, 16, 128, generator=gen).to("cuda", torch.bfloat16)
+        out = paged_decode(q, *paged, 128 ** -0.5, num_splits=splits, block_n=block_n,
+                           num_warps=num_warps, num_stages=num_stages)
+        torch.testing.assert_close(out.float(), paged_decode_reference(
+            q, *paged, 128 ** -0.5).float(), **TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("window", [12, 3, None])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_write_on_cuda_matches_reference(window, dtype):
