@@ -35,7 +35,7 @@
 # =150) stops a step after that many seconds (exit 124 in the summary; the others still run);
 # DMC_CHECK_QUICK=1 shortens the protocols (decode: 512 generated tokens and the last 256 steps
 # instead of 2048 and 512, modes vanilla, DMC 4x and DMS 4x, each also overlapped;
-# paged kernel: 20 iterations; train step: 1 warm-up + 4 steps);
+# paged and write kernels: 20 iterations; train step: 1 warm-up + 4 steps);
 # DMC_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes (where xdist is installed),
 # which compile their FlexAttention and Triton kernels side by side; DMC_DECODE_MODES (e.g.
 # vanilla,dmc:2,dmc:8) replaces the decode step's modes; DMC_TEST_PATHS (default tests) the
