@@ -140,9 +140,10 @@ def busiest_ops(step, count: int, copy_sites: int = 0) -> tuple[list[dict], list
 
     cuda = torch.cuda.is_available()
     options = {}
-    if copy_sites > 0:  # the Python stack of every op (the verbose config records it)
+    if copy_sites > 0:  # the Python stack of every op (the verbose config records it here)
+        verbose = getattr(torch._C._profiler, "_ExperimentalConfig", None)
         options = dict(with_stack=True,
-                       experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+                       **({"experimental_config": verbose(verbose=True)} if verbose else {}))
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
                  **options) as prof:
         step()
