@@ -20,7 +20,7 @@ frame) whose saved storages weigh most; ``--profile N`` runs one more step of ea
 torch.profiler and prints its N ops with the most self time (CUDA kernels on a GPU: where a DMC
 step's time goes); ``--copy-sites N`` profiles that step with Python stacks and prints the N
 (op, call site) pairs of the ops that copy or fill memory with the most self time (which
-function of ``dmc`` or megatron launched them). Prints each row's step time as it is measured
+function of ``dmc`` or megatron, or which autograd node of the backward, launched them). Prints each row's step time as it is measured
 and a table at the end, and rewrites the JSON after every row (a run stopped by a time limit
 keeps the rows it measured);
 a DMC row that fails (say, a kernel that does not compile on that GPU) is recorded with its
@@ -154,24 +154,38 @@ def busiest_ops(step, count: int, copy_sites: int = 0) -> tuple[list[dict], list
     return ops, op_sites(prof, attribute, copy_sites) if copy_sites > 0 else []
 
 
+BACKWARD = "autograd::engine::evaluate_function: "  # the profiler's name of a backward node
+
+
 def op_sites(prof, attribute: str, count: int) -> list[dict]:
     """The ``count`` (op of :data:`COPY_OPS`, call site) pairs of a profile with the most self
-    time: name, site (the innermost ``dmc`` or megatron function on the op's Python stack,
-    ``(autograd engine)`` for an op run with none, a backward's, or the innermost frame
-    otherwise), milliseconds, calls."""
+    time: name, site (the innermost ``dmc`` or megatron function on the op's Python stack; for
+    an op without one, run by the autograd engine, ``backward of <node>``, the backward node
+    that ran it, e.g. ``MulBackward0``; else the innermost frame), milliseconds, calls."""
     totals = collections.defaultdict(lambda: [0.0, 0])
-    for event in prof.key_averages(group_by_stack_n=16):
-        if event.key not in COPY_OPS:
+    for event in prof.events():
+        if event.name not in COPY_OPS:
             continue
-        stack = list(event.stack or [])
-        frames = [frame for frame in stack if ours(frame)]
-        site = frames[0] if frames else stack[0] if stack else "(autograd engine)"
-        total = totals[(event.key, site.rsplit("/", 1)[-1])]
+        frames = [frame for frame in event.stack or [] if ours(frame)]
+        site = (frames[0] if frames else backward_node(event)
+                or (event.stack[0] if event.stack else "(autograd engine)"))
+        total = totals[(event.name, site.rsplit("/", 1)[-1])]
         total[0] += getattr(event, attribute) / 1e3
-        total[1] += event.count
+        total[1] += 1
     rows = [{"name": name, "site": site, "ms": ms, "calls": calls}
             for (name, site), (ms, calls) in totals.items()]
     return sorted(rows, key=lambda row: -row["ms"])[:count]
+
+
+def backward_node(event) -> str | None:
+    """``backward of <node>``: the autograd node among ``event``'s enclosing profiler events,
+    None when the op ran outside the backward."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(BACKWARD):
+            return f"backward of {parent.name.removeprefix(BACKWARD)}"
+        parent = parent.cpu_parent
+    return None
 
 
 def excess_ops(ops: list[dict], base: list[dict], count: int) -> list[dict]:

@@ -52,7 +52,8 @@ def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
 
 def test_copy_sites_name_the_functions_that_copy(tmp_path, capsys):
     """--copy-sites alone: no busiest_ops, the data-movement ops by call site, the DMC row's
-    among them in dmc's own modules (the window sums' shifts of the PyTorch path)."""
+    among them in dmc's own modules (the window sums' shifts of the PyTorch path) and in the
+    backward, named by the autograd node that ran them."""
     out = tmp_path / "sites.json"
     assert bench.main(TINY + ["--steps", "1", "--warmup", "0", "--copy-sites", "40",
                               "--out", str(out)]) == 0
@@ -65,6 +66,8 @@ def test_copy_sites_name_the_functions_that_copy(tmp_path, capsys):
         assert times == sorted(times, reverse=True)
     assert any(op["site"].startswith("accumulate.py") for op in rows["dmc-dense"]["copy_sites"])
     assert not any(op["site"].startswith("accumulate.py") for op in rows["vanilla"]["copy_sites"])
+    assert any(op["site"].startswith("backward of ") and op["site"].endswith("Backward0")
+               for op in rows["dmc-dense"]["copy_sites"])  # the backward's, by autograd node
     assert "pairs that copy or fill memory with the most self time" in capsys.readouterr().out
 
 
