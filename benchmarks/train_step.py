@@ -20,11 +20,11 @@ frame) whose saved storages weigh most; ``--profile N`` runs one more step of ea
 torch.profiler and prints its N ops with the most self time (CUDA kernels on a GPU: where a DMC
 step's time goes); ``--copy-sites N`` profiles that step with Python stacks and prints the N
 (op, call site) pairs of the ops that copy or fill memory with the most self time (which
-function of ``dmc`` or megatron, or which autograd node of the backward, launched them). Prints each row's step time as it is measured
-and a table at the end, and rewrites the JSON after every row (a run stopped by a time limit
-keeps the rows it measured);
-a DMC row that fails (say, a kernel that does not compile on that GPU) is recorded with its
-error, the others still run, and the exit code is 1.
+function of ``dmc`` or megatron, or which autograd node of the backward, launched them).
+Prints each row's step time as it is measured and a table at the end, and rewrites the JSON
+after every row (a run stopped by a time limit keeps the rows it measured); a DMC row that
+fails (say, a kernel that does not compile on that GPU) is recorded with its error, the others
+still run, and the exit code is 1.
 
     python benchmarks/train_step.py --layers 4 --hidden 256 --heads 8 --seq 256 --batch 8
     python benchmarks/train_step.py --layers 2 --hidden 2048 --heads 16 --ffn 5632 \
