@@ -596,6 +596,17 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def kernel_tuning(args) -> dict | None:
+    """On CUDA the Triton kernels' launch settings for this GPU
+    (:func:`dmc.inference.kernels.tuning.tuning_for`: ``$DMC_KERNEL_TUNING``, a shipped file or
+    the defaults), as the run's JSON records them."""
+    if not args.cuda:
+        return None
+    from dmc.inference.kernels.tuning import tuning_for
+
+    return tuning_for(torch.device("cuda")).to_json()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dmc.megatron.parallel import initialize_parallel
@@ -619,12 +630,14 @@ def main(argv=None) -> int:
             args.budget_mib = budget / 2**20
     device = torch.cuda.get_device_name() if args.cuda else "cpu (PyTorch kernels)"
     config = {k: v for k, v in vars(args).items() if k != "mode_list"}
+    tuning = kernel_tuning(args)
 
     def save(rows, partial=True):
         if args.out:  # a partial file first, renamed: a kill leaves the last whole one
             with open(args.out + ".partial", "w") as f:
                 json.dump({"device": device, "args": config, "budget_bytes": budget,
-                           "partial": partial, "rows": rows}, f, indent=2)
+                           "kernel_tuning": tuning, "partial": partial, "rows": rows}, f,
+                          indent=2)
             os.replace(args.out + ".partial", args.out)
 
     rows = run_all(args, models, budget, save)
@@ -637,6 +650,8 @@ def main(argv=None) -> int:
           + (", decode steps of every mode but the policies through DecodeGraphs (CUDA graphs "
              "on a GPU)" if args.cuda_graphs else ""))
     print(table(rows))
+    if tuning:
+        print("Triton kernels' launch settings: " + json.dumps(tuning))
     if args.out:
         save(rows, partial=False)
         print(f"wrote {args.out}")

@@ -13,7 +13,14 @@ differ by a few percent), as DMC at ``R``-fold compression holds the cache of va
 its rows carry `` at cr R`` and the table ends with its kernel time against the first layout's
 (1.0: the kernel is as fast per byte on many short heads as on few long ones).
 
-On CUDA: the Triton kernel. Without a GPU: the CPU paths, each a row: the compiled kernel
+On CUDA: the Triton kernel (at this GPU's tuned setting, :mod:`dmc.inference.kernels.tuning`);
+``--sweep`` times it under every tuning of a small grid as well (each tuning's output checked
+against the first row's), and ``--write-tuning FILE`` writes the fastest per layout into a
+kernel tuning file for this GPU (the kernel's default kept within 2% of the best; with
+``--compare-cr`` a row for launches over as few (sequence, KV head) pairs as the first
+layout's, another for as many as the second's), which
+``DMC_KERNEL_TUNING=FILE`` puts to use, or which ships as ``dmc/inference/kernels/tunings/``.
+Without a GPU: the CPU paths, each a row: the compiled kernel
 (``paged_cpu.c``, when a C compiler is present), the PyTorch batched path, and with
 ``--cpu-reference`` the slot-by-slot reference; on the CPU the copy is also timed as a plain read
 (``sum``), the bound of a kernel that only reads. ``--out FILE.json`` writes the numbers.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 
@@ -52,9 +60,14 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="CUDA: also time every (block_n, num_warps, num_stages) of a small grid "
                         "and print the fastest")
+    p.add_argument("--write-tuning", metavar="FILE",
+                   help="with --sweep on CUDA: write the fastest tuning per layout into this "
+                        "kernel tuning file (created, or its paged_decode section replaced)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.write_tuning and not (args.sweep and torch.cuda.is_available()):
+        p.error("--write-tuning: needs --sweep on a CUDA device (the tuning file is per GPU)")
     for flag, value in (("--spread", args.spread), ("--compare-spread", args.compare_spread)):
         if value is not None and not 0 <= value < 1:
             p.error(f"{flag}: accepted 0 <= spread < 1, got {value}")
@@ -170,7 +183,7 @@ def measure(args, device, kernel, timer, layout: Layout):
         "kv_bytes": size, "kernel_seconds": seconds, "kernel_GBps": kernel_bw / 1e9,
         "copy_seconds": copy_seconds, "copy_GBps": copy_bw / 1e9,
         "fraction_of_copy": kernel_bw / copy_bw, "mean_length": float(lengths.float().mean()),
-        "batch": layout.batch,
+        "max_length": max_length, "batch": layout.batch,
     }
     if device.type == "cpu":  # a plain read of the same bytes: what a reading kernel can reach
         words = src.view(torch.float32)
@@ -246,11 +259,15 @@ def short_head_cost(results: dict) -> dict[str, float]:
     return costs
 
 
-def sweep(args, layout: Layout) -> dict:
+def sweep(args, layout: Layout, expected: torch.Tensor, device: torch.device = None,
+          timer=time_cuda) -> dict:
     """``{"sweep bN wW sS<suffix>": result}`` of the Triton kernel on ``layout`` under each
-    tuning of ``SWEEP`` (the default's row is "triton"); prints the fastest."""
+    tuning of ``SWEEP``, each result with its ``tuning`` and whether its output ``matches``
+    ``expected`` (the "triton" row's, at this GPU's setting, to bf16 rounding); prints the
+    fastest. ``device`` default CUDA (a CPU device and ``time_cpu``: the interpreter, tests)."""
     from dmc.inference.kernels.paged_decode import paged_decode
 
+    device = device or torch.device("cuda")
     results = {}
     for block_n, warps, stages in SWEEP:
         def kernel(q, k, v, t, lengths, scale, max_length):
@@ -258,11 +275,84 @@ def sweep(args, layout: Layout) -> dict:
                                 max_length=max_length, block_n=block_n, num_warps=warps,
                                 num_stages=stages)
 
-        results[f"sweep b{block_n} w{warps} s{stages}{layout.suffix}"] = measure(
-            args, torch.device("cuda"), kernel, time_cuda, layout)
+        row = measure(args, device, kernel, timer, layout)
+        row.update(tuning=[block_n, warps, stages],
+                   matches=bool(torch.allclose(run_once(args, kernel, layout, device).float(),
+                                               expected.float(), atol=2e-2, rtol=2e-2)))
+        results[f"sweep b{block_n} w{warps} s{stages}{layout.suffix}"] = row
     best = max(results, key=lambda name: results[name]["fraction_of_copy"])
     print(f"fastest tuning: {best} ({results[best]['fraction_of_copy']:.3f} of copy)")
+    for name in (name for name, row in results.items() if not row["matches"]):
+        print(f"{name}: its output differs from the triton row's (not eligible for a tuning "
+              f"file)")
     return results
+
+
+def run_once(args, kernel, layout: Layout, device: torch.device) -> torch.Tensor:
+    """``kernel``'s output on ``layout``'s inputs on ``device``."""
+    q, k_pages, v_pages, tables, lengths = make_inputs(args, device, layout)
+    return kernel(q, k_pages, v_pages, tables, lengths, args.head_dim ** -0.5,
+                  int(lengths.max()))
+
+
+def swept(results: dict, layout: Layout) -> dict:
+    """``{(block_n, num_warps, num_stages): result}`` of the sweep on ``layout`` whose output
+    matched the triton row's."""
+    return {tuple(row["tuning"]): row for name, row in results.items()
+            if name.startswith("sweep") and row["matches"] and name.endswith(layout.suffix)
+            and (layout.suffix or " at cr " not in name)}
+
+
+def tuning_rows(args, results: dict, runs: list[Layout]):
+    """The decode rows of a tuning file from a sweep over the layouts ``runs``: per layout,
+    fewest (sequence, KV head) pairs first, the fastest tuning whose output matched
+    (:func:`~dmc.inference.kernels.tuning.pick_fastest`: the kernel's default kept within 2%),
+    up to the geometric mean of its pairs and the next layout's (the last row unbounded); a row
+    that repeats the next one's tuning is dropped."""
+    from dmc.inference.kernels.tuning import DecodeTuning, pick_fastest
+
+    ordered = sorted(runs, key=lambda layout: layout.batch)
+    rows = []
+    for layout, following in zip(ordered, ordered[1:] + [None]):
+        eligible = swept(results, layout)
+        if not eligible:
+            raise ValueError(f"no tuning of the sweep{layout.suffix} matched the triton row")
+        block_n, warps, stages = pick_fastest(
+            {tuning: row["kernel_seconds"] for tuning, row in eligible.items()},
+            DecodeTuning().launch)
+        bound = None if following is None else math.isqrt(
+            layout.batch * following.batch * args.kv_heads ** 2)
+        rows.append(DecodeTuning(block_n, warps, stages, bound))
+    return tuple(row for i, row in enumerate(rows)
+                 if i == len(rows) - 1 or row.launch != rows[i + 1].launch)
+
+
+def write_tuning_file(args, results: dict, device_name: str) -> None:
+    """``--write-tuning``: the sweep's :func:`tuning_rows` into the file, with their source
+    (per layout the default's and the fastest tuning's fraction of copy)."""
+    import datetime
+
+    from dmc.inference.kernels.tuning import DecodeTuning, update_tuning
+
+    runs = layouts(args)
+    chosen = tuning_rows(args, results, runs)
+    described = []
+    for layout in runs:
+        eligible = swept(results, layout)
+        fastest = max(eligible, key=lambda tuning: eligible[tuning]["fraction_of_copy"])
+        default = eligible.get(DecodeTuning().launch)
+        described.append(
+            f"batch {layout.batch}, heads of {results['triton' + layout.suffix]['mean_length']:.0f}"
+            f" slots on average: {fastest} {eligible[fastest]['fraction_of_copy']:.3f} of copy"
+            + ("" if default is None else f", the default {DecodeTuning().launch} "
+               f"{default['fraction_of_copy']:.3f}"))
+    flags = "--sweep" + ("" if args.compare_cr is None else f" --compare-cr {args.compare_cr:g}")
+    source = (f"benchmarks/paged_kernel.py {flags} on {device_name}, {datetime.date.today()} "
+              f"({args.q_heads} query / {args.kv_heads} KV heads, head_dim {args.head_dim}, "
+              f"{args.dtype}): " + "; ".join(described))
+    update_tuning(args.write_tuning, device_name, "paged_decode", source, decode=chosen)
+    print(f"wrote {args.write_tuning}: paged_decode " + ", ".join(
+        f"{row.launch} up to {row.max_heads or 'any number of'} heads" for row in chosen))
 
 
 def main(argv=None) -> int:
@@ -279,8 +369,11 @@ def main(argv=None) -> int:
             results[f"triton{layout.suffix}"] = measure(args, torch.device("cuda"), kernel,
                                                         time_cuda, layout)
             if args.sweep:
-                results.update(sweep(args, layout))
+                results.update(sweep(args, layout, run_once(args, kernel, layout,
+                                                            torch.device("cuda"))))
         report(args, results, torch.cuda.get_device_name())
+        if args.write_tuning:
+            write_tuning_file(args, results, torch.cuda.get_device_name())
         return 0
     cpu = torch.device("cpu")
     results = {f"{name}{layout.suffix}": measure(args, cpu, kernel, time_cpu, layout)

@@ -5,12 +5,14 @@ The write moves little (per head: the token, the ring of ``window`` keys and val
 row), so its time is latency: a chain of dependent loads (the head's length, its decision, the
 page of its slot) per program. On CUDA: the Triton kernel as a decode step runs it (the decision
 taken in the kernel from the key's decision channel, the lengths advanced on the device), under
-``--warps`` (default: 1, 2, 4 and 8 warps per program, the kernel's default marked). Without a
-GPU: the compiled CPU kernel and the PyTorch path with the decisions taken on the host. Inputs:
-``--batch`` sequences of ``--kv-heads`` heads of about ``--length`` slots, a ring of ``--window``
-rows, pages in shuffled order, one decision in ``--cr`` appending. The default layout is DMC 4x's
-batch at the GPU decode preset (137 sequences, 16 KV heads, head_dim 128, bf16, 653 slots a
-head after 2560 tokens).
+``--warps`` (default: 1, 2, 4 and 8 warps per program, the setting in use on this GPU marked,
+:mod:`dmc.inference.kernels.tuning`); ``--write-tuning FILE`` writes the fastest (the default
+kept within 2%) into a kernel tuning file for this GPU. Without a GPU: the compiled CPU kernel
+and the PyTorch path with the decisions taken on the host. Inputs: ``--batch`` sequences of
+``--kv-heads`` heads of about ``--length`` slots, a ring of ``--window`` rows, pages in shuffled
+order, one decision in ``--cr`` appending. The default layout is DMC 4x's batch at the GPU
+decode preset (137 sequences, 16 KV heads, head_dim 128, bf16, 653 slots a head after 2560
+tokens).
 
     python benchmarks/write_kernel.py --out write_kernel.json
 """
@@ -42,9 +44,14 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warps", default="1,2,4,8", help="CUDA: comma separated warps per program")
+    p.add_argument("--write-tuning", metavar="FILE",
+                   help="CUDA: write the fastest warp count into this kernel tuning file "
+                        "(created, or its dmc_write section replaced)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.write_tuning and not torch.cuda.is_available():
+        p.error("--write-tuning: needs a CUDA device (the tuning file is per GPU)")
     try:
         args.warps = [int(w) for w in args.warps.split(",")]
     except ValueError:
@@ -115,10 +122,10 @@ def deferred_write(args, device: torch.device) -> tuple[dict, torch.Tensor]:
 
 
 def triton_rows(args, device: torch.device) -> dict:
-    """``{"triton wN": seconds}``: the kernel as a decode step launches it, per warp count
-    (on a CPU device: the Triton interpreter, the tests), the lengths reset to ``--length``
-    before each."""
-    from dmc.inference.kernels.dmc_write import NUM_WARPS, dmc_write
+    """``{warps: seconds}``: the kernel as a decode step launches it, per warp count (on a CPU
+    device: the Triton interpreter, the tests), the lengths reset to ``--length`` before
+    each."""
+    from dmc.inference.kernels.dmc_write import dmc_write
 
     call_args, lengths = deferred_write(args, device)
     rows = {}
@@ -127,9 +134,30 @@ def triton_rows(args, device: torch.device) -> dict:
             dmc_write(**call_args, num_warps=warps)
 
         lengths.fill_(args.length)
-        name = f"triton w{warps}" + (" (default)" if warps == NUM_WARPS else "")
-        rows[name] = (time_cuda if device.type == "cuda" else time_cpu)(call, args.iters)
+        rows[warps] = (time_cuda if device.type == "cuda" else time_cpu)(call, args.iters)
     return rows
+
+
+def row_names(seconds_by_warps: dict, in_use: int) -> dict:
+    """``{"triton wN": seconds}``, the warp count in use on the device marked."""
+    return {f"triton w{warps}" + (" (in use)" if warps == in_use else ""): seconds
+            for warps, seconds in seconds_by_warps.items()}
+
+
+def write_tuning_file(args, seconds_by_warps: dict, device_name: str) -> None:
+    """``--write-tuning``: the fastest warp count (:func:`~dmc.inference.kernels.tuning.
+    pick_fastest`) into the file's ``dmc_write`` section, with its source."""
+    import datetime
+
+    from dmc.inference.kernels.tuning import DEFAULT_WRITE_WARPS, pick_fastest, update_tuning
+
+    warps = pick_fastest(seconds_by_warps, DEFAULT_WRITE_WARPS)
+    timings = ", ".join(f"{w} warps {s * 1e6:.1f} us" for w, s in seconds_by_warps.items())
+    source = (f"benchmarks/write_kernel.py on {device_name}, {datetime.date.today()} (batch "
+              f"{args.batch}, {args.kv_heads} KV heads, head_dim {args.head_dim}, window "
+              f"{args.window}, {args.dtype}, a call: one layer's deferred write): {timings}")
+    update_tuning(args.write_tuning, device_name, "dmc_write", source, write_warps=warps)
+    print(f"wrote {args.write_tuning}: dmc_write {warps} warps")
 
 
 def cpu_rows(args) -> dict:
@@ -152,7 +180,13 @@ def cpu_rows(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    rows = triton_rows(args, torch.device("cuda")) if cuda else cpu_rows(args)
+    if cuda:
+        from dmc.inference.kernels.tuning import tuning_for
+
+        by_warps = triton_rows(args, torch.device("cuda"))
+        rows = row_names(by_warps, tuning_for(torch.device("cuda")).write_warps)
+    else:
+        rows = cpu_rows(args)
     device = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
     programs = args.batch * args.kv_heads
     print(f"DMC decode write on {device}: batch {args.batch}, {args.kv_heads} KV heads "
@@ -165,6 +199,8 @@ def main(argv=None) -> int:
             json.dump({"device": device, "args": vars(args), "programs": programs,
                        "seconds": rows}, f, indent=2)
         print(f"wrote {args.out}")
+    if args.write_tuning:
+        write_tuning_file(args, by_warps, device)
     return 0
 
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One-command GPU validation kit: the `gpu` tests, then the decode, paged-kernel and train-step
-# benchmarks, every log and JSON written into RESULTS_DIR with a summary.
+# benchmarks, every log and JSON written into RESULTS_DIR with a summary. On a GPU the kernel
+# steps also write the launch settings they found fastest into RESULTS_DIR/kernel_tuning.json
+# (dmc/inference/kernels/tuning.py) and `decode_tuned` runs the decode benchmark again under
+# them (DMC_KERNEL_TUNING): copy the file to dmc/inference/kernels/tunings/ to ship it.
 #
 #   bash scripts/gpu_check.sh RESULTS_DIR
 #
@@ -26,10 +29,12 @@
 #
 # Files in RESULTS_DIR: environment.txt, install.log, gpu_tests.log, gpu_tests.xml (JUnit),
 # decode_throughput.{log,json}, paged_kernel.{log,json}, write_kernel.{log,json},
-# train_step.{log,json}, steps.tsv, summary.txt, summary.json. PYTHON (default python3) picks the
-# interpreter. DMC_CHECK_STEPS runs some steps only (of: gpu_tests decode_throughput paged_kernel
-# write_kernel train_step), e.g. one per call where a command's time is limited; steps.tsv keeps
-# the earlier calls' records (the summary reads the newest of each step).
+# kernel_tuning.json, decode_tuned.{log,json}, train_step.{log,json}, steps.tsv, summary.txt,
+# summary.json. PYTHON (default python3) picks the interpreter. DMC_CHECK_STEPS runs some steps
+# only (of: gpu_tests decode_throughput paged_kernel write_kernel decode_tuned train_step), e.g.
+# one per call where a command's time is limited; steps.tsv keeps the earlier calls' records
+# (the summary reads the newest of each step). decode_tuned runs where kernel_tuning.json
+# exists (from this call or an earlier one into the same RESULTS_DIR).
 #
 # For a leased machine whose minutes are counted: DMC_TIMEOUT_<step> (e.g. DMC_TIMEOUT_gpu_tests
 # =150) stops a step after that many seconds (exit 124 in the summary; the others still run);
@@ -93,7 +98,7 @@ if [ -n "$ARCHIVE" ]; then
                     "archives; name a file elsewhere" >&2; exit 2 ;;
   esac
 fi
-ALL_STEPS="gpu_tests decode_throughput paged_kernel write_kernel train_step"
+ALL_STEPS="gpu_tests decode_throughput paged_kernel write_kernel decode_tuned train_step"
 SELECTED=${DMC_CHECK_STEPS:-$ALL_STEPS}
 for step in $SELECTED; do
   case " $ALL_STEPS " in
@@ -211,13 +216,22 @@ run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v -rs --durations 
   "${TEST_PATHS[@]}"
 
 if [ "$CUDA" = 1 ]; then
-  run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs \
-    --overlap both --profile "${QUICK_DECODE[@]}" "${DECODE_MODES[@]}" \
-    --out "$RESULTS/decode_throughput.json"
-  run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep --compare-cr 4 \
-    "${QUICK_KERNEL[@]}" --out "$RESULTS/paged_kernel.json"
+  DECODE=("$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs --overlap both
+          --profile "${QUICK_DECODE[@]}" "${DECODE_MODES[@]}")
+  run decode_throughput "${DECODE[@]}" --out "$RESULTS/decode_throughput.json"
+  # one layer of the decode preset's cache: vanilla's batch (16 KV heads of 128 channels, 2560
+  # slots: 2048 + 512 tokens), then DMC 4x's (4x the sequences, heads 4x shorter)
+  run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep --compare-cr 4 --batch 36 \
+    --q-heads 16 --kv-heads 16 --length 2560 "${QUICK_KERNEL[@]}" \
+    --write-tuning "$RESULTS/kernel_tuning.json" --out "$RESULTS/paged_kernel.json"
   run write_kernel "$PYTHON" benchmarks/write_kernel.py "${QUICK_KERNEL[@]}" \
-    --out "$RESULTS/write_kernel.json"
+    --write-tuning "$RESULTS/kernel_tuning.json" --out "$RESULTS/write_kernel.json"
+  if [ -f "$RESULTS/kernel_tuning.json" ]; then
+    run decode_tuned env DMC_KERNEL_TUNING="$RESULTS/kernel_tuning.json" "${DECODE[@]}" \
+      --out "$RESULTS/decode_tuned.json"
+  elif [[ " $SELECTED " == *" decode_tuned "* ]]; then
+    echo "== decode_tuned: not run, no kernel_tuning.json (paged_kernel and write_kernel write it)"
+  fi
   run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
     --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
     "${TRAIN_ROWS[@]}" --by-site 8 --profile 30 --copy-sites 25 \

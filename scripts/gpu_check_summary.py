@@ -75,13 +75,18 @@ def summarise(results: Path) -> dict:
     summary = {"steps": list(steps.values()), "gpu_tests": counts,
                "environment": (results / "environment.txt").read_text().strip().splitlines()
                if (results / "environment.txt").is_file() else [], "figures": {}, "goals": GOALS}
-    decode = read_json(results / "decode_throughput.json")
-    if decode:
-        summary["figures"]["decode"] = [
-            {"mode": row["mode"], "error": row["error"]} if "error" in row else
-            {**{k: row[k] for k in ("mode", "measured_cr", "batch", "tokens_per_s",
-                                    "speedup_vs_vanilla")},
-             "median_host_seconds": row.get("median_host_seconds")} for row in decode["rows"]]
+    for key, name in (("decode", "decode_throughput"), ("decode_tuned", "decode_tuned")):
+        decode = read_json(results / f"{name}.json")
+        if decode:
+            summary["figures"][key] = [
+                {"mode": row["mode"], "error": row["error"]} if "error" in row else
+                {**{k: row[k] for k in ("mode", "measured_cr", "batch", "tokens_per_s",
+                                        "speedup_vs_vanilla")},
+                 "median_host_seconds": row.get("median_host_seconds")}
+                for row in decode["rows"]]
+    tuning = read_json(results / "kernel_tuning.json")
+    if tuning:
+        summary["figures"]["kernel_tuning"] = tuning
     kernel = read_json(results / "paged_kernel.json")
     if kernel:
         summary["figures"]["paged_kernel"] = [
@@ -102,6 +107,21 @@ def summarise(results: Path) -> dict:
     return summary
 
 
+def decode_lines(rows: list[dict], label: str) -> list[str]:
+    """One line per decode mode: CR, batch, tokens/s, ratio to vanilla, host time a step."""
+    lines = []
+    for row in rows:
+        if "error" in row:
+            lines.append(f"{label} {row['mode']:<16} failed: {row['error'][:200]}")
+            continue
+        speedup, host = row["speedup_vs_vanilla"], row.get("median_host_seconds")
+        lines.append(f"{label} {row['mode']:<16} CR {row['measured_cr']:5.2f}  batch "
+                     f"{row['batch']:>4}  {row['tokens_per_s']:10.1f} tok/s  "
+                     + ("" if speedup is None else f"x{speedup:.2f} vanilla")
+                     + ("" if host is None else f"  host {host * 1e3:.2f} ms/step"))
+    return lines
+
+
 def as_text(summary: dict) -> str:
     lines = ["gpu_check summary", *("  " + line for line in summary["environment"]), "", "steps:"]
     lines += [f"  {s['step']:<18} skipped (no time left before DMC_CHECK_DEADLINE)"
@@ -117,15 +137,17 @@ def as_text(summary: dict) -> str:
         lines.append(f"gpu tests: {counts['tests']} collected, {counts['failures']} failed, "
                      f"{counts['errors']} errors, {counts['skipped']} skipped or xfailed")
     figures = summary["figures"]
-    for row in figures.get("decode", []):
-        if "error" in row:
-            lines.append(f"decode {row['mode']:<16} failed: {row['error'][:200]}")
-            continue
-        speedup, host = row["speedup_vs_vanilla"], row.get("median_host_seconds")
-        lines.append(f"decode {row['mode']:<16} CR {row['measured_cr']:5.2f}  batch "
-                     f"{row['batch']:>4}  {row['tokens_per_s']:10.1f} tok/s  "
-                     + ("" if speedup is None else f"x{speedup:.2f} vanilla")
-                     + ("" if host is None else f"  host {host * 1e3:.2f} ms/step"))
+    for key, label in (("decode", "decode"), ("decode_tuned", "decode (tuned)")):
+        lines += decode_lines(figures.get(key, []), label)
+    tuning = figures.get("kernel_tuning")
+    if tuning:
+        rows = ", ".join(f"({r['block_n']}, {r['num_warps']}, {r['num_stages']}) "
+                         + ("beyond" if r["max_heads"] is None and len(tuning["paged_decode"]) > 1
+                            else "for any heads" if r["max_heads"] is None
+                            else f"up to {r['max_heads']} heads")
+                         for r in tuning["paged_decode"])
+        lines.append(f"kernel tuning written (kernel_tuning.json): paged decode {rows}; DMC "
+                     f"write {tuning['dmc_write']['num_warps']} warps")
     for k in figures.get("paged_kernel", []):
         lines.append(f"paged kernel ({k['path']}): {k['kernel_GBps']:.1f} GB/s, "
                      f"{k['fraction_of_copy']:.3f} of copy ({k['copy_GBps']:.1f} GB/s)")

@@ -86,11 +86,14 @@ def compile_for_hopper(kernel, args, kwargs) -> None:
 
 def _paged_decode():
     """GQA in bf16 with two splits (both kernels), MHA in float32 in one, a DMS ring (the split
-    kernel's ring mode) in bf16."""
+    kernel's ring mode) in bf16; the bf16 GQA launch again under every setting a shipped
+    tuning file holds (``dmc/inference/kernels/tunings``)."""
     import torch
 
     from dmc.inference.kernels import run_paged_decode
     from dmc.inference.kernels.dms_decode import dms_decode_attention
+    from dmc.inference.kernels.paged_decode import paged_decode
+    from dmc.inference.kernels.tuning import shipped_tunings
 
     for dtype, q_heads, kv_heads, splits in ((torch.bfloat16, 8, 2, 2), (torch.float32, 4, 4, 1)):
         pages, page_size, dim, batch = 8, 16, 128, 2
@@ -100,6 +103,11 @@ def _paged_decode():
         q = torch.zeros(batch, q_heads, dim, dtype=dtype)
         run_paged_decode(q, k_pages, k_pages.clone(), tables, lengths, dim ** -0.5,
                          use_triton=True, num_splits=splits, max_length=64)
+        launches = {row.launch for tuning in shipped_tunings().values() for row in tuning.decode}
+        for block_n, warps, stages in sorted(launches) if dtype == torch.bfloat16 else ():
+            paged_decode(q, k_pages, k_pages.clone(), tables, lengths, dim ** -0.5,
+                         num_splits=splits, max_length=64, block_n=block_n, num_warps=warps,
+                         num_stages=stages)
     ring_k = torch.zeros(3, kv_heads, 33, dim, dtype=torch.bfloat16)  # a DMS window ring
     dms_decode_attention(q.bfloat16(), k_pages.bfloat16(), k_pages.bfloat16(), tables, lengths,
                          64, ring_k, ring_k.clone(), lengths[:, 0], dim ** -0.5,
@@ -109,11 +117,13 @@ def _paged_decode():
 def _dmc_write():
     """The windowed (window 12, a float32 ring and a bf16 one) and exact merges into a bf16
     cache, decided on the host, then deferred with the decisions read from the key (the decode
-    step's launch); that launch again at 1 and 8 warps (``benchmarks/write_kernel.py``'s)."""
+    step's launch); that launch again at 1 and 8 warps (``benchmarks/write_kernel.py``'s) and at
+    the shipped tuning files' counts."""
     import torch
 
     from dmc.inference.cache import PagedKVCache
     from dmc.inference.kernels.dmc_write import dmc_write
+    from dmc.inference.kernels.tuning import shipped_tunings
     from dmc.ops.algorithm1 import KeyDecision
 
     heads, dim, batch = 2, 128, 2
@@ -130,7 +140,7 @@ def _dmc_write():
     write_kernel = _benchmark("write_kernel")  # the deferred write at the other warp counts
     call_args, _ = write_kernel.deferred_write(write_kernel.parse_args(
         ["--batch", "2", "--kv-heads", str(heads), "--length", "20"]), torch.device("cpu"))
-    for warps in (1, 8):
+    for warps in sorted({1, 8} | {t.write_warps for t in shipped_tunings().values()}):
         dmc_write(**call_args, num_warps=warps)
 
 

@@ -56,9 +56,71 @@ def test_a_cpu_run_times_both_layouts(tmp_path, capsys):
     (["--spread", "1"], "--spread: accepted 0 <= spread < 1"),
     (["--compare-spread", "-0.1"], "--compare-spread: accepted 0 <= spread < 1"),
     (["--compare-cr", "0.5"], "--cr / --compare-cr: accepted values >= 1"),
+    (["--write-tuning", "t.json"], "--write-tuning: needs --sweep on a CUDA device"),
+    (["--sweep", "--write-tuning", "t.json"], "--write-tuning: needs --sweep on a CUDA device"),
 ])
 def test_bad_layout_flags_exit_2_naming_them(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(SMALL + flags)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _swept(tuning, seconds, matches=True, suffix=""):
+    block_n, warps, stages = tuning
+    return (f"sweep b{block_n} w{warps} s{stages}{suffix}",
+            {"tuning": list(tuning), "kernel_seconds": seconds, "matches": matches})
+
+
+def test_tuning_rows_take_the_fastest_matching_tuning_per_layout():
+    """3 x 2 heads, then 12 x 2 (--compare-cr 4): the first row up to sqrt(6 x 24) = 12."""
+    args = bench.parse_args(SMALL + ["--compare-cr", "4"])
+    runs = bench.layouts(args)
+    results = {**dict([_swept((64, 4, 4), 1.0), _swept((128, 4, 3), 1.1),
+                       _swept((32, 4, 2), 0.5, matches=False),  # wrong output: never chosen
+                       _swept((32, 4, 2), 0.8, suffix=" at cr 4"),
+                       _swept((128, 4, 3), 1.2, suffix=" at cr 4")])}
+    rows = bench.tuning_rows(args, results, runs)
+    assert [(row.launch, row.max_heads) for row in rows] == [((64, 4, 4), 12),
+                                                             ((32, 4, 2), None)]
+    results["sweep b128 w4 s3"]["kernel_seconds"] = 1.01  # the default within 2%: kept
+    results["sweep b32 w4 s2 at cr 4"]["kernel_seconds"] = 1.3  # both layouts the default:
+    rows = bench.tuning_rows(args, results, runs)               # one row
+    assert [(row.launch, row.max_heads) for row in rows] == [((128, 4, 3), None)]
+    for name in list(results):
+        if name.startswith("sweep") and name.endswith("at cr 4"):
+            results[name]["matches"] = False
+    with pytest.raises(ValueError, match="no tuning of the sweep at cr 4 matched"):
+        bench.tuning_rows(args, results, runs)
+
+
+def test_a_sweep_through_the_interpreter_writes_a_tuning_file(tmp_path, monkeypatch):
+    """The --write-tuning path of a CUDA run, on the interpreter with two tunings: every
+    output matches the triton row's, and the file holds a row per layout unless they agree."""
+    from dmc.inference.kernels.paged_decode import paged_decode
+    from dmc.inference.kernels.tuning import INTERPRETER, read_tuning
+
+    monkeypatch.setattr(bench, "SWEEP", [(16, 2, 2), (32, 4, 3)])
+    args = bench.parse_args(SMALL + ["--length", "64", "--compare-cr", "2"])
+    args.write_tuning = str(tmp_path / "tuning.json")
+    cpu = torch.device("cpu")
+
+    def kernel(q, k, v, t, lengths, scale, max_length):
+        return paged_decode(q, k, v, t, lengths, scale, max_length=max_length)
+
+    results = {}
+    for layout in bench.layouts(args):
+        results["triton" + layout.suffix] = bench.measure(args, cpu, kernel, bench.time_cpu,
+                                                          layout)
+        results.update(bench.sweep(args, layout, bench.run_once(args, kernel, layout, cpu),
+                                   cpu, bench.time_cpu))
+    assert len(results) == 6 and all(row["matches"] for name, row in results.items()
+                                     if name.startswith("sweep"))
+    bench.write_tuning_file(args, results, INTERPRETER)
+    tuning = read_tuning(args.write_tuning)
+    assert tuning.device == INTERPRETER and tuning.decode[-1].max_heads is None
+    assert {row.launch for row in tuning.decode} <= {(16, 2, 2), (32, 4, 3)}
+    if len(tuning.decode) == 2:  # 3 x 2 heads, then 6 x 2: the first row up to sqrt(72)
+        assert tuning.decode[0].max_heads == 8
+    assert tuning.source["paged_decode"].startswith(
+        "benchmarks/paged_kernel.py --sweep --compare-cr 2 on triton interpreter")

@@ -30,8 +30,28 @@ def test_the_deferred_write_appends_one_decision_in_cr():
 def test_the_triton_rows_time_each_warp_count():
     args = bench.parse_args(SMALL + ["--warps", "1,4"])
     rows = bench.triton_rows(args, torch.device("cpu"))
-    assert list(rows) == ["triton w1", "triton w4 (default)"]
-    assert all(seconds > 0 for seconds in rows.values())
+    assert list(rows) == [1, 4] and all(seconds > 0 for seconds in rows.values())
+    assert list(bench.row_names(rows, 4)) == ["triton w1", "triton w4 (in use)"]
+
+
+@pytest.mark.parametrize("seconds, chosen", [({1: 2.0e-5, 4: 2.03e-5}, 4),  # within 2%: kept
+                                             ({1: 1.0e-5, 4: 2.0e-5, 8: 3e-5}, 1)])
+def test_write_tuning_writes_the_fastest_warps_keeping_the_decode_rows(tmp_path, seconds,
+                                                                       chosen):
+    from dmc.inference.kernels.tuning import DecodeTuning, KernelTuning, read_tuning, write_tuning
+
+    path = tmp_path / "tuning.json"
+    decode = (DecodeTuning(64, 4, 3, 1152), DecodeTuning(128, 8, 2))
+    write_tuning(path, KernelTuning("GPU X", decode, source={"paged_decode": "a sweep"}))
+    args = bench.parse_args(SMALL)
+    args.write_tuning = str(path)  # the flag itself needs CUDA
+    bench.write_tuning_file(args, seconds, "GPU X")
+    tuning = read_tuning(path)
+    assert tuning.write_warps == chosen and tuning.decode == decode
+    assert tuning.source["paged_decode"] == "a sweep"
+    written = tuning.source["dmc_write"]
+    assert written.startswith("benchmarks/write_kernel.py on GPU X")
+    assert f"1 warps {seconds[1] * 1e6:.1f} us, 4 warps {seconds[4] * 1e6:.1f} us" in written
 
 
 def test_a_cpu_run_writes_its_rows(tmp_path, capsys):
@@ -48,6 +68,7 @@ def test_a_cpu_run_writes_its_rows(tmp_path, capsys):
     (["--head-dim", "15"], "--head-dim: accepted even values >= 2"),
     (["--window", "0"], "--window: accepted values >= 1"),
     (["--cr", "0.5"], "--cr: accepted values >= 1"),
+    (["--write-tuning", "t.json"], "--write-tuning: needs a CUDA device"),
 ])
 def test_bad_flags_exit_2_naming_them(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dmc.inference.kernels import paged_decode_reference, run_paged_decode
+from dmc.inference.kernels.tuning import shipped_tunings
 from test_kernels import TOLERANCE, assert_same_caches, drive_identical_caches, random_paged_kv
 
 pytestmark = pytest.mark.gpu
@@ -40,11 +41,16 @@ def test_triton_decode_on_cuda_matches_reference(dtype, batch, q_heads, kv_heads
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 2), (64, 4, 3), (64, 8, 4),
-                                                          (128, 8, 2)])
+SHIPPED = shipped_tunings().values()  # dmc/inference/kernels/tunings/*.json
+
+
+@pytest.mark.parametrize("block_n,num_warps,num_stages", sorted(
+    {(32, 4, 2), (64, 4, 3), (64, 8, 4), (128, 8, 2)}
+    | {row.launch for tuning in SHIPPED for row in tuning.decode}))
 def test_other_tunings_of_the_decode_kernel_match_the_reference(block_n, num_warps, num_stages):
-    """Tunings of benchmarks/paged_kernel.py's sweep, on DMC-like short GQA heads and on long
-    ones split: the result does not depend on the tuning (a default may change to any)."""
+    """Tunings of benchmarks/paged_kernel.py's sweep and every one a shipped tuning file
+    holds, on DMC-like short GQA heads and on long ones split: the result does not depend on
+    the tuning (a default may change to any)."""
     from dmc.inference.kernels.paged_decode import paged_decode
 
     gen = torch.Generator().manual_seed(block_n + num_warps + num_stages)
@@ -67,7 +73,7 @@ def test_triton_write_on_cuda_matches_reference(window, dtype):
     assert_same_caches(*caches, dtype)
 
 
-@pytest.mark.parametrize("warps", [1, 2, 8])
+@pytest.mark.parametrize("warps", sorted({1, 2, 8} | {t.write_warps for t in SHIPPED} - {4}))
 def test_the_deferred_dmc_write_at_other_warp_counts_writes_the_same(warps):
     """benchmarks/write_kernel.py's write (bf16, window 12, decided from the key) at ``warps``
     warps a program and at the default 4: the same pages, rings and lengths (the tuning only

@@ -62,6 +62,13 @@ def test_summary_of_a_results_folder(tmp_path):
             {"mode": "dmc 4x overlap", "probe_cr": 4.1, "batch": 19,
              "error": "RuntimeError: a fault"}]
     (tmp_path / "decode_throughput.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "decode_tuned.json").write_text(json.dumps({"rows": [
+        rows[0], dict(rows[1], tokens_per_s=330.0, speedup_vs_vanilla=3.3)]}))
+    (tmp_path / "kernel_tuning.json").write_text(json.dumps({
+        "device": "NVIDIA H100 80GB HBM3", "source": {},
+        "paged_decode": [{"max_heads": 1152, "block_n": 64, "num_warps": 4, "num_stages": 3},
+                         {"max_heads": None, "block_n": 128, "num_warps": 4, "num_stages": 3}],
+        "dmc_write": {"num_warps": 2}}))
     (tmp_path / "paged_kernel.json").write_text(json.dumps({"paths": {
         "compiled": {"kernel_GBps": 9.5, "copy_GBps": 20.0, "fraction_of_copy": 0.475},
         "pytorch": {"kernel_GBps": 4.0, "copy_GBps": 20.0, "fraction_of_copy": 0.2}}}))
@@ -87,6 +94,9 @@ def test_summary_of_a_results_folder(tmp_path):
     text = (tmp_path / "summary.txt").read_text()
     assert "x3.00 vanilla  host 2.50 ms/step" in text and "x1.00 vanilla\n" in text
     assert "decode dmc 4x overlap   failed: RuntimeError: a fault" in text
+    assert "decode (tuned) dmc 4x           CR  4.10  batch   19       330.0 tok/s  x3.30" in text
+    assert ("kernel tuning written (kernel_tuning.json): paged decode (64, 4, 3) up to 1152 "
+            "heads, (128, 4, 3) beyond; DMC write 2 warps") in text
     assert "train_step         skipped (no time left before DMC_CHECK_DEADLINE)" in text
     assert "paged kernel (compiled): 9.5 GB/s, 0.475 of copy" in text
     assert ("train step dmc-dense: x1.200 vanilla time, x1.500 vanilla peak memory, x1.250 "

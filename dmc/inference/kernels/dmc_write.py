@@ -14,8 +14,7 @@ import triton.language as tl
 from dmc.ops.algorithm1 import KeyDecision
 
 from .faults import unread_counter
-
-NUM_WARPS = 4  # Triton's default; a program moves one token of one head
+from .tuning import tuning_for
 
 
 @triton.jit
@@ -141,7 +140,7 @@ def _dmc_write_kernel(
 
 def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count, inv_freq,
               window, layer, seq_slots, slots, append, k, v, omega, positions,
-              faults=None, decide=None, num_warps: int = NUM_WARPS) -> None:
+              faults=None, decide=None, num_warps: int | None = None) -> None:
     """Triton :func:`~dmc.inference.kernels.reference.dmc_write_reference` (same arguments).
 
     Pages, block tables and open-slot state must be contiguous (as the cache builds them); ``k``,
@@ -155,9 +154,11 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
     ``alpha`` a :class:`~dmc.ops.algorithm1.KeyDecision`: ``k`` still holds the decision
     channel, which the kernel reads (``alpha = [k[..., -1] - c > 0]``) and zeroes.
     ``num_warps``: warps per (sequence, KV head) program (tuning only; ``benchmarks/
-    write_kernel.py`` times each).
+    write_kernel.py`` times each); ``None``: the device's measured setting
+    (:func:`~dmc.inference.kernels.tuning.tuning_for`).
     """
     lengths, alpha = decide if decide is not None else (None, None)
+    num_warps = num_warps or tuning_for(k_pages.device).write_warps
     key_c = alpha.c if isinstance(alpha, KeyDecision) else None
     if key_c is not None:
         alpha = None

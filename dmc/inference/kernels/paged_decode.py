@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .faults import unread_counter
+from .tuning import tuning_for
 
 _LOG2E = 1.4426950408889634
 _EMPTY = tl.constexpr(-1.0e30)  # running max before any slot: exp2(_EMPTY - m) == 0 for finite m
@@ -30,7 +31,6 @@ _WAVES = 4  # programs per multiprocessor the split heuristic aims at
 _MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 32
 _DOT_MIN = 16  # tl.dot needs every dimension >= 16
-BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 3  # README "Paged decode kernel": --sweep on an H200
 
 
 @triton.jit
@@ -184,9 +184,9 @@ def paged_decode(
     *,
     num_splits: int | None = None,
     max_length: int | None = None,
-    block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     faults: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -200,7 +200,9 @@ def paged_decode(
         max_length: an upper bound on ``lengths`` known to the caller (saves a device sync);
             sets the chunk of slots per split. ``None`` reads ``lengths.max()``.
         block_n, num_warps, num_stages: slots per loop step (a power of two >= 16), warps per
-            program and software-pipelining stages of the loop's loads (tuning only).
+            program and software-pipelining stages of the loop's loads (tuning only); each
+            ``None`` is the device's measured setting for ``batch * kv_heads`` heads
+            (:func:`~dmc.inference.kernels.tuning.tuning_for`).
         ring: keys and values outside the pages, attended under the same softmax (a DMS or
             delayed-merging window ring, :func:`~dmc.inference.kernels.dms_decode.
             dms_decode_attention`): ``(ring_k, ring_v [n, kv_heads, rows, head_dim]`` pools in
@@ -217,6 +219,10 @@ def paged_decode(
     group_block = max(_DOT_MIN, triton.next_power_of_2(group))
     if max_length is None:
         max_length = int(lengths.max()) if lengths.numel() else 0
+    if None in (block_n, num_warps, num_stages):
+        tuned = tuning_for(q.device).decode_for(batch * kv_heads)
+        block_n, num_warps, num_stages = (given or measured for given, measured in zip(
+            (block_n, num_warps, num_stages), tuned.launch))
     if num_splits is None:
         num_splits = default_num_splits(batch * kv_heads, max_length, block_n,
                                         _multiprocessors(q.device.index if q.is_cuda else None))
