@@ -3,8 +3,14 @@
 Every mode serves requests of a prompt of P random tokens plus G generated tokens (sampled at
 temperature 1, no stop token) with the largest batch whose cache fits ONE memory budget:
 
-1. a probe run (a few sequences, ample pages) measures the pages one sequence holds at its full
-   length P + G, the peak state a policy keeps per sequence, and the measured CR;
+1. a probe run per mode (``--probe`` sequences, ample pages; every mode probed before any
+   timed cache is allocated, an overlapped twin taking its plain twin's probe) measures the
+   pages each sequence holds at its full length P + G, the peak state a policy keeps per
+   sequence, and the measured CR. DMC's and DMS's pages vary with the text (forced DMC 4x at
+   the gpu preset's layout: 9791-10889 pages over 4 sequences, mean 10463): the batch's pages
+   are the prediction bound of a sum over the probed spread
+   (:func:`~dmc.eval.kv_budget.batch_pages_bound`; the gpu preset probes 64 sequences), or,
+   below 8 probed sequences, the batch times the largest (the CPU presets');
 2. the budget counts everything the cache allocates (:func:`cache_allocation`): the K/V pages,
    and per sequence slot the block-table row of every (layer, KV head), its length, and the DMC
    open-slot merge state (window ring of pre-RoPE keys and values in the model's dtype, their
@@ -84,6 +90,7 @@ the PyTorch ones.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -94,7 +101,7 @@ import warnings
 import torch
 
 from dmc.eval.decode_modes import FORCED, MODE_SYNTAX, Mode, build_models, parse_mode
-from dmc.eval.kv_budget import cache_allocation, fit_batch
+from dmc.eval.kv_budget import batch_pages_bound, cache_allocation, fit_batch
 from dmc.eval.roofline import attention_flops, measure_machine, roofline, weight_bytes_and_flops
 from dmc.inference.ring_cache import WindowRingCache
 
@@ -106,7 +113,7 @@ PARTIAL_EVERY = 128  # interleaved steps between two partial writes of --out
 PRESETS = {
     "gpu": dict(layers=16, hidden=2048, heads=16, groups=16, ffn=5504, vocab=32000,
                 prompt_len=2048, gen_len=2048, steady=512, budget_mib=12 * 1024,
-                modes="vanilla,dmc:2,dmc:4,dmc:8,dms:4", dtype="bfloat16", probe=4,
+                modes="vanilla,dmc:2,dmc:4,dmc:8,dms:4", dtype="bfloat16", probe=64,
                 prefill_tokens=32768),
     "cpu": dict(layers=2, hidden=256, heads=4, groups=4, ffn=512, vocab=512,
                 prompt_len=256, gen_len=64, steady=32, budget_mib=8, modes="vanilla,dmc:2,dmc:4",
@@ -384,15 +391,25 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
     if failed:
         raise RuntimeError(f"{mode.label}: probe request did not finish: {failed[0]}")
     comp = CompressionStats.combine([r.compression for r in results])
-    pages = max(max(r.kv_pages for r in results),
-                math.ceil(engine.stats.peak_pages / args.probe))
     return {"window": engine.cache.window, "ring_dtype": engine.cache.open_k.dtype,
             "dms_window": getattr(engine.cache, "dms_window", None),
             "merge_delay": getattr(engine.cache, "merge_delay", None),
-            "pages_per_seq": pages, "policy_state_per_seq": state,
+            "pages_probed": [r.kv_pages for r in results],  # each sequence's at its end
+            "peak_pages_per_seq": math.ceil(engine.stats.peak_pages / args.probe),
+            "policy_state_per_seq": state,
             "step_reserve_per_seq": reserve,
             "kv_bytes_per_seq": sum(r.kv_bytes for r in results) / len(results),
             "probe_cr": comp.overall, "probe_cr_per_layer": comp.per_layer}
+
+
+def batch_pages(row: dict):
+    """``batch -> pages`` a batch of the probed mode holds at its longest, the scheduler's step
+    reservation included: :func:`~dmc.eval.kv_budget.batch_pages_bound` over the probed
+    sequences' pages (their spread, where enough were probed), at least the probe's peak per
+    sequence (a peak before the end: a policy's prefill schedule)."""
+    bound = batch_pages_bound(row["pages_probed"])
+    floor, reserve = row["peak_pages_per_seq"], row["step_reserve_per_seq"]
+    return lambda batch: max(bound(batch), batch * floor) + batch * reserve
 
 
 def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
@@ -403,11 +420,18 @@ def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
     from dmc.inference import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.gen_len, temperature=1.0)
+    probed = {}  # every mode probed before any timed cache takes the memory: a probe of many
+    for mode, built in models.items():  # sequences holds their uncompressed pages at first
+        twin = next((m for m in probed if models[m] is built), None)  # an overlapped twin
+        probed[mode] = probed[twin] if twin else probe(mode, *built, args, params)
+    if args.cuda:  # the probes' pools back to the device whole: a timed cache split out of a
+        gc.collect()  # cached probe segment would strand its rest
+        torch.cuda.empty_cache()
     runs, rows = [], {}
     for mode, (model, dmc, policy) in models.items():
         row = {"mode": mode.label, "kind": mode.kind, "target": mode.value,
-               "cuda_graphs": graphs_for(policy, args), "overlap": mode.overlap}
-        row.update(probe(mode, model, dmc, policy, args, params))
+               "cuda_graphs": graphs_for(policy, args), "overlap": mode.overlap,
+               **probed[mode]}
         kv_heads = int(args.groups / mode.value) if mode.kind == "gqa" else args.groups
         shape = dict(num_layers=args.layers, num_kv_heads=kv_heads,
                      head_dim=args.hidden // args.heads, page_size=args.page_size,
@@ -416,8 +440,8 @@ def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
                      dms_window=row.pop("dms_window"), merge_delay=row.pop("merge_delay"),
                      ring_dtype=row.pop("ring_dtype"),
                      device="cuda" if args.cuda else "cpu")
-        batch, num_pages = fit_batch(budget, row["pages_per_seq"] + row["step_reserve_per_seq"],
-                                     row["policy_state_per_seq"], shape,
+        pages_for = batch_pages(row)
+        batch, num_pages = fit_batch(budget, pages_for, row["policy_state_per_seq"], shape,
                                      headroom_pages=args.layers * kv_heads)
         if batch == 0:
             raise SystemExit(f"--budget-mib: {args.budget_mib} MiB holds no {mode.label} "
@@ -425,7 +449,8 @@ def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
         engine = engine_for(model, dmc, policy, args, batch, num_pages, mode.overlap)
         row["memory"] = cache_allocation(num_pages=num_pages, max_seqs=batch, **shape)
         row["memory"]["policy_state"] = batch * row["policy_state_per_seq"]
-        row.update(batch=batch, num_pages=num_pages)
+        row.update(batch=batch, num_pages=num_pages,
+                   pages_per_seq=math.ceil(pages_for(max(batch, 1)) / max(batch, 1)))
         rows[mode] = row
         runs.append(Run(mode, engine, batch, prompts_for(args, batch, args.seed + 2), params))
         progress(f"{mode.label}: probe CR {row['probe_cr']:.2f}, {row['pages_per_seq']} pages "

@@ -2,6 +2,7 @@
 batch is the largest that fits, bad flags exit 2 naming them, and a tiny run of the protocol end
 to end (modes interleaved, steady-state window, JSON, bytes per step and roofline)."""
 import json
+import math
 
 import pytest
 import torch
@@ -432,3 +433,30 @@ def test_profile_names_where_a_mode_spends_more_than_vanilla(tmp_path, capsys):
     assert len(excess) == 2 and "vanilla: the 15 ops" not in err
     lines = [line for line in excess[1].splitlines()[1:] if line.strip().startswith("+")]
     assert lines and all(float(line.split()[0]) > 0 for line in lines)
+
+
+def test_many_probed_sequences_size_the_batch_by_the_bound_of_their_spread(tmp_path,
+                                                                          monkeypatch):
+    """``--probe 12``: each sequence's pages recorded, the batch sized by
+    :func:`~dmc.eval.kv_budget.batch_pages_bound` (with the step's reservation), no
+    preemption; an overlapped twin takes its plain twin's probe, not a second one."""
+    from dmc.eval.kv_budget import batch_pages_bound
+
+    probed, probe = [], bench.probe
+    monkeypatch.setattr(bench, "probe", lambda mode, *a: probed.append(mode.label) or probe(
+        mode, *a))
+    out = tmp_path / "decode.json"
+    assert bench.main([*TINY, "--gen-len", "10", "--steady", "4", "--budget-mib", "0.25",
+                       "--modes", "vanilla,dmc:4", "--probe", "12", "--cuda-graphs",
+                       "--overlap", "both", "--out", str(out)]) == 0
+    assert probed == ["vanilla", "dmc 4x"]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    for name, row in rows.items():
+        assert len(row["pages_probed"]) == 12 and row["preemptions"] == 0, name
+        batch, bound = row["batch"], batch_pages_bound(row["pages_probed"])
+        pages = max(bound(batch), batch * row["peak_pages_per_seq"]) \
+            + batch * row["step_reserve_per_seq"]
+        assert row["pages_per_seq"] == math.ceil(pages / batch)
+        assert row["num_pages"] >= pages + 1 * 2  # the headroom: a page per (layer, KV head)
+    assert len(set(rows["vanilla"]["pages_probed"])) == 1  # vanilla's pages do not vary
+    assert rows["dmc 4x overlap"]["pages_probed"] == rows["dmc 4x"]["pages_probed"]
