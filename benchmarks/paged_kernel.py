@@ -17,13 +17,13 @@ On CUDA: the Triton kernel (at this GPU's tuned setting, :mod:`dmc.inference.ker
 ``--sweep`` times it under every tuning of a small grid as well (each tuning's output checked
 against the first row's), and ``--write-tuning FILE`` writes the fastest per layout into a
 kernel tuning file for this GPU (the kernel's default kept within 2% of the best; with
-``--compare-cr`` a row for launches over as few (sequence, KV head) pairs as the first
-layout's, another for as many as the second's), which
-``DMC_KERNEL_TUNING=FILE`` puts to use, or which ships as ``dmc/inference/kernels/tunings/``.
-Without a GPU: the CPU paths, each a row: the compiled kernel
-(``paged_cpu.c``, when a C compiler is present), the PyTorch batched path, and with
-``--cpu-reference`` the slot-by-slot reference; on the CPU the copy is also timed as a plain read
-(``sum``), the bound of a kernel that only reads. ``--out FILE.json`` writes the numbers.
+``--compare-cr`` a row for launches over as few (sequence, KV head) pairs as the first layout's,
+another for as many as the second's), which ``DMC_KERNEL_TUNING=FILE`` puts to use, or which
+ships as ``dmc/inference/kernels/tunings/``. Without a GPU: the CPU paths, each a row: the
+compiled kernel (``paged_cpu.c``, when a C compiler is present), the PyTorch batched path, and
+with ``--cpu-reference`` the slot-by-slot reference; on the CPU the copy is also timed as a
+plain read (``sum``), the bound of a kernel that only reads. ``--out FILE.json`` writes the
+numbers.
 """
 from __future__ import annotations
 

@@ -29,12 +29,16 @@
 #
 # Files in RESULTS_DIR: environment.txt, install.log, gpu_tests.log, gpu_tests.xml (JUnit),
 # decode_throughput.{log,json}, paged_kernel.{log,json}, write_kernel.{log,json},
-# kernel_tuning.json, decode_tuned.{log,json}, train_step.{log,json}, steps.tsv, summary.txt,
-# summary.json. PYTHON (default python3) picks the interpreter. DMC_CHECK_STEPS runs some steps
-# only (of: gpu_tests decode_throughput paged_kernel write_kernel decode_tuned train_step), e.g.
-# one per call where a command's time is limited; steps.tsv keeps the earlier calls' records
-# (the summary reads the newest of each step). decode_tuned runs where kernel_tuning.json
-# exists (from this call or an earlier one into the same RESULTS_DIR).
+# decode_model.{log,json}, kernel_tuning.json, decode_tuned.{log,json}, train_step.{log,json},
+# steps.tsv, summary.txt, summary.json. PYTHON (default python3) picks the interpreter.
+# DMC_CHECK_STEPS runs some steps only (of: gpu_tests decode_throughput decode_model
+# paged_kernel write_kernel decode_tuned train_step), e.g. one per call where a command's time is
+# limited; steps.tsv keeps the earlier calls' records (the summary reads the newest of each
+# step). decode_tuned runs where kernel_tuning.json exists (from this call or an earlier one into
+# the same RESULTS_DIR); decode_model where DMC_CHECK_MODEL names a trained checkpoint (a run or
+# checkpoint folder or an inference .pt, e.g. the quickstart's runs/quickstart/dmc2 copied
+# along): the decode benchmark of vanilla against the model's own decisions on its shape
+# (--prompt-len 128 --gen-len 64 --steady 32 --budget-mib 64; DMC_MODEL_ARGS appends flags).
 #
 # For a leased machine whose minutes are counted: DMC_TIMEOUT_<step> (e.g. DMC_TIMEOUT_gpu_tests
 # =150) stops a step after that many seconds (exit 124 in the summary; the others still run);
@@ -98,7 +102,8 @@ if [ -n "$ARCHIVE" ]; then
                     "archives; name a file elsewhere" >&2; exit 2 ;;
   esac
 fi
-ALL_STEPS="gpu_tests decode_throughput paged_kernel write_kernel decode_tuned train_step"
+ALL_STEPS="gpu_tests decode_throughput decode_model paged_kernel write_kernel decode_tuned \
+train_step"
 SELECTED=${DMC_CHECK_STEPS:-$ALL_STEPS}
 for step in $SELECTED; do
   case " $ALL_STEPS " in
@@ -106,6 +111,11 @@ for step in $SELECTED; do
     *) echo "gpu_check: DMC_CHECK_STEPS: unknown step '$step'; accepted: $ALL_STEPS" >&2; exit 2 ;;
   esac
 done
+if [ -n "${DMC_CHECK_MODEL:-}" ] && [ ! -e "$DMC_CHECK_MODEL" ]; then
+  echo "gpu_check: DMC_CHECK_MODEL: '$DMC_CHECK_MODEL' does not exist; accepted: a trained" \
+    "checkpoint (a run or checkpoint folder, or an inference .pt)" >&2
+  exit 2
+fi
 for path in ${DMC_TEST_PATHS:-tests}; do
   case $path in
     tests|tests/*) [ -e "$ROOT/$path" ] && continue ;;
@@ -200,6 +210,17 @@ DECODE_MODES=()
 if [ -n "${DMC_DECODE_MODES:-}" ]; then  # after QUICK_DECODE's: the last --modes wins
   DECODE_MODES=(--modes "$DMC_DECODE_MODES")
 fi
+read -r -a MODEL_ARGS <<< "${DMC_MODEL_ARGS:-}"
+# decode_model: the trained checkpoint DMC_CHECK_MODEL names (unset: the step is not run)
+decode_model() {
+  if [ -n "${DMC_CHECK_MODEL:-}" ]; then
+    run decode_model "$PYTHON" benchmarks/decode_throughput.py "$@" --model "$DMC_CHECK_MODEL" \
+      --modes vanilla,model --prompt-len 128 --gen-len 64 --steady 32 --budget-mib 64 \
+      "${MODEL_ARGS[@]}" --out "$RESULTS/decode_model.json"
+  elif [[ " $SELECTED " == *" decode_model "* ]]; then
+    echo "== decode_model: not run, DMC_CHECK_MODEL names no trained checkpoint"
+  fi
+}
 TRAIN_ROWS=()
 if [ -n "${DMC_TRAIN_BACKENDS:-}" ]; then
   TRAIN_ROWS+=(--backends "$DMC_TRAIN_BACKENDS")
@@ -219,6 +240,7 @@ if [ "$CUDA" = 1 ]; then
   DECODE=("$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs --overlap both
           --profile "${QUICK_DECODE[@]}" "${DECODE_MODES[@]}")
   run decode_throughput "${DECODE[@]}" --out "$RESULTS/decode_throughput.json"
+  decode_model --preset gpu --cuda-graphs
   # one layer of the decode preset's cache: vanilla's batch (16 KV heads of 128 channels, 2560
   # slots: 2048 + 512 tokens), then DMC 4x's (4x the sequences, heads 4x shorter)
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --sweep --compare-cr 4 --batch 36 \
@@ -240,6 +262,7 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
     "${DECODE_MODES[@]}" --out "$RESULTS/decode_throughput.json"
+  decode_model --preset cpu
   run paged_kernel "$PYTHON" benchmarks/paged_kernel.py --cpu-reference --batch 4 --q-heads 8 \
     --kv-heads 2 --head-dim 64 --length 512 --iters 5 --compare-cr 4 \
     --out "$RESULTS/paged_kernel.json"

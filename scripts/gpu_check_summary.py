@@ -75,7 +75,8 @@ def summarise(results: Path) -> dict:
     summary = {"steps": list(steps.values()), "gpu_tests": counts,
                "environment": (results / "environment.txt").read_text().strip().splitlines()
                if (results / "environment.txt").is_file() else [], "figures": {}, "goals": GOALS}
-    for key, name in (("decode", "decode_throughput"), ("decode_tuned", "decode_tuned")):
+    for key, name in (("decode", "decode_throughput"), ("decode_model", "decode_model"),
+                      ("decode_tuned", "decode_tuned")):
         decode = read_json(results / f"{name}.json")
         if decode:
             summary["figures"][key] = [
@@ -137,7 +138,8 @@ def as_text(summary: dict) -> str:
         lines.append(f"gpu tests: {counts['tests']} collected, {counts['failures']} failed, "
                      f"{counts['errors']} errors, {counts['skipped']} skipped or xfailed")
     figures = summary["figures"]
-    for key, label in (("decode", "decode"), ("decode_tuned", "decode (tuned)")):
+    for key, label in (("decode", "decode"), ("decode_model", "decode (trained model)"),
+                       ("decode_tuned", "decode (tuned)")):
         lines += decode_lines(figures.get(key, []), label)
     tuning = figures.get("kernel_tuning")
     if tuning:

@@ -158,7 +158,11 @@ class DMCSelfAttention(SelfAttention):
         log(1 - alpha) mask. The keys are accumulated with their decision channel, zeroed
         afterwards (each channel's sum is its own, so the others are those of zeroed keys):
         what Eq. 9's backward keeps is then a view of the projection's output, which the
-        values' sums keep anyway, not a zeroed copy of the keys."""
+        values' sums keep anyway, not a zeroed copy of the keys. After RoPE only the keys'
+        decision channel is zeroed again: every score then gets ``q[..., -1] * 0`` from it,
+        and its gradient to the query ``dS * 0``, exactly what zeroing the query's too gives
+        (NVIDIA's code zeroes both: one pass over the queries forward and one backward less,
+        the same bits)."""
         cfg = self.dmc.config
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         alpha_logit, omega = decision_logits(to_bhsd(query), to_bhsd(key), cfg.c,
@@ -174,7 +178,7 @@ class DMCSelfAttention(SelfAttention):
         query, key_acc = self._rotate(query, zero_decision_channel(to_sbhd(key_acc)),
                                       rotary_pos_emb)
         context = dmc_attention(
-            to_bhsd(zero_decision_channel(query)),
+            to_bhsd(query),  # its rotated decision channel meets the keys' zeros only
             to_bhsd(zero_decision_channel(key_acc)),
             value_acc,
             log_keep,
@@ -186,14 +190,16 @@ class DMCSelfAttention(SelfAttention):
     def _delayed_merge_attention(self, query, key, key_acc, value_acc, value, log_keep,
                                  rotary_pos_emb):
         """``dmc.merge_delay`` d >= 1: the accumulated and the raw keys (``key [seq, batch,
-        kv_heads, dim]``), their decision channels zeroed, both rotated at their own positions,
-        under :func:`dmc.ops.delayed_merge_attention` (``query`` zeroed already)."""
+        kv_heads, dim]``), their decision channels zeroed before and after RoPE, both rotated
+        at their own positions, under :func:`dmc.ops.delayed_merge_attention` (``query``
+        zeroed before RoPE already; after, the keys' zeros take its channel out, as in
+        :meth:`_compressed_attention`)."""
         batch = key_acc.shape[0]
         keys = zero_decision_channel(torch.cat([to_sbhd(key_acc), key], dim=1))  # [seq, 2b, h, d]
         query, keys = self._rotate(query, keys, rotary_pos_emb)
         keys = to_bhsd(zero_decision_channel(keys))
         return delayed_merge_attention(
-            to_bhsd(zero_decision_channel(query)), keys[:batch], value_acc, keys[batch:], value,
+            to_bhsd(query), keys[:batch], value_acc, keys[batch:], value,
             log_keep, self.dmc.config.merge_delay, scale=self.softmax_scale,
             backend=self.dmc.config.attention_backend)
 

@@ -209,7 +209,7 @@ def scale_decision_channel(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Returns ``x`` with its last channel multiplied by ``scale`` (out of place,
     differentiable): the zero-out phase's ``q[..., -1] * (1 - t / n_t)`` (Eq. 12).
 
-    ``scale`` 0 (:func:`zero_decision_channel`, four times a DMC layer in training) is a product
+    ``scale`` 0 (:func:`zero_decision_channel`, three times a DMC layer in training) is a product
     with a ``[1, ..., 1, 0]`` mask in ``x``'s dtype: one pass over ``x`` forward and one over its
     gradient, where the ``cat`` of two slices also filled and copied the gradient of each slice
     (an H200 train step spent ~24 ms of its 60 ms excess over vanilla in ``cat`` calls and

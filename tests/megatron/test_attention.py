@@ -280,6 +280,37 @@ def test_flex_backend_matches_dense(parallel_1x1, mode, delay):
         )
 
 
+@pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "merge_delay"])
+def test_the_rotated_queries_channel_left_in_place_changes_no_bit(parallel_1x1, monkeypatch,
+                                                                  delay):
+    """After RoPE only the keys' decision channel is zeroed: a train step's loss and every
+    gradient equal, bit for bit, those with the query's zeroed as well (NVIDIA's way), the
+    keys' zeros taking that channel out of every score and of the query's gradient."""
+    import dmc.megatron.attention as module
+    from dmc.ops import zero_decision_channel
+
+    _, model, runtime = _pair(2, DMCConfig(window=4, c=0.0, merge_delay=delay))
+    spread_decisions(model, scale=1.0)
+    runtime.set_mode("train")
+    runtime.target_cr = 2.0
+    tokens, positions = _batch()
+
+    def step():
+        runtime.step = 0
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    plain = step()
+    for name in ("dmc_attention", "delayed_merge_attention"):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda query, *args, _f=original, **kwargs: _f(
+            zero_decision_channel(query), *args, **kwargs))
+    zeroed = step()
+    assert len(plain) > 10 and all(torch.equal(a, b) for a, b in zip(plain, zeroed))
+
+
 def test_hard_straight_through_training_is_finite(parallel_1x1):
     _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, hard=True))
     spread_decisions(dmc, scale=1.0)

@@ -146,6 +146,32 @@ def test_decode_modes_replace_the_presets(tmp_path):
     assert [row["mode"] for row in rows] == ["vanilla", "dmc 2x"]
 
 
+def test_a_trained_checkpoint_gets_its_decode_step(tmp_path, parallel_1x1):
+    """DMC_CHECK_MODEL: the decode benchmark of vanilla against the checkpoint's own decisions
+    (here a tiny model on the CPU preset, DMC_MODEL_ARGS shortening it), in the summary; a
+    path that does not exist is a usage error."""
+    from dmc.inference import save_inference_state
+    from tiny_models import build_tiny
+
+    model, runtime = build_tiny(2, 3, max_seq=64)
+    config = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                  num_query_groups=2, vocab_size=96, max_seq_length=64)
+    save_inference_state(tmp_path / "model.pt", model, config, runtime.config)
+    results, kit = tmp_path / "r", str(ROOT / "scripts" / "gpu_check.sh")
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DMC_WHEELS": str(tmp_path),
+           "DMC_CHECK_STEPS": "decode_model", "DMC_CHECK_MODEL": str(tmp_path / "model.pt"),
+           "DMC_MODEL_ARGS": "--prompt-len 20 --gen-len 8 --steady 4 --budget-mib 0.2"}
+    done = subprocess.run(["bash", kit, str(results)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((results / "decode_model.json").read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["vanilla", "model"]
+    assert rows[1]["measured_cr"] > 1.2
+    assert "decode (trained model) model" in (results / "summary.txt").read_text()
+    done = subprocess.run(["bash", kit, str(results)], capture_output=True, text=True,
+                          env=dict(env, DMC_CHECK_MODEL=str(tmp_path / "none.pt")))
+    assert done.returncode == 2 and "DMC_CHECK_MODEL" in done.stderr
+
+
 def test_test_paths_and_train_rows_narrow_the_steps(tmp_path):
     """DMC_TEST_PATHS collects the GPU tests of the paths named only; DMC_TRAIN_BACKENDS and
     DMC_TRAIN_ACCUMULATE pick the train step's DMC rows (here on the CPU preset)."""
