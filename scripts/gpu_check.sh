@@ -36,9 +36,10 @@
 # limited; steps.tsv keeps the earlier calls' records (the summary reads the newest of each
 # step). decode_tuned runs where kernel_tuning.json exists (from this call or an earlier one into
 # the same RESULTS_DIR); decode_model where DMC_CHECK_MODEL names a trained checkpoint (a run or
-# checkpoint folder or an inference .pt, e.g. the quickstart's runs/quickstart/dmc2 copied
-# along): the decode benchmark of vanilla against the model's own decisions on its shape
-# (--prompt-len 128 --gen-len 64 --steady 32 --budget-mib 64; DMC_MODEL_ARGS appends flags).
+# checkpoint folder or an inference .pt, e.g. the quickstart's DMC 2x as runs/quickstart/dmc2.pt,
+# README "GPU validation kit"): the decode benchmark of vanilla against the model's own
+# decisions on its shape (--prompt-len 128 --gen-len 64 --steady 32 --budget-mib 64;
+# DMC_MODEL_ARGS appends flags).
 #
 # For a leased machine whose minutes are counted: DMC_TIMEOUT_<step> (e.g. DMC_TIMEOUT_gpu_tests
 # =150) stops a step after that many seconds (exit 124 in the summary; the others still run);
