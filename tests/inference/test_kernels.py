@@ -125,13 +125,17 @@ def test_empty_head_gives_zeros(num_splits):
 
 
 def drive_identical_caches(window, dtype, steps=10, *, device="cpu", kv_heads=2, head_dim=8,
-                           page_size=4):
+                           page_size=4, stale_rings=False):
     """The same random DMC writes (varying batches of sequences) into a reference and a Triton
-    cache on ``device``."""
+    cache on ``device``; ``stale_rings``: every ring row starts as NaN (a row past the open
+    slot's tokens must never reach a page)."""
     gen = torch.Generator().manual_seed(7)
     caches = [PagedKVCache(2, kv_heads, head_dim, 40 * kv_heads, page_size=page_size,
                            max_seqs=3, window=window, dtype=dtype, device=device)
               for _ in range(2)]
+    for cache in caches if stale_rings else ():
+        for ring in (cache.open_k, cache.open_v, cache.open_omega):
+            ring.fill_(float("nan"))
     seqs = [[c.add_sequence() for _ in range(3)] for c in caches][0]
     position = [0, 20, 55]
     for step in range(steps):
@@ -149,14 +153,16 @@ def drive_identical_caches(window, dtype, steps=10, *, device="cpu", kv_heads=2,
     return caches
 
 
-def assert_same_caches(reference, triton_cache, dtype):
-    """Pages to the dtype's rounding, merge state and metadata to float32 rounding."""
+def assert_same_caches(reference, triton_cache, dtype, stale_rings=False):
+    """Pages to the dtype's rounding, merge state and metadata to float32 rounding (with
+    ``stale_rings`` the NaN ring rows no token has filled in both)."""
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=1 / 64)
     torch.testing.assert_close(triton_cache.k_pages.float(), reference.k_pages.float(), **tol)
     torch.testing.assert_close(triton_cache.v_pages.float(), reference.v_pages.float(), **tol)
     for name in ("open_k", "open_v", "open_omega", "open_count", "lengths", "block_tables"):
         got, want = getattr(triton_cache, name), getattr(reference, name)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6,
+                                   equal_nan=stale_rings and name.startswith("open_"))
 
 
 @pytest.mark.parametrize(
@@ -164,6 +170,23 @@ def assert_same_caches(reference, triton_cache, dtype):
 )
 def test_triton_write_matches_reference(window, dtype):
     assert_same_caches(*drive_identical_caches(window, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stale_ring_rows_never_reach_a_page(dtype):
+    """The Triton write loads every row of the window ring and keeps the open slot's: NaN in
+    the others leaves the pages and the slot's rows as the reference writes them."""
+    reference, triton_cache = drive_identical_caches(5, dtype, steps=12, stale_rings=True)
+    assert_same_caches(reference, triton_cache, dtype, stale_rings=True)
+    assert triton_cache.open_k.isnan().any()  # rows no token reached are still stale
+    lengths = triton_cache.allocator.lengths
+    assert int(lengths.sum()) > 0
+    for seq, layer, head in (lengths > 0).nonzero().tolist():
+        length = int(lengths[seq, layer, head])
+        table = triton_cache.block_tables[seq, layer, head]
+        written = torch.stack([triton_cache.k_pages[table[n // 4], n % 4]
+                               for n in range(length)])
+        assert written.isfinite().all()
 
 
 def test_dispatch(monkeypatch):

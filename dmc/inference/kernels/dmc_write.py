@@ -26,12 +26,14 @@ def _load_half(row_ptr, cols, col_mask, zero_col):
 
 @triton.jit
 def _window_half(buf_ptr, x, rows, filled, cols, col_mask, ring, weights, total, append,
-                 DIM: tl.constexpr):
+                 DIM: tl.constexpr, WINDOW: tl.constexpr):
     """Push ``x`` (columns ``cols``) into row ``ring`` of ``buf [WINDOW, DIM]`` (float32 or the
-    token's dtype, which holds it exactly); weighted mean of the ``filled`` rows (the others are
-    not read), in float32."""
+    token's dtype, which holds it exactly); weighted mean of the ``filled`` rows, in float32.
+    Every row of the ring is loaded, the others set to 0 after: a mask that does not wait for
+    the slot's token count lets the load start as soon as the head is known."""
     buf = tl.load(buf_ptr + rows[:, None] * DIM + cols[None, :],
-                  mask=filled[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+                  mask=(rows < WINDOW)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    buf = tl.where(filled[:, None], buf, 0.0)  # a select: stale rows' values never propagate
     buf = tl.where(rows[:, None] == ring, x[None, :], buf)
     tl.store(buf_ptr + ring * DIM + cols, x.to(buf_ptr.dtype.element_ty), mask=col_mask)
     mean = tl.sum(weights[:, None] * buf, axis=0) / total
@@ -85,6 +87,9 @@ def _dmc_write_kernel(
     else:
         append = tl.load(append_ptr + bh) != 0
         slot = tl.load(slot_ptr + bh)
+    column = slot // PAGE_SIZE  # the page loaded before the state is written back: the
+    page = tl.load(tables + head * max_pages + column, mask=column < max_pages,  # stores to the
+                   other=-1).to(tl.int64)  # state would otherwise hold it back (may alias)
     omega = tl.load(omega_ptr + bh).to(tl.float32)
     count = tl.where(append, 0, tl.load(open_count + head))
     tl.store(open_count + head, count + 1)
@@ -103,28 +108,25 @@ def _dmc_write_kernel(
         rows = tl.arange(0, ROWS)
         ring = count % WINDOW
         filled = rows < tl.minimum(count + 1, WINDOW)  # the rows of the slot's tokens
-        old = tl.load(open_omega + head * WINDOW + rows, mask=filled, other=0.0)
+        old = tl.load(open_omega + head * WINDOW + rows, mask=rows < WINDOW, other=0.0)
         weights = tl.where(filled, tl.where(rows == ring, omega, old), 0.0)
         total = tl.sum(weights, axis=0)
         tl.store(open_omega + head * WINDOW + ring, omega)
         buf_k = open_k + head * WINDOW * DIM
         buf_v = open_v + head * WINDOW * DIM
         k_lo = _window_half(buf_k, k_lo, rows, filled, cols, col_mask, ring, weights, total,
-                            append, DIM)
+                            append, DIM, WINDOW)
         k_hi = _window_half(buf_k, k_hi, rows, filled, cols + HALF, col_mask, ring, weights,
-                            total, append, DIM)
+                            total, append, DIM, WINDOW)
         v_lo = _window_half(buf_v, v_lo, rows, filled, cols, col_mask, ring, weights, total,
-                            append, DIM)
+                            append, DIM, WINDOW)
         v_hi = _window_half(buf_v, v_hi, rows, filled, cols + HALF, col_mask, ring, weights,
-                            total, append, DIM)
+                            total, append, DIM, WINDOW)
 
     position = tl.load(pos_ptr + b).to(tl.float32)
     angle = position * tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
     cos = tl.cos(angle)
     sin = tl.sin(angle)
-    column = slot // PAGE_SIZE
-    page = tl.load(tables + head * max_pages + column, mask=column < max_pages,
-                   other=-1).to(tl.int64)
     outside = (page < 0) | (page >= num_pages)  # not a page of the pool: not written, counted
     tl.atomic_add(faults, 1, mask=outside)
     tl.atomic_max(faults + 1, head, mask=outside)
