@@ -9,8 +9,9 @@ temperature 1, no stop token) with the largest batch whose cache fits ONE memory
    sequence, and the measured CR. DMC's and DMS's pages vary with the text (forced DMC 4x at
    the gpu preset's layout: 9791-10889 pages over 4 sequences, mean 10463): the batch's pages
    are the prediction bound of a sum over the probed spread
-   (:func:`~dmc.eval.kv_budget.batch_pages_bound`; the gpu preset probes 64 sequences), or,
-   below 8 probed sequences, the batch times the largest (the CPU presets');
+   (:func:`~dmc.eval.kv_budget.batch_pages_bound`; the gpu preset probes 64 sequences of
+   those modes and a trained model's, at most 4 of the others), or, below 8 probed sequences,
+   the batch times the largest (the CPU presets');
 2. the budget counts everything the cache allocates (:func:`cache_allocation`): the K/V pages,
    and per sequence slot the block-table row of every (layer, KV head), its length, and the DMC
    open-slot merge state (window ring of pre-RoPE keys and values in the model's dtype, their
@@ -369,8 +370,9 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
     from dmc.inference import CompressionStats
     from dmc.inference.scheduler import worst_new_pages
 
-    engine = engine_for(model, dmc, policy, args, args.probe, None)
-    for prompt in prompts_for(args, args.probe, args.seed + 1):
+    count = probe_count(mode, args)
+    engine = engine_for(model, dmc, policy, args, count, None)
+    for prompt in prompts_for(args, count, args.seed + 1):
         engine.add_request(prompt, params)
     results, state, reserve, last = [], 0, 0, None
     while engine.has_unfinished():
@@ -395,11 +397,22 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
             "dms_window": getattr(engine.cache, "dms_window", None),
             "merge_delay": getattr(engine.cache, "merge_delay", None),
             "pages_probed": [r.kv_pages for r in results],  # each sequence's at its end
-            "peak_pages_per_seq": math.ceil(engine.stats.peak_pages / args.probe),
+            "peak_pages_per_seq": math.ceil(engine.stats.peak_pages / count),
             "policy_state_per_seq": state,
             "step_reserve_per_seq": reserve,
             "kv_bytes_per_seq": sum(r.kv_bytes for r in results) / len(results),
             "probe_cr": comp.overall, "probe_cr_per_layer": comp.per_layer}
+
+
+VARIABLE = FORCED + ("model",)  # the modes whose pages vary with the text: learned or forced
+# decisions; the others' (vanilla, GQA, a policy's fixed budgets) need a few sequences only
+
+
+def probe_count(mode, args) -> int:
+    """Sequences the probe of ``mode`` runs: ``--probe``, or at most 4 where a sequence's pages
+    do not vary (no spread to estimate, and 64 uncompressed gpu-preset sequences would hold
+    20 GiB)."""
+    return args.probe if mode.kind in VARIABLE else min(args.probe, 4)
 
 
 def batch_pages(row: dict):
