@@ -371,7 +371,7 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
     from dmc.inference.scheduler import worst_new_pages
 
     count = probe_count(mode, args)
-    engine = engine_for(model, dmc, policy, args, count, None)
+    engine = engine_for(model, dmc, policy, args, count, probe_pages(mode, args, count))
     for prompt in prompts_for(args, count, args.seed + 1):
         engine.add_request(prompt, params)
     results, state, reserve, last = [], 0, 0, None
@@ -398,6 +398,7 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
             "merge_delay": getattr(engine.cache, "merge_delay", None),
             "pages_probed": [r.kv_pages for r in results],  # each sequence's at its end
             "peak_pages_per_seq": math.ceil(engine.stats.peak_pages / count),
+            "probe_preemptions": engine.stats.preemptions,  # 0 unless its pool ran short
             "policy_state_per_seq": state,
             "step_reserve_per_seq": reserve,
             "kv_bytes_per_seq": sum(r.kv_bytes for r in results) / len(results),
@@ -413,6 +414,17 @@ def probe_count(mode, args) -> int:
     do not vary (no spread to estimate, and 64 uncompressed gpu-preset sequences would hold
     20 GiB)."""
     return args.probe if mode.kind in VARIABLE else min(args.probe, 4)
+
+
+def probe_pages(mode, args, count: int) -> int | None:
+    """The page pool of a probe of ``count`` sequences: for a forced CR, 1.5 times the pages
+    they hold at that CR and a page per head more (a 64-sequence probe of DMC 4x at the gpu
+    preset: 7.5 GiB, not the 20 of room for them uncompressed); None (that room) otherwise."""
+    if mode.kind not in FORCED:
+        return None
+    heads = count * args.layers * args.groups
+    full = heads * math.ceil((args.prompt_len + args.gen_len) / args.page_size)
+    return math.ceil(1.5 * full / mode.value) + heads
 
 
 def batch_pages(row: dict):

@@ -454,7 +454,7 @@ def test_many_probed_sequences_size_the_batch_by_the_bound_of_their_spread(tmp_p
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
     for name, row in rows.items():
         assert len(row["pages_probed"]) == (4 if name.startswith("vanilla") else 12), name
-        assert row["preemptions"] == 0, name
+        assert row["preemptions"] == 0 and row["probe_preemptions"] == 0, name
         batch, bound = row["batch"], batch_pages_bound(row["pages_probed"])
         pages = max(bound(batch), batch * row["peak_pages_per_seq"]) \
             + batch * row["step_reserve_per_seq"]
@@ -462,3 +462,6 @@ def test_many_probed_sequences_size_the_batch_by_the_bound_of_their_spread(tmp_p
         assert row["num_pages"] >= pages + 1 * 2  # the headroom: a page per (layer, KV head)
     assert len(set(rows["vanilla"]["pages_probed"])) == 1  # vanilla's pages do not vary
     assert rows["dmc 4x overlap"]["pages_probed"] == rows["dmc 4x"]["pages_probed"]
+    assert bench.probe_pages(bench.parse_mode("dmc:4"), bench.parse_args(TINY), 12) == math.ceil(
+        1.5 * 12 * 1 * 2 * math.ceil((24 + 64) / 16) / 4) + 12 * 2  # 1.5x at 4x, a page a head
+    assert bench.probe_pages(bench.parse_mode("vanilla"), bench.parse_args(TINY), 12) is None
