@@ -4,10 +4,12 @@ Every run uses the same GPTModel (DMC layer spec); "vanilla" switches the layers
 own attention, "dmc-<backend>" to train mode (Gumbel decisions, window-grouped accumulation,
 CR loss) with the attention of :func:`dmc.ops.dmc_attention` computed through the dense
 additive bias, FlexAttention ("flex": the decisions' gradient through the mask by its atomic
-adds) or FlexAttention with that gradient from a swapped forward ("flex-transposed",
-:mod:`dmc.ops.flex_bias_grad`) (``--backends``; default all three on CUDA, dense on the CPU,
-where FlexAttention has no backward), and Eq. 9's window sums through ``--accumulate`` (default
-the fused Triton kernels, then the PyTorch path for comparison, on CUDA; PyTorch on the CPU):
+adds), FlexAttention with that gradient from a swapped forward ("flex-transposed") or from
+its key gradient in the zeroed decision channel ("flex-channel"; both
+:mod:`dmc.ops.flex_bias_grad`) (``--backends``; default flex-channel, flex-transposed, dense
+and flex on CUDA, dense on the CPU, where FlexAttention has no backward), and Eq. 9's window
+sums through ``--accumulate`` (default the fused Triton kernels, then the PyTorch path for
+comparison, on CUDA; PyTorch on the CPU):
 rows ``dmc-<backend>`` with the first, and ``dmc-<last backend>+<accumulate>-sums`` with each
 other one.
 Step time is the median of ``--steps`` after
@@ -222,8 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--backends", help="comma separated DMC attention backends of "
-                        "dense, flex-transposed, flex (default: all three on CUDA, in this "
-                        "order; dense on the CPU)")
+                        "flex-channel, flex-transposed, dense, flex (default: all four on CUDA, "
+                        "in this order; dense on the CPU)")
     parser.add_argument("--accumulate", help="comma separated backends of Eq. 9's window sums "
                         "(dmc.accumulate_backend: torch, triton; default triton,torch on CUDA, "
                         "torch on the CPU)")
@@ -249,15 +251,15 @@ def main(argv=None) -> int:
                         ("--copy-sites", args.copy_sites)):
         if value < 0:
             parser.error(f"{flag}: must be >= 0, got {value}")
-    args.backends = args.backends or ("dense,flex-transposed,flex" if torch.cuda.is_available()
-                                      else "dense")
+    args.backends = args.backends or ("flex-channel,flex-transposed,dense,flex"
+                                      if torch.cuda.is_available() else "dense")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     accepted = [b for b in BACKENDS if b != "auto"]
     if not backends or set(backends) - set(accepted):
         parser.error(f"--backends: accepted {', '.join(accepted)} (comma separated), got "
                      f"{args.backends!r}")
     if set(backends) - {"dense"} and not torch.cuda.is_available():
-        parser.error("--backends: flex and flex-transposed need CUDA (FlexAttention has no "
+        parser.error("--backends: the flex backends need CUDA (FlexAttention has no "
                      "backward on the CPU)")
     args.accumulate = args.accumulate or ("triton,torch" if torch.cuda.is_available()
                                           else "torch")

@@ -184,6 +184,7 @@ class DMCSelfAttention(SelfAttention):
             log_keep,
             scale=self.softmax_scale,
             backend=cfg.attention_backend,
+            zero_key_channel=True,
         )
         return context, alpha
 
@@ -201,7 +202,7 @@ class DMCSelfAttention(SelfAttention):
         return delayed_merge_attention(
             to_bhsd(query), keys[:batch], value_acc, keys[batch:], value,
             log_keep, self.dmc.config.merge_delay, scale=self.softmax_scale,
-            backend=self.dmc.config.attention_backend)
+            backend=self.dmc.config.attention_backend, zero_key_channel=True)
 
     def _zero_out_forward(self, hidden_states, attention_mask, rotary_pos_emb):
         """Megatron's core attention with q[..., -1] and k[..., -1] multiplied by

@@ -18,7 +18,7 @@ DMS_DECISIONS = ("query", "adapter")  # where DMS reads its eviction logit
 DMS_ONLY = ("method", "dms_window", "dms_logit_scale", "dms_decision")  # a DMC model omits them
 PRIORS = ("global", "local")  # dmc.ops.PRIORS, spelled out to keep torch unimported
 CR_LOSS_GRADS = ("model", "decisions")
-ATTENTION_BACKENDS = ("auto", "dense", "flex", "flex-transposed")
+ATTENTION_BACKENDS = ("auto", "dense", "flex", "flex-transposed", "flex-channel")
 ACCUMULATE_BACKENDS = ("auto", "torch", "triton")
 # the DMC fields with a fixed set of values (besides ``method``), checked by DMCConfig
 DMC_CHOICES = {"prior": PRIORS, "attention_backend": ATTENTION_BACKENDS,
@@ -167,10 +167,12 @@ class DMCConfig:
         q/k norm only. A training setting (``to_dict`` leaves it out).
     omega_offset: added to omega = sigmoid(q[..., -1] + c); 2^-7 reproduces NVIDIA's models
         (see :func:`dmc.ops.importance`), 0 is the paper's.
-    attention_backend: "auto" (flex-transposed on CUDA, dense on CPU), "dense", "flex" or
-        "flex-transposed" (FlexAttention with the decisions' gradient through the mask from a
-        swapped forward instead of atomic adds, :mod:`dmc.ops.flex_bias_grad`): how the
-        training attention is computed, not part of the model (``to_dict`` leaves it out).
+    attention_backend: "auto" (on CUDA flex-channel for DMC, flex-transposed for DMS; dense on
+        CPU), "dense", "flex", "flex-transposed" (FlexAttention with the decisions' gradient
+        through the mask from a swapped forward instead of atomic adds) or "flex-channel" (that
+        gradient from FlexAttention's own key gradient in DMC's zeroed decision channel: no
+        second pass; DMC only), :mod:`dmc.ops.flex_bias_grad`: how the training attention is
+        computed, not part of the model (``to_dict`` leaves it out).
     accumulate_backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton": how
         the training forward computes Eq. 9's window-grouped sums (the PyTorch path
         :func:`dmc.ops.accumulate.windowed_accumulate`, or the fused kernels of
@@ -233,6 +235,10 @@ class DMCConfig:
                               f"{self.head_balance_weight!r}")
         if self.omega_offset < 0:
             raise ConfigError(f"dmc.omega_offset: must be >= 0, got {self.omega_offset!r}")
+        if self.attention_backend == "flex-channel" and self.method != "dmc":
+            raise ConfigError(f"dmc.attention_backend: 'flex-channel' needs dmc.method: dmc (it "
+                              f"reads the gradient from the keys' zeroed decision channel, "
+                              f"which DMS keys do not have), got {self.method!r}")
         if self.cr_loss_grad == "decisions" and self.method != "dmc":
             raise ConfigError(f"dmc.cr_loss_grad: 'decisions' needs dmc.method: dmc, got "
                               f"{self.method!r}")

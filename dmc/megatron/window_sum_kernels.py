@@ -17,7 +17,10 @@ vectors, little data) are one launch forward and two backward, where
 under autograd in its backward (~200 launches a layer at window 12).
 
 ``x``, ``grad`` in any strides and dtype (bf16 / fp16 / fp32); ``coeff [batch, heads, seq,
-window]`` float32, contiguous; sums and outputs float32, ``grad_x`` in the dtype of ``x``.
+window]`` float32, contiguous; sums in float32, outputs and ``grad_x`` in the dtype of ``x``
+(the PyTorch path returns float32 sums, which :func:`dmc.ops.partial_accumulate` then casts:
+the same rounding, without a float32 output written and read again, and the gradient read in
+its own dtype instead of a float32 copy).
 Import this module only after ``TRITON_INTERPRET`` is settled (``TRITON_INTERPRET=1`` runs it
 on CPU tensors: the tests).
 """
@@ -53,6 +56,16 @@ def _tile(ptr, bh_offset, stride_t, stride_d, rows, cols, mask):
 
 
 @triton.jit
+def _in_dtype_of(x, ptr):
+    """float32 ``x`` in the element type of ``ptr``, rounded to nearest even (as on a GPU and
+    as torch casts; the interpreter's plain cast to bf16 truncates)."""
+    if ptr.dtype.element_ty == tl.float32:
+        return x
+    else:
+        return x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _forward_kernel(k_ptr, v_ptr, coeff_ptr, k_out, v_out, heads, seq,
                     skb, skh, skt, skd, svb, svh, svt, svd,
                     DIM: tl.constexpr, WINDOW: tl.constexpr,
@@ -69,8 +82,8 @@ def _forward_kernel(k_ptr, v_ptr, coeff_ptr, k_out, v_out, heads, seq,
         v_acc += c * _tile(v_ptr, b * svb + h * svh, svt, svd, source, cols, mask)
     out = (bh * seq + rows)[:, None] * DIM + cols[None, :]
     store = inside[:, None] & col_ok[None, :]
-    tl.store(k_out + out, k_acc, mask=store)
-    tl.store(v_out + out, v_acc, mask=store)
+    tl.store(k_out + out, _in_dtype_of(k_acc, k_out), mask=store)
+    tl.store(v_out + out, _in_dtype_of(v_acc, v_out), mask=store)
 
 
 @triton.jit
@@ -104,8 +117,8 @@ def _backward_kernel(k_ptr, v_ptr, gk_ptr, gv_ptr, coeff_ptr, gk_out, gv_out, gc
         gk_acc += c * _tile(gk_ptr, gk_at, sgkt, sgkd, target, cols, forward)
         gv_acc += c * _tile(gv_ptr, gv_at, sgvt, sgvd, target, cols, forward)
     out = (bh * seq + rows)[:, None] * DIM + cols[None, :]
-    tl.store(gk_out + out, gk_acc.to(gk_out.dtype.element_ty), mask=here)
-    tl.store(gv_out + out, gv_acc.to(gv_out.dtype.element_ty), mask=here)
+    tl.store(gk_out + out, _in_dtype_of(gk_acc, gk_out), mask=here)
+    tl.store(gv_out + out, _in_dtype_of(gv_acc, gv_out), mask=here)
 
 
 @triton.jit
@@ -224,15 +237,15 @@ def _launch(batch_heads: int, seq: int, dim: int, tile: int) -> tuple[tuple[int,
 
 class FusedWindowedSum(torch.autograd.Function):
     """``(WindowedSum(k, coeff), WindowedSum(v, coeff))`` (:mod:`dmc.ops.accumulate`) by the
-    kernels above; keeps ``k``, ``v`` and ``coeff`` for the backward, as the PyTorch path
-    does."""
+    kernels above, each in its input's dtype; keeps ``k``, ``v`` and ``coeff`` for the
+    backward, as the PyTorch path does."""
 
     @staticmethod
     def forward(ctx, k: torch.Tensor, v: torch.Tensor, coeff: torch.Tensor):
         coeff = coeff.float().contiguous()
         batch, heads, seq, dim = k.shape
-        k_out = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-        v_out = torch.empty_like(k_out)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         grid, meta = _launch(batch * heads, seq, dim, FORWARD_TILE)
         _forward_kernel[grid](k, v, coeff, k_out, v_out, heads, seq, *k.stride(), *v.stride(),
                               WINDOW=coeff.shape[-1], **meta)
@@ -293,5 +306,5 @@ def fused_windowed_accumulate(k: torch.Tensor, v: torch.Tensor, alpha: torch.Ten
                               window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dmc.ops.accumulate.windowed_accumulate` by the kernels above: the window weights
     of ``alpha, omega [batch, heads, seq]``, then the sums of ``k``, ``v [batch, heads, seq,
-    dim]``: float32 ``[batch, heads, seq, dim]`` each, contiguous."""
+    dim]``: ``[batch, heads, seq, dim]`` each in its input's dtype, contiguous."""
     return FusedWindowedSum.apply(k, v, FusedWindowWeights.apply(alpha, omega, window))

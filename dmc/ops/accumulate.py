@@ -47,9 +47,10 @@ def partial_accumulate(
         window: ``None`` for the exact scan; ``w >= 1`` keeps the last ``w`` terms (the current
             token included).
         windowed: how the window-grouped form is computed, ``(k, v, alpha, omega, window) ->
-            (k_acc, v_acc)`` (float32 ``alpha`` with ``alpha[..., 0]`` zeroed, ``window <=
-            seq``): :func:`windowed_accumulate` (the default) or kernels of the same semantics
-            (:mod:`dmc.megatron.window_sum_kernels` on CUDA).
+            (k_acc, v_acc)`` in float32 or in the dtype of ``k`` (float32 ``alpha`` with
+            ``alpha[..., 0]`` zeroed, ``window <= seq``): :func:`windowed_accumulate` (the
+            default) or kernels of the same semantics (:mod:`dmc.megatron.window_sum_kernels`
+            on CUDA).
 
     Returns:
         ``(k_acc, v_acc)``, each ``[batch, heads, seq, dim]`` in the dtype of ``k``; the sums are

@@ -14,10 +14,10 @@ import functools
 import torch
 
 from dmc.ops.dense_attention import mask_layout, masked_bias_attention
-from dmc.ops.flex_bias_grad import TransposedBiasGrad
+from dmc.ops.flex_bias_grad import TransposedBiasGrad, channel_bias_attention
 from dmc.ops.mask import bias_masks, delayed_log_keep, delayed_merge_masks
 
-BACKENDS = ("auto", "dense", "flex", "flex-transposed")
+BACKENDS = ("auto", "dense", "flex", "flex-transposed", "flex-channel")
 
 
 def dmc_attention(
@@ -28,6 +28,7 @@ def dmc_attention(
     scale: float | None = None,
     backend: str = "auto",
     delay: int = 0,
+    zero_key_channel: bool = False,
 ) -> torch.Tensor:
     """Attention with the DMC mask (``delay`` 0) or the DMS delayed-eviction mask (``delay`` =
     the eviction window w; :func:`dmc.ops.mask.bias_from_log_keep`), GQA-aware.
@@ -41,40 +42,59 @@ def dmc_attention(
             (FlexAttention; compiled on CUDA, eager forward elsewhere; the gradient of
             ``log_keep`` by FlexAttention's own backward, an atomic add per score),
             ``"flex-transposed"`` (the same forward; that gradient by a swapped FlexAttention
-            forward, :mod:`dmc.ops.flex_bias_grad`), or ``"auto"`` (flex-transposed on CUDA,
-            flex where torch lacks ``return_aux``, dense on other devices: on an H100 at the
-            GPU kit's 1B shape a train step took 1.67x vanilla's time with flex-transposed,
-            2.50x with flex, 3.46x dense).
+            forward, :mod:`dmc.ops.flex_bias_grad`), ``"flex-channel"`` (the same forward;
+            that gradient read from FlexAttention's key gradient in the keys' zero channel,
+            needs ``zero_key_channel``), or ``"auto"`` (on CUDA flex-channel with
+            ``zero_key_channel``, else flex-transposed, flex where torch lacks
+            ``return_aux``; dense on other devices: on an H100 at the GPU kit's 1B shape a
+            train step took 1.67x vanilla's time with flex-transposed, 2.50x with flex, 3.46x
+            dense; flex-channel not yet timed on a GPU).
         delay: key j is weighted by ``log_keep[j]`` only for queries ``i - j > delay``.
+        zero_key_channel: the caller's keys have 0 in their last channel (DMC's decision
+            channel after RoPE), so every query's last channel meets zeros only: the result
+            is the same whatever it holds, and it gets no gradient.
 
     Returns:
         ``[batch, q_heads, seq, dim]`` in the dtype of ``query``.
     """
-    scale, flex, transposed = _settings("dmc_attention", query, key, scale, backend)
+    scale, flex, bias_grad = _settings("dmc_attention", query, key, scale, backend,
+                                       zero_key_channel)
     seq, device = query.shape[2], str(query.device)
     if flex:
         return _flex(query, key, value, log_keep, scale, _causal_block_mask(seq, device),
-                     _dmc_weighted(delay), transposed,
-                     lambda: _transposed_block_mask("dmc", seq, delay, device))
+                     _dmc_weighted(delay), bias_grad,
+                     lambda: _transposed_block_mask("dmc", seq, delay, device),
+                     tuple(range(delay + 1)))
     return masked_bias_attention(query, key, value, log_keep,
                                  _dense_layout(key.shape[2], seq, delay, str(query.device)), scale)
 
 
-def _settings(name: str, query, key, scale, backend) -> tuple[float, bool, bool]:
-    """The softmax scale (default ``dim ** -0.5``), whether FlexAttention runs (either flex
-    backend) and whether ``log_keep``'s gradient takes the transposed pass; ValueError naming
-    ``name`` for a bad backend or a query head count that is not a multiple of the KV
-    heads'."""
+def _settings(name: str, query, key, scale, backend,
+              zero_key_channel: bool) -> tuple[float, bool, str]:
+    """The softmax scale (default ``dim ** -0.5``), whether FlexAttention runs (any flex
+    backend) and how ``log_keep``'s gradient is computed there: ``"atomic"`` (FlexAttention's
+    own), ``"transposed"`` or ``"channel"``; ValueError naming ``name`` for a bad backend, a
+    query head count that is not a multiple of the KV heads' or flex-channel without
+    ``zero_key_channel``."""
     if backend not in BACKENDS:
         raise ValueError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
     if query.shape[1] % key.shape[1]:
         raise ValueError(
             f"{name}: q_heads={query.shape[1]} is not a multiple of kv_heads={key.shape[1]}"
         )
+    if backend == "flex-channel" and not zero_key_channel:
+        raise ValueError(f"{name}: backend 'flex-channel' needs keys whose last channel is 0 "
+                         f"(zero_key_channel=True: DMC's keys after RoPE); accepted here: "
+                         f"{BACKENDS[:4]}")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if backend == "auto":
-        return scale, query.is_cuda, query.is_cuda and _has_return_aux()
-    return scale, backend.startswith("flex"), backend == "flex-transposed"
+        if not query.is_cuda:
+            return scale, False, "atomic"
+        if not _has_return_aux():
+            return scale, True, "atomic"
+        return scale, True, "channel" if zero_key_channel else "transposed"
+    return scale, backend.startswith("flex"), {"flex-transposed": "transposed",
+                                               "flex-channel": "channel"}.get(backend, "atomic")
 
 
 @functools.cache
@@ -98,6 +118,7 @@ def delayed_merge_attention(
     delay: int,
     scale: float | None = None,
     backend: str = "auto",
+    zero_key_channel: bool = False,
 ) -> torch.Tensor:
     """DMC attention with delayed merging (``dmc.merge_delay``; :func:`delayed_merge_bias`):
     one softmax over the accumulated keys (Eq. 9) and the raw keys of the last ``delay + 1``
@@ -111,19 +132,22 @@ def delayed_merge_attention(
         key, value: ``[batch, kv_heads, seq, dim]`` the tokens' own (key post-RoPE).
         log_keep: ``[batch, kv_heads, seq]``, ``log(1 - alpha_{j+1})`` per key position.
         delay: d >= 1. scale: softmax scale, default ``dim ** -0.5``.
-        backend: as :func:`dmc_attention`'s.
+        backend, zero_key_channel: as :func:`dmc_attention`'s (the last channel of both key
+            sets).
 
     Returns:
         ``[batch, q_heads, seq, dim]`` in the dtype of ``query``.
     """
-    scale, flex, transposed = _settings("delayed_merge_attention", query, key, scale, backend)
+    scale, flex, bias_grad = _settings("delayed_merge_attention", query, key, scale, backend,
+                                       zero_key_channel)
     keys, values = torch.cat([key_acc, key], dim=2), torch.cat([value_acc, value], dim=2)
     seq = query.shape[2]
     device = str(query.device)
     if flex:
         return _flex(query, keys, values, log_keep, scale, _delayed_block_mask(seq, delay, device),
-                     _delayed_weighted(seq, delay), transposed,
-                     lambda: _transposed_block_mask("delayed", seq, delay, device))
+                     _delayed_weighted(seq, delay), bias_grad,
+                     lambda: _transposed_block_mask("delayed", seq, delay, device),
+                     (delay + 1,))
     return masked_bias_attention(query, keys, values, delayed_log_keep(log_keep),
                                  _delayed_layout(seq, delay, str(query.device)), scale)
 
@@ -179,19 +203,21 @@ def _transposed_block_mask(kind: str, seq: int, delay: int, device: str):
                              None, None, seq, seq, device=device)
 
 
-def _flex(query, key, value, log_keep, scale, block_mask, weighted, transposed_grad,
-          transposed_mask):
+def _flex(query, key, value, log_keep, scale, block_mask, weighted, bias_grad, transposed_mask,
+          unweighted_offsets):
     """FlexAttention over ``key, value [batch, kv_heads, keys, dim]`` with ``block_mask``,
     adding ``log_keep[b, kv_head, kv_idx]`` to the scores where ``weighted(q_idx, kv_idx)``
-    (which must be false past ``log_keep``'s end: the index is only clamped there). With
-    ``transposed_grad`` and a ``log_keep`` that needs a gradient, the bias enters detached and
-    :class:`~dmc.ops.flex_bias_grad.TransposedBiasGrad` supplies its gradient through a swapped
-    pass over ``transposed_mask()``."""
+    (which must be false past ``log_keep``'s end: the index is only clamped there). When
+    ``log_keep`` needs a gradient and ``bias_grad`` is not ``"atomic"``, the bias enters
+    detached and :mod:`dmc.ops.flex_bias_grad` supplies its gradient: ``"transposed"`` by a
+    swapped pass over ``transposed_mask()``, ``"channel"`` from the keys' gradient in their
+    zero last channel less the visible pairs at lags ``unweighted_offsets``, which carry no
+    bias."""
     from torch.nn.attention.flex_attention import flex_attention
 
     group = query.shape[1] // key.shape[1]
     last = log_keep.shape[-1] - 1
-    swapped = transposed_grad and log_keep.requires_grad and torch.is_grad_enabled()
+    swapped = bias_grad != "atomic" and log_keep.requires_grad and torch.is_grad_enabled()
     bias = log_keep.detach().float() if swapped else log_keep.float()
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -205,9 +231,16 @@ def _flex(query, key, value, log_keep, scale, block_mask, weighted, transposed_g
     try:
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError as error:
-        raise ValueError(f"attention backend 'flex-transposed' needs FlexAttention's return_aux "
+        raise ValueError(f"attention backend 'flex-{bias_grad}' needs FlexAttention's return_aux "
                          f"(AuxRequest), which torch {torch.__version__} lacks; accepted "
                          f"here: {BACKENDS[:3]}") from error
+    if bias_grad == "channel":
+        def attend_with_lse(query, key, value):
+            out, aux = attend(query, key, value, **options, return_aux=AuxRequest(lse=True))
+            return out, aux.lse
+
+        return channel_bias_attention(attend_with_lse, query, key, value, log_keep, scale,
+                                      unweighted_offsets)
     out, aux = attend(query, key, value, **options, return_aux=AuxRequest(lse=True))
 
     def transposed_pass(query_t, key_t, value_t, score_mod_t):

@@ -358,6 +358,9 @@ def test_bad_settings_fail_clearly(parallel_1x1):
         DMCConfig(merge_delay=-1)
     with pytest.raises(ValueError, match="dmc.merge_delay: needs dmc.method: dmc"):
         DMCConfig(method="dms", merge_delay=4)
+    with pytest.raises(ValueError, match="dmc.attention_backend: 'flex-channel' needs "
+                                         "dmc.method: dmc"):
+        DMCConfig(method="dms", attention_backend="flex-channel")
     assert "merge_delay" not in DMCConfig().to_dict()
     assert DMCConfig.from_dict(DMCConfig(merge_delay=8).to_dict()).merge_delay == 8
     with pytest.raises(ValueError, match="attention_dropout"):

@@ -1,5 +1,6 @@
 """DMCSelfAttention on a CUDA GPU: the FlexAttention backends (the decisions' gradient through
-the mask by FlexAttention's atomic adds, or by the swapped pass of "flex-transposed") equal the
+the mask by FlexAttention's atomic adds, by the swapped pass of "flex-transposed", or from the
+key gradient in the zeroed decision channel, "flex-channel") equal the
 dense bias backend in a train-mode step (Gumbel decisions, CR loss; with and without delayed
 merging): the loss and every parameter gradient (gpu mark: skipped without CUDA; the CPU
 forward comparison is in test_attention.py)."""
@@ -29,7 +30,8 @@ def train_step_grads(backend, hard, state, tokens, positions, delay=0):
 
 @pytest.mark.parametrize("backend,hard,delay", [
     ("flex", False, 0), ("flex", True, 0), ("flex", False, 16),
-    ("flex-transposed", True, 0), ("flex-transposed", False, 16)])
+    ("flex-transposed", True, 0), ("flex-transposed", False, 16),
+    ("flex-channel", True, 0), ("flex-channel", False, 0), ("flex-channel", True, 16)])
 def test_flex_train_step_matches_dense(parallel_1x1, backend, hard, delay):
     torch.manual_seed(0)
     reference = build_gpt_model(tiny_config(2), VOCAB, 256, dmc=DMCRuntime(DMCConfig()))

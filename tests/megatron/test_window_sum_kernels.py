@@ -18,15 +18,16 @@ from triton_aot import compile_in_subprocess
 def strided_inputs(shape, window, dtype, device, seed=0):
     """Keys and values as views of one ``[seq, batch, 2 * heads * dim]`` projection output (the
     layout the DMC attention hands over), decisions and importances, and upstream gradients laid
-    out ``[seq, batch, heads, dim]``."""
+    out ``[seq, batch, heads, dim]`` in the keys' dtype (what the attention hands back to a
+    bf16 model's sums)."""
     batch, heads, seq, dim = shape
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(seq, batch, 2, heads, dim, generator=gen).to(device, dtype)
     k, v = (qkv[:, :, i].permute(1, 2, 0, 3) for i in range(2))
     alpha = torch.rand(batch, heads, seq, generator=gen).to(device)
     omega = (torch.rand(batch, heads, seq, generator=gen) + 0.1).to(device)
-    grads = [torch.randn(seq, batch, heads, dim, generator=gen).to(device).permute(1, 2, 0, 3)
-             for _ in range(2)]
+    grads = [torch.randn(seq, batch, heads, dim, generator=gen).to(device, dtype)
+             .permute(1, 2, 0, 3) for _ in range(2)]
     return k, v, alpha, omega, grads
 
 
@@ -52,6 +53,9 @@ def compare_with_pytorch(shape, window, dtype, device):
             results.append([o.detach() for o in outputs] + [t.grad for t in leaves])
         for i, (want, got) in enumerate(zip(*results)):
             want = torch.zeros_like(got) if want is None else want  # window 1: alpha unused
+            if i < 2:  # the sums: float32 from the PyTorch path, in the input's dtype here
+                assert got.dtype == inputs[i].dtype, (run, i)
+                want = want.to(got.dtype)
             assert got.dtype == want.dtype and got.shape == want.shape, (run, i)
             torch.testing.assert_close(got, want, **tol, msg=f"{run}: output {i}")
 
@@ -65,6 +69,40 @@ def test_fused_kernels_equal_the_pytorch_path_on_cpu(shape, window, dtype):
     forward program, 16 a backward one), a head size that is not a power of two, window 1 and a
     window longer than the sequence."""
     compare_with_pytorch(shape, window, dtype, "cpu")
+
+
+def compare_with_float32_sums(device, exact):
+    """The kernels write a bf16 model's sums in bf16 (no float32 output written and read back
+    by a cast): the float32 sums of the same inputs rounded, and from bf16 upstream gradients
+    the same gradients (the keys' and values' rounded, the weights' float32 ones equal), which
+    the cast's backward would have widened exactly. ``exact``: bit for bit (a GPU rounds to
+    nearest even, as torch does); else within one bf16 step (the interpreter truncates)."""
+    from dmc.megatron.window_sum_kernels import FusedWindowedSum
+
+    k, v, alpha, omega, grads = strided_inputs((2, 3, 37, 16), 12, torch.bfloat16, device)
+    coeff = WindowWeights.apply(alpha, omega, 12).detach()
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        leaves = [k.to(dtype, copy=True).requires_grad_(), v.to(dtype, copy=True).requires_grad_(),
+                  coeff.clone().requires_grad_()]
+        outputs = FusedWindowedSum.apply(*leaves)
+        torch.autograd.backward(outputs, [g.to(dtype) for g in grads])
+        results.append([o.detach() for o in outputs] + [t.grad for t in leaves])
+    for i, (half, full) in enumerate(zip(*results)):
+        assert half.dtype == (torch.float32 if i == 4 else torch.bfloat16), i
+        if exact or i == 4:
+            assert torch.equal(half, full.to(half.dtype)), i
+        else:
+            assert ((half.float() - full).abs() <= full.abs() * 2 ** -7).all(), i
+
+
+def test_bf16_sums_are_the_float32_sums_rounded():
+    compare_with_float32_sums("cpu", exact=False)
+
+
+@pytest.mark.gpu
+def test_bf16_sums_are_the_float32_sums_rounded_bit_for_bit_on_cuda():
+    compare_with_float32_sums("cuda", exact=True)
 
 
 @pytest.mark.parametrize("hard", [False, True], ids=["soft", "hard"])

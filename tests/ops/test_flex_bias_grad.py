@@ -93,12 +93,13 @@ def test_the_config_accepts_every_attention_backend():
     assert ATTENTION_BACKENDS == BACKENDS
 
 
-@pytest.mark.parametrize("is_cuda,aux,expected", [
-    (True, True, (True, True)),     # CUDA: flex-transposed (the fastest on an H100)
-    (True, False, (True, False)),   # a torch without return_aux: flex
-    (False, True, (False, False)),  # CPU: dense
+@pytest.mark.parametrize("is_cuda,aux,zero_key_channel,expected", [
+    (True, True, True, (True, "channel")),       # CUDA, DMC's keys: flex-channel
+    (True, True, False, (True, "transposed")),   # CUDA, other keys (DMS): flex-transposed
+    (True, False, True, (True, "atomic")),       # a torch without return_aux: flex
+    (False, True, True, (False, "atomic")),      # CPU: dense
 ])
-def test_auto_backend_choice(monkeypatch, is_cuda, aux, expected):
+def test_auto_backend_choice(monkeypatch, is_cuda, aux, zero_key_channel, expected):
     from types import SimpleNamespace
 
     import dmc.ops.attention as attention
@@ -106,4 +107,142 @@ def test_auto_backend_choice(monkeypatch, is_cuda, aux, expected):
     monkeypatch.setattr(attention, "_has_return_aux", lambda: aux)
     query = SimpleNamespace(shape=(1, 4, 8, 16), is_cuda=is_cuda)
     key = SimpleNamespace(shape=(1, 2, 8, 16))
-    assert attention._settings("dmc_attention", query, key, None, "auto") == (0.25, *expected)
+    assert attention._settings("dmc_attention", query, key, None, "auto",
+                               zero_key_channel) == (0.25, *expected)
+
+
+# ``"flex-channel"``: the bias gradient read from the keys' gradient in their zero last channel
+# less the visible pairs that carry no bias. FlexAttention has no backward on the CPU, so the
+# construction (:func:`channel_bias_attention`) runs here around a float64 attention with the
+# bias detached, against autograd through the bias itself; on CUDA with FlexAttention in
+# test_mask_gpu.py and test_attention_gpu.py.
+
+def _detached_bias_attention(masks, log_keep, scale):
+    """``(query, key, value) -> (out, lse)`` in float64 under ``bias_from_masks(log_keep
+    detached)``: what FlexAttention computes in the channel backend."""
+    from dmc.ops.mask import bias_from_masks
+
+    def attend(query, key, value):
+        group = query.shape[1] // key.shape[1]
+        bias = bias_from_masks(log_keep.detach(), *masks).repeat_interleave(group, dim=1)
+        scores = query @ key.repeat_interleave(group, dim=1).transpose(-1, -2) * scale + bias
+        lse = torch.logsumexp(scores, dim=-1)
+        return torch.exp(scores - lse[..., None]) @ value.repeat_interleave(group, dim=1), lse
+
+    return attend
+
+
+def _reference_attention(query, key, value, log_keep, masks, scale):
+    from dmc.ops.mask import bias_from_masks
+
+    group = query.shape[1] // key.shape[1]
+    bias = bias_from_masks(log_keep, *masks).repeat_interleave(group, dim=1)
+    scores = query @ key.repeat_interleave(group, dim=1).transpose(-1, -2) * scale + bias
+    return torch.softmax(scores, dim=-1) @ value.repeat_interleave(group, dim=1)
+
+
+def _channel_case(kind, q_heads, kv_heads, seq, delay, seed, log_keep=None):
+    """float64 inputs whose keys end in a zero channel, the masks of ``kind`` ("dmc" with
+    ``delay`` 0, "dms" with window ``delay``, "delayed" merging) and their unweighted lags."""
+    from dmc.ops.mask import bias_masks, delayed_log_keep, delayed_merge_masks
+
+    gen = torch.Generator().manual_seed(seed)
+    keys = 2 * seq if kind == "delayed" else seq
+    q = torch.randn(2, q_heads, seq, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, kv_heads, keys, 16, generator=gen, dtype=torch.float64)
+    k[..., -1] = 0
+    v = torch.randn(2, kv_heads, keys, 16, generator=gen, dtype=torch.float64)
+    if log_keep is None:
+        logits = 4.0 * torch.randn(2, kv_heads, seq, generator=gen, dtype=torch.float64)
+        log_keep = log_keep_next_from_logits(logits).double()
+    grad_out = torch.randn(2, q_heads, seq, 16, generator=gen, dtype=torch.float64)
+    if kind == "delayed":  # the bias over [accumulated | raw] keys
+        masks, offsets, over_keys = delayed_merge_masks(seq, delay), (delay + 1,), delayed_log_keep
+    else:
+        masks, offsets, over_keys = bias_masks(seq, delay=delay), range(delay + 1), lambda x: x
+    return q, k, v, log_keep, over_keys, masks, offsets, grad_out
+
+
+def _channel_gradients(q, k, v, log_keep, over_keys, masks, offsets, grad_out, channel):
+    from dmc.ops.flex_bias_grad import channel_bias_attention
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, log_keep)]
+    q_, k_, v_, lk_ = leaves
+    scale = 0.25
+    if channel:
+        out = channel_bias_attention(_detached_bias_attention(masks, over_keys(lk_), scale),
+                                     q_, k_, v_, lk_, scale, offsets)
+    else:
+        out = _reference_attention(q_, k_, v_, over_keys(lk_), masks, scale)
+    out.backward(grad_out)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("kind,q_heads,kv_heads,seq,delay", [
+    ("dmc", 2, 2, 40, 0),
+    ("dmc", 4, 2, 33, 0),       # GQA
+    ("delayed", 2, 2, 30, 3),   # DMC with delayed merging: the open slot at i - j = d + 1
+    ("delayed", 4, 1, 25, 1),
+    ("dms", 3, 1, 24, 5),       # a band of 6 unweighted lags (DMS's keys would need the zero)
+    ("dms", 2, 2, 12, 20),      # a window past the sequence: no pair carries the bias
+])
+def test_channel_bias_gradient_equals_autograd_through_the_bias(kind, q_heads, kv_heads, seq,
+                                                                 delay):
+    case = _channel_case(kind, q_heads, kv_heads, seq, delay, seed=seq + delay)
+    got = _channel_gradients(*case, channel=True)
+    want = _channel_gradients(*case, channel=False)
+    for name, g, w in zip(("output", "dq", "dk", "dv", "dlog_keep"), got, want):
+        if name in ("dq", "dk"):  # the queries' last channel meets zeros: it gets no gradient,
+            assert torch.equal(g[..., -1], torch.zeros_like(g[..., -1])), name  # nor the keys'
+            g, w = g[..., :-1], w[..., :-1]
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=name)
+    assert want[4].abs().sum() > 0 or delay >= seq - 1
+
+
+def test_channel_bias_gradient_with_hard_merges_is_finite():
+    alpha = torch.rand(2, 2, 30, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    alpha[..., 5:12] = 1.0
+    log_keep = log_keep_next(alpha)
+    assert torch.isneginf(log_keep).sum() == 28
+    case = _channel_case("dmc", 4, 2, 30, 0, seed=8, log_keep=log_keep)
+    got = _channel_gradients(*case, channel=True)
+    want = _channel_gradients(*case, channel=False)
+    assert torch.isfinite(got[4]).all()
+    torch.testing.assert_close(got[4], want[4], rtol=1e-9, atol=1e-11)
+
+
+def test_flex_channel_needs_keys_with_a_zero_channel():
+    q, k, v, _, logits = _inputs(1, 2, 2, 20, 16, seed=3)
+    with pytest.raises(ValueError, match="flex-channel.*zero_key_channel=True"):
+        dmc_attention(q, k, v, log_keep_next_from_logits(logits), backend="flex-channel")
+
+
+def test_without_a_gradient_flex_channel_is_flex():
+    q, k, v, _, logits = _inputs(1, 4, 2, 20, 16, seed=4)
+    k[..., -1] = 0
+    log_keep = log_keep_next_from_logits(logits)
+    torch.testing.assert_close(
+        dmc_attention(q, k, v, log_keep, backend="flex-channel", zero_key_channel=True),
+        dmc_attention(q, k, v, log_keep, backend="flex"))
+
+
+def test_channel_bias_gradient_in_bf16_close_to_float64():
+    """bf16 queries, keys, values and output gradient (the attention computed in float64 and
+    returned in bf16, its key gradient rounded to bf16 as FlexAttention's is; the products of
+    :func:`unweighted_pairs_gradient` in bf16): the bias gradient within 2% of float64's."""
+    q, k, v, log_keep, over_keys, masks, offsets, grad_out = _channel_case("dmc", 4, 2, 64, 0,
+                                                                           seed=9)
+    want = _channel_gradients(q, k, v, log_keep, over_keys, masks, offsets, grad_out,
+                              channel=False)[4]
+    attend64 = _detached_bias_attention(masks, log_keep, 0.25)
+
+    def attend(query, key, value):
+        out, lse = attend64(query.double(), key.double(), value.double())
+        return out.to(query.dtype), lse.float()
+
+    from dmc.ops.flex_bias_grad import channel_bias_attention
+
+    leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    leaf = log_keep.float().requires_grad_()
+    channel_bias_attention(attend, *leaves, leaf, 0.25, offsets).backward(grad_out.bfloat16())
+    assert float((leaf.grad.double() - want).norm() / want.norm()) < 2e-2

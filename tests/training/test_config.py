@@ -42,7 +42,8 @@ def test_fidelity_switches_default_to_the_paper():
     ("model.num_query_groups=3", r"model.num_query_groups \(3\) must divide"),
     ("schedule.zero_out_steps=-1", r"schedule.zero_out_steps: must be >= 0"),
     ("dmc.attention_backend=sdpa",
-     r"dmc.attention_backend: 'sdpa' is not one of auto, dense, flex, flex-transposed"),
+     r"dmc.attention_backend: 'sdpa' is not one of auto, dense, flex, flex-transposed, "
+     r"flex-channel"),
     ("dmc.prior=layer", r"dmc.prior: 'layer' is not one of global, local"),
     ("dmc.omega_offset=-0.1", r"dmc.omega_offset: must be >= 0"),
     ("dmc.head_cr_cap=1", r"dmc.head_cr_cap: must be null or > 1"),
