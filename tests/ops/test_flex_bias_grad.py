@@ -9,6 +9,7 @@ import torch
 from dmc.ops import dmc_attention, log_keep_next, log_keep_next_from_logits
 from dmc.megatron.config import ATTENTION_BACKENDS
 from dmc.ops.attention import BACKENDS, delayed_merge_attention
+from flex_reference import reference_flex
 
 
 def _inputs(batch, q_heads, kv_heads, seq, dim, seed, dtype=torch.float32):
@@ -246,3 +247,45 @@ def test_channel_bias_gradient_in_bf16_close_to_float64():
     leaf = log_keep.float().requires_grad_()
     channel_bias_attention(attend, *leaves, leaf, 0.25, offsets).backward(grad_out.bfloat16())
     assert float((leaf.grad.double() - want).norm() / want.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["flex-channel", "flex-transposed", "flex"])
+@pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "delayed"])
+def test_every_flex_backend_wired_end_to_end(monkeypatch, backend, delay):
+    """``dmc_attention`` / ``delayed_merge_attention`` through ``_flex`` with FlexAttention
+    replaced by :func:`flex_reference.reference_flex` (FlexAttention has no CPU backward):
+    the output and the gradients of queries, keys, values and decision logits equal the dense
+    path's. Checks on the CPU what the GPU tests check of the wiring (score_mod, block masks,
+    the detached bias, the unweighted lags, ``lse``); the kernels themselves are
+    FlexAttention's."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "flex_attention", reference_flex)
+    gen = torch.Generator().manual_seed(11 + delay)
+    q = torch.randn(2, 4, 40, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 40, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    k[..., -1] = 0
+    logits = 4.0 * torch.randn(2, 2, 40, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(2, 4, 40, 16, generator=gen, dtype=torch.float64)
+
+    def run(name):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, logits)]
+        log_keep = log_keep_next_from_logits(leaves[3]).double()
+        channel = dict(zero_key_channel=True)
+        if delay:
+            out = delayed_merge_attention(leaves[0], leaves[1], leaves[2], 0.5 * leaves[1],
+                                          0.5 * leaves[2] + 0.1, log_keep, delay,
+                                          backend=name, **channel)
+        else:
+            out = dmc_attention(*leaves[:3], log_keep, backend=name, **channel)
+        out.backward(grad_out)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    # flex and flex-transposed carry the bias (and the swapped pass its sums) in float32
+    tol = dict(rtol=1e-7, atol=1e-9) if backend == "flex-channel" else dict(rtol=1e-5, atol=1e-6)
+    for name, got, want in zip(("output", "dq", "dk", "dv", "dlogits"), run(backend),
+                               run("dense")):
+        if name == "dk" and backend == "flex-channel":  # the keys' zero channel: no gradient
+            assert not got[..., -1].any()
+            got, want = got[..., :-1], want[..., :-1]
+        torch.testing.assert_close(got, want, **tol, msg=name)
