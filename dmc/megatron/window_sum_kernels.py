@@ -91,10 +91,12 @@ def _backward_kernel(k_ptr, v_ptr, gk_ptr, gv_ptr, coeff_ptr, gk_out, gv_out, gc
                      heads, seq,
                      skb, skh, skt, skd, svb, svh, svt, svd,
                      sgkb, sgkh, sgkt, sgkd, sgvb, sgvh, sgvt, sgvd,
-                     DIM: tl.constexpr, WINDOW: tl.constexpr,
+                     DIM: tl.constexpr, WINDOW: tl.constexpr, LAGS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """``grad_x[j] = sum_o coeff[j + o, o] grad[j + o]`` (keys and values) and
-    ``grad_coeff[i, o] = <grad_k[i], k[i - o]> + <grad_v[i], v[i - o]>``."""
+    ``grad_coeff[i, o] = <grad_k[i], k[i - o]> + <grad_v[i], v[i - o]>``, the latter kept in
+    registers and stored once (a store inside the loop would hold back every later load: the
+    compiler cannot tell that the output does not alias the inputs)."""
     bh, b, h, rows, cols, inside, col_ok = _block(heads, seq, DIM, BLOCK_T, BLOCK_D)
     here = inside[:, None] & col_ok[None, :]
     k_at, v_at = b * skb + h * skh, b * svb + h * svh
@@ -103,12 +105,14 @@ def _backward_kernel(k_ptr, v_ptr, gk_ptr, gv_ptr, coeff_ptr, gk_out, gv_out, gc
     grad_v = _tile(gv_ptr, gv_at, sgvt, sgvd, rows, cols, here)
     gk_acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     gv_acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    lags = tl.arange(0, LAGS)
+    gcoeff = tl.zeros((BLOCK_T, LAGS), dtype=tl.float32)
     for offset in tl.static_range(WINDOW):
         source = rows - offset
         back = (inside & (source >= 0))[:, None] & col_ok[None, :]
         dot = (tl.sum(grad_k * _tile(k_ptr, k_at, skt, skd, source, cols, back), axis=1)
                + tl.sum(grad_v * _tile(v_ptr, v_at, svt, svd, source, cols, back), axis=1))
-        tl.store(gcoeff_out + (bh * seq + rows) * WINDOW + offset, dot, mask=inside)
+        gcoeff = _set_lag(gcoeff, lags, offset, dot)
         target = rows + offset
         ahead = target < seq
         c = tl.load(coeff_ptr + (bh * seq + target) * WINDOW + offset, mask=ahead,
@@ -119,35 +123,47 @@ def _backward_kernel(k_ptr, v_ptr, gk_ptr, gv_ptr, coeff_ptr, gk_out, gv_out, gc
     out = (bh * seq + rows)[:, None] * DIM + cols[None, :]
     tl.store(gk_out + out, _in_dtype_of(gk_acc, gk_out), mask=here)
     tl.store(gv_out + out, _in_dtype_of(gv_acc, gv_out), mask=here)
+    _store_lags(gcoeff_out, bh * seq + rows, inside, lags, gcoeff, WINDOW)
 
 
 @triton.jit
-def _decay(alpha_row, rows, seq, upto: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``prod_{j=1..upto} alpha[rows - j + 1]`` (zero where a factor lies before the start)."""
-    product = tl.full((BLOCK_T,), 1.0, tl.float32)
-    for j in tl.static_range(1, upto + 1):
-        product = _longer(alpha_row, rows, seq, j, product)
-    return product
+def _set_lag(tile, lags, lag: tl.constexpr, values):
+    """``tile [BLOCK_T, LAGS]`` with column ``lag`` replaced by ``values [BLOCK_T]``."""
+    return tl.where(lags[None, :] == lag, values[:, None], tile)
+
+
+@triton.jit
+def _lag(tile, lags, lag: tl.constexpr):
+    """Column ``lag`` of ``tile [BLOCK_T, LAGS]`` (a select and a sum of one value: exact)."""
+    return tl.sum(tl.where(lags[None, :] == lag, tile, 0.0), axis=1)
+
+
+@triton.jit
+def _store_lags(ptr, rows, inside, lags, tile, WINDOW: tl.constexpr):
+    """``tile [BLOCK_T, LAGS]`` into rows ``rows`` of a ``[..., WINDOW]`` float32 array, one
+    store after the loops that computed it."""
+    tl.store(ptr + rows[:, None] * WINDOW + lags[None, :], tile,
+             mask=inside[:, None] & (lags < WINDOW)[None, :])
 
 
 @triton.jit
 def _weights_kernel(alpha_ptr, omega_ptr, coeff_ptr, seq,
-                    WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
+                    WINDOW: tl.constexpr, LAGS: tl.constexpr, BLOCK_T: tl.constexpr):
     """:func:`dmc.ops.accumulate.window_weights`: ``coeff[t, o] = w_o / sum_p w_p`` with
-    ``w_o = omega[t - o] prod_{l = t-o+1..t} alpha[l]``."""
+    ``w_o = omega[t - o] prod_{l = t-o+1..t} alpha[l]``, the weights kept in registers."""
     bh, _, _, rows, _, inside, _ = _block(1, seq, 1, BLOCK_T, 1)
     alpha_row, omega_row = alpha_ptr + bh * seq, omega_ptr + bh * seq
+    lags = tl.arange(0, LAGS)
+    weights = tl.zeros((BLOCK_T, LAGS), tl.float32)
     total = tl.zeros((BLOCK_T,), tl.float32)
     decay = tl.full((BLOCK_T,), 1.0, tl.float32)
     for offset in tl.static_range(WINDOW):
         decay = _longer(alpha_row, rows, seq, offset, decay)
-        total += decay * _omega_at(omega_row, rows, seq, offset)
-    total = tl.where(inside, total, 1.0)  # past the end: nothing stored, no 0 / 0
-    decay = tl.full((BLOCK_T,), 1.0, tl.float32)
-    for offset in tl.static_range(WINDOW):
-        decay = _longer(alpha_row, rows, seq, offset, decay)
         weight = decay * _omega_at(omega_row, rows, seq, offset)
-        tl.store(coeff_ptr + (bh * seq + rows) * WINDOW + offset, weight / total, mask=inside)
+        total += weight
+        weights = _set_lag(weights, lags, offset, weight)
+    total = tl.where(inside, total, 1.0)  # past the end: nothing stored, no 0 / 0
+    _store_lags(coeff_ptr, bh * seq + rows, inside, lags, weights / total[:, None], WINDOW)
 
 
 @triton.jit
@@ -169,41 +185,46 @@ def _omega_at(omega_row, rows, seq, offset: tl.constexpr):
 
 @triton.jit
 def _weights_backward_kernel(alpha_ptr, omega_ptr, grad_ptr, alpha_part, omega_part, seq,
-                             WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
+                             WINDOW: tl.constexpr, LAGS: tl.constexpr, BLOCK_T: tl.constexpr):
     """Per row ``t``, with ``G = grad[t]``, ``S = sum_o w_o`` and ``H_o = (G_o - sum_p G_p
     coeff_p) / S`` (the gradient of ``w_o``): ``omega_part[t, o] = H_o P_o`` (for ``omega[t -
     o]``) and ``alpha_part[t, j] = P_{j-1} R_j`` (for ``alpha[t - j + 1]``), where ``P_o`` is
     the decay of offset ``o`` and ``R_j = sum_{o >= j} H_o omega[t - o] prod_{i = j+1..o}
     alpha[t - i + 1]``, run backwards as ``R_j = H_j omega[t - j] + alpha[t - j] R_{j+1}``:
-    products of the other factors, no division (hard decisions are exactly 0 or 1)."""
+    products of the other factors, no division (hard decisions are exactly 0 or 1). The
+    decays, importances and parts stay in ``[BLOCK_T, LAGS]`` registers, each part stored
+    once."""
     bh, _, _, rows, _, inside, _ = _block(1, seq, 1, BLOCK_T, 1)
     alpha_row, omega_row = alpha_ptr + bh * seq, omega_ptr + bh * seq
+    lags = tl.arange(0, LAGS)
     part = (bh * seq + rows) * WINDOW
+    grads = tl.load(grad_ptr + part[:, None] + lags[None, :],
+                    mask=inside[:, None] & (lags < WINDOW)[None, :], other=0.0)
+    decays = tl.zeros((BLOCK_T, LAGS), tl.float32)
+    omegas = tl.zeros((BLOCK_T, LAGS), tl.float32)
     total = tl.zeros((BLOCK_T,), tl.float32)
     weighted = tl.zeros((BLOCK_T,), tl.float32)
     decay = tl.full((BLOCK_T,), 1.0, tl.float32)
     for offset in tl.static_range(WINDOW):
         decay = _longer(alpha_row, rows, seq, offset, decay)
-        weight = decay * _omega_at(omega_row, rows, seq, offset)
+        omega = _omega_at(omega_row, rows, seq, offset)
+        weight = decay * omega
         total += weight
-        weighted += weight * tl.load(grad_ptr + part + offset, mask=inside, other=0.0)
+        weighted += weight * _lag(grads, lags, offset)
+        decays = _set_lag(decays, lags, offset, decay)
+        omegas = _set_lag(omegas, lags, offset, omega)
     total = tl.where(inside, total, 1.0)  # past the end: nothing stored, no 0 / 0
     mean = weighted / total
-    decay = tl.full((BLOCK_T,), 1.0, tl.float32)
-    for offset in tl.static_range(WINDOW):
-        decay = _longer(alpha_row, rows, seq, offset, decay)
-        h = (tl.load(grad_ptr + part + offset, mask=inside, other=0.0) - mean) / total
-        tl.store(omega_part + part + offset, h * decay, mask=inside)
-    tl.store(alpha_part + part, tl.zeros((BLOCK_T,), tl.float32), mask=inside)
+    h = (grads - mean[:, None]) / total[:, None]
+    _store_lags(omega_part, bh * seq + rows, inside, lags, h * decays, WINDOW)
+    alphas = tl.zeros((BLOCK_T, LAGS), tl.float32)
     carried = tl.zeros((BLOCK_T,), tl.float32)
     for j in tl.static_range(WINDOW - 1, 0, -1):
         source = rows - j
-        h = (tl.load(grad_ptr + part + j, mask=inside, other=0.0) - mean) / total
-        omega = _omega_at(omega_row, rows, seq, j)
         following = tl.load(alpha_row + source, mask=inside & (source >= 0), other=0.0)
-        carried = h * omega + following * carried
-        tl.store(alpha_part + part + j,
-                 _decay(alpha_row, rows, seq, j - 1, BLOCK_T) * carried, mask=inside)
+        carried = _lag(h, lags, j) * _lag(omegas, lags, j) + following * carried
+        alphas = _set_lag(alphas, lags, j, _lag(decays, lags, j - 1) * carried)
+    _store_lags(alpha_part, bh * seq + rows, inside, lags, alphas, WINDOW)
 
 
 @triton.jit
@@ -224,6 +245,11 @@ def _gather_kernel(alpha_part, omega_part, grad_alpha, grad_omega, seq,
                                 mask=row < seq, other=0.0)
     tl.store(grad_alpha + bh * seq + rows, to_alpha, mask=inside)
     tl.store(grad_omega + bh * seq + rows, to_omega, mask=inside)
+
+
+def _lags(window: int) -> int:
+    """The register tiles' columns for ``window`` offsets (a power of two)."""
+    return triton.next_power_of_2(window)
 
 
 def _launch(batch_heads: int, seq: int, dim: int, tile: int) -> tuple[tuple[int, int], dict]:
@@ -264,7 +290,7 @@ class FusedWindowedSum(torch.autograd.Function):
         grid, meta = _launch(batch * heads, seq, dim, BACKWARD_TILE)
         _backward_kernel[grid](k, v, grad_k, grad_v, coeff, gk_out, gv_out, gcoeff, heads, seq,
                                *k.stride(), *v.stride(), *grad_k.stride(), *grad_v.stride(),
-                               WINDOW=coeff.shape[-1], **meta)
+                               WINDOW=coeff.shape[-1], LAGS=_lags(coeff.shape[-1]), **meta)
         needs = ctx.needs_input_grad
         return (gk_out if needs[0] else None, gv_out if needs[1] else None,
                 gcoeff if needs[2] else None)
@@ -282,7 +308,8 @@ class FusedWindowWeights(torch.autograd.Function):
         batch, heads, seq = alpha.shape
         coeff = alpha.new_empty(batch, heads, seq, window)
         grid = (batch * heads, triton.cdiv(seq, WEIGHTS_BLOCK_T))
-        _weights_kernel[grid](alpha, omega, coeff, seq, WINDOW=window, BLOCK_T=WEIGHTS_BLOCK_T)
+        _weights_kernel[grid](alpha, omega, coeff, seq, WINDOW=window, LAGS=_lags(window),
+                              BLOCK_T=WEIGHTS_BLOCK_T)
         ctx.save_for_backward(alpha, omega)
         ctx.window = window
         return coeff
@@ -296,7 +323,8 @@ class FusedWindowWeights(torch.autograd.Function):
         grad_alpha, grad_omega = torch.empty_like(alpha), torch.empty_like(omega)
         grid = (batch * heads, triton.cdiv(seq, WEIGHTS_BLOCK_T))
         meta = dict(WINDOW=ctx.window, BLOCK_T=WEIGHTS_BLOCK_T)
-        _weights_backward_kernel[grid](alpha, omega, grad, alpha_part, omega_part, seq, **meta)
+        _weights_backward_kernel[grid](alpha, omega, grad, alpha_part, omega_part, seq,
+                                       LAGS=_lags(ctx.window), **meta)
         _gather_kernel[grid](alpha_part, omega_part, grad_alpha, grad_omega, seq, **meta)
         return grad_alpha, grad_omega, None
 
