@@ -25,28 +25,21 @@ def _load_half(row_ptr, cols, col_mask, zero_col):
 
 
 @triton.jit
-def _window_half(buf_ptr, x, rows, filled, cols, col_mask, ring, weights, total, append,
-                 DIM: tl.constexpr, WINDOW: tl.constexpr):
-    """Push ``x`` (columns ``cols``) into row ``ring`` of ``buf [WINDOW, DIM]`` (float32 or the
-    token's dtype, which holds it exactly); weighted mean of the ``filled`` rows, in float32.
-    Every row of the ring is loaded, the others set to 0 after: a mask that does not wait for
-    the slot's token count lets the load start as soon as the head is known."""
-    buf = tl.load(buf_ptr + rows[:, None] * DIM + cols[None, :],
-                  mask=(rows < WINDOW)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    buf = tl.where(filled[:, None], buf, 0.0)  # a select: stale rows' values never propagate
-    buf = tl.where(rows[:, None] == ring, x[None, :], buf)
-    tl.store(buf_ptr + ring * DIM + cols, x.to(buf_ptr.dtype.element_ty), mask=col_mask)
-    mean = tl.sum(weights[:, None] * buf, axis=0) / total
-    return tl.where(append, x, mean)
+def _ring_half(buf_ptr, rows, cols, col_mask, DIM: tl.constexpr, WINDOW: tl.constexpr):
+    """Every row of the ring ``buf [WINDOW, DIM]`` over columns ``cols``, float32 (its unfilled
+    rows too: :func:`_window_mean` selects)."""
+    return tl.load(buf_ptr + rows[:, None] * DIM + cols[None, :],
+                   mask=(rows < WINDOW)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _exact_half(buf_ptr, x, cols, col_mask, z, omega, z_new, append):
-    """Running mean ``(z m + omega x) / z_new`` over ``cols``; stored back as the new ``m``."""
-    old = tl.load(buf_ptr + cols, mask=col_mask, other=0.0)
-    mean = tl.where(append, x, (z * old + omega * x) / z_new)
-    tl.store(buf_ptr + cols, mean, mask=col_mask)
-    return mean
+def _window_mean(buf, x, rows, filled, ring, weights, total, append):
+    """The weighted mean of the ring's ``filled`` rows with ``x`` in row ``ring`` (float32);
+    ``x`` itself where the token opens a slot."""
+    buf = tl.where(filled[:, None], buf, 0.0)  # a select: stale rows' values never propagate
+    buf = tl.where(rows[:, None] == ring, x[None, :], buf)
+    mean = tl.sum(weights[:, None] * buf, axis=0) / total
+    return tl.where(append, x, mean)
 
 
 @triton.jit
@@ -60,6 +53,9 @@ def _dmc_write_kernel(
     PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, DECIDE: tl.constexpr,
     KEY_DECIDES: tl.constexpr,
 ):
+    """Every load first, then the arithmetic, then every store: a store ahead of a load keeps
+    the load from being issued before it (the compiler cannot tell that they do not alias),
+    and each address here is read before it is written, as Algorithm 1 orders them."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_ptr + b).to(tl.int64)
@@ -70,10 +66,14 @@ def _dmc_write_kernel(
     key_col = DIM - 1 if KEY_DECIDES else -1  # the key's decision channel, zeroed when read
     cols = tl.arange(0, HALF_BLOCK)
     col_mask = cols < HALF
-    k_lo = _load_half(k_row, cols, col_mask, key_col)  # the token's halves, loaded first
+    k_lo = _load_half(k_row, cols, col_mask, key_col)  # the token's halves
     k_hi = _load_half(k_row, cols + HALF, col_mask, key_col)
     v_lo = _load_half(v_row, cols, col_mask, -1)
     v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
+    omega = tl.load(omega_ptr + bh).to(tl.float32)
+    position = tl.load(pos_ptr + b).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
+    open_tokens = tl.load(open_count + head)
     if DECIDE:  # Algorithm 1's test on the device: append if alpha <= 0.5 or the head is empty
         current = tl.load(lengths_ptr + head)
         if KEY_DECIDES:  # alpha = [k[-1] - c > 0] (hard_decisions)
@@ -82,51 +82,68 @@ def _dmc_write_kernel(
             append = tl.load(alpha_ptr + bh).to(tl.float32) <= 0.5
         append = append | (current == 0)
         new_length = current + append.to(current.dtype)
-        tl.store(lengths_ptr + head, new_length)
         slot = new_length - 1
     else:
         append = tl.load(append_ptr + bh) != 0
         slot = tl.load(slot_ptr + bh)
-    column = slot // PAGE_SIZE  # the page loaded before the state is written back: the
-    page = tl.load(tables + head * max_pages + column, mask=column < max_pages,  # stores to the
-                   other=-1).to(tl.int64)  # state would otherwise hold it back (may alias)
-    omega = tl.load(omega_ptr + bh).to(tl.float32)
-    count = tl.where(append, 0, tl.load(open_count + head))
-    tl.store(open_count + head, count + 1)
-
+    column = slot // PAGE_SIZE
+    page = tl.load(tables + head * max_pages + column, mask=column < max_pages,
+                   other=-1).to(tl.int64)
     if WINDOW == 0:
-        z = tl.where(append, 0.0, tl.load(open_omega + head))
-        z_new = z + omega
-        tl.store(open_omega + head, z_new)
         mean_k = open_k + head * DIM
         mean_v = open_v + head * DIM
-        k_lo = _exact_half(mean_k, k_lo, cols, col_mask, z, omega, z_new, append)
-        k_hi = _exact_half(mean_k, k_hi, cols + HALF, col_mask, z, omega, z_new, append)
-        v_lo = _exact_half(mean_v, v_lo, cols, col_mask, z, omega, z_new, append)
-        v_hi = _exact_half(mean_v, v_hi, cols + HALF, col_mask, z, omega, z_new, append)
+        old_z = tl.load(open_omega + head)
+        old_k_lo = tl.load(mean_k + cols, mask=col_mask, other=0.0)
+        old_k_hi = tl.load(mean_k + HALF + cols, mask=col_mask, other=0.0)
+        old_v_lo = tl.load(mean_v + cols, mask=col_mask, other=0.0)
+        old_v_hi = tl.load(mean_v + HALF + cols, mask=col_mask, other=0.0)
     else:
         rows = tl.arange(0, ROWS)
-        ring = count % WINDOW
-        filled = rows < tl.minimum(count + 1, WINDOW)  # the rows of the slot's tokens
         old = tl.load(open_omega + head * WINDOW + rows, mask=rows < WINDOW, other=0.0)
-        weights = tl.where(filled, tl.where(rows == ring, omega, old), 0.0)
-        total = tl.sum(weights, axis=0)
-        tl.store(open_omega + head * WINDOW + ring, omega)
         buf_k = open_k + head * WINDOW * DIM
         buf_v = open_v + head * WINDOW * DIM
-        k_lo = _window_half(buf_k, k_lo, rows, filled, cols, col_mask, ring, weights, total,
-                            append, DIM, WINDOW)
-        k_hi = _window_half(buf_k, k_hi, rows, filled, cols + HALF, col_mask, ring, weights,
-                            total, append, DIM, WINDOW)
-        v_lo = _window_half(buf_v, v_lo, rows, filled, cols, col_mask, ring, weights, total,
-                            append, DIM, WINDOW)
-        v_hi = _window_half(buf_v, v_hi, rows, filled, cols + HALF, col_mask, ring, weights,
-                            total, append, DIM, WINDOW)
+        ring_k_lo = _ring_half(buf_k, rows, cols, col_mask, DIM, WINDOW)
+        ring_k_hi = _ring_half(buf_k, rows, cols + HALF, col_mask, DIM, WINDOW)
+        ring_v_lo = _ring_half(buf_v, rows, cols, col_mask, DIM, WINDOW)
+        ring_v_hi = _ring_half(buf_v, rows, cols + HALF, col_mask, DIM, WINDOW)
 
-    position = tl.load(pos_ptr + b).to(tl.float32)
-    angle = position * tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
+    count = tl.where(append, 0, open_tokens)
+    if WINDOW == 0:  # the running mean (z m + omega x) / z_new of each half
+        z = tl.where(append, 0.0, old_z)
+        z_new = z + omega
+        mean_k_lo = tl.where(append, k_lo, (z * old_k_lo + omega * k_lo) / z_new)
+        mean_k_hi = tl.where(append, k_hi, (z * old_k_hi + omega * k_hi) / z_new)
+        mean_v_lo = tl.where(append, v_lo, (z * old_v_lo + omega * v_lo) / z_new)
+        mean_v_hi = tl.where(append, v_hi, (z * old_v_hi + omega * v_hi) / z_new)
+    else:
+        ring = count % WINDOW
+        filled = rows < tl.minimum(count + 1, WINDOW)  # the rows of the slot's tokens
+        weights = tl.where(filled, tl.where(rows == ring, omega, old), 0.0)
+        total = tl.sum(weights, axis=0)
+        mean_k_lo = _window_mean(ring_k_lo, k_lo, rows, filled, ring, weights, total, append)
+        mean_k_hi = _window_mean(ring_k_hi, k_hi, rows, filled, ring, weights, total, append)
+        mean_v_lo = _window_mean(ring_v_lo, v_lo, rows, filled, ring, weights, total, append)
+        mean_v_hi = _window_mean(ring_v_hi, v_hi, rows, filled, ring, weights, total, append)
+    angle = position * inv_freq
     cos = tl.cos(angle)
     sin = tl.sin(angle)
+
+    if DECIDE:
+        tl.store(lengths_ptr + head, new_length)
+    tl.store(open_count + head, count + 1)
+    if WINDOW == 0:
+        tl.store(open_omega + head, z_new)
+        tl.store(mean_k + cols, mean_k_lo, mask=col_mask)
+        tl.store(mean_k + HALF + cols, mean_k_hi, mask=col_mask)
+        tl.store(mean_v + cols, mean_v_lo, mask=col_mask)
+        tl.store(mean_v + HALF + cols, mean_v_hi, mask=col_mask)
+    else:  # the token into its ring row, in the ring's dtype (float32 or the token's own)
+        tl.store(open_omega + head * WINDOW + ring, omega)
+        ring_ty = buf_k.dtype.element_ty
+        tl.store(buf_k + ring * DIM + cols, k_lo.to(ring_ty), mask=col_mask)
+        tl.store(buf_k + ring * DIM + HALF + cols, k_hi.to(ring_ty), mask=col_mask)
+        tl.store(buf_v + ring * DIM + cols, v_lo.to(ring_ty), mask=col_mask)
+        tl.store(buf_v + ring * DIM + HALF + cols, v_hi.to(ring_ty), mask=col_mask)
     outside = (page < 0) | (page >= num_pages)  # not a page of the pool: not written, counted
     tl.atomic_add(faults, 1, mask=outside)
     tl.atomic_max(faults + 1, head, mask=outside)
@@ -134,10 +151,11 @@ def _dmc_write_kernel(
     store = col_mask & (pages >= 0) & (pages < num_pages)
     dst = (page * PAGE_SIZE + slot % PAGE_SIZE) * DIM
     out_ty = k_pages.dtype.element_ty
-    tl.store(k_pages + dst + cols, (k_lo * cos - k_hi * sin).to(out_ty), mask=store)
-    tl.store(k_pages + dst + HALF + cols, (k_hi * cos + k_lo * sin).to(out_ty), mask=store)
-    tl.store(v_pages + dst + cols, v_lo.to(out_ty), mask=store)
-    tl.store(v_pages + dst + HALF + cols, v_hi.to(out_ty), mask=store)
+    tl.store(k_pages + dst + cols, (mean_k_lo * cos - mean_k_hi * sin).to(out_ty), mask=store)
+    tl.store(k_pages + dst + HALF + cols, (mean_k_hi * cos + mean_k_lo * sin).to(out_ty),
+             mask=store)
+    tl.store(v_pages + dst + cols, mean_v_lo.to(out_ty), mask=store)
+    tl.store(v_pages + dst + HALF + cols, mean_v_hi.to(out_ty), mask=store)
 
 
 def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count, inv_freq,

@@ -36,39 +36,48 @@ def _dms_write_kernel(
     HEADS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, RING: tl.constexpr,
 ):
+    """Every load first, then every store (a store ahead of a load keeps it from being issued
+    before it: the compiler cannot tell that they do not alias); the one address read after
+    it is written, the flag of ring row ``p mod R`` when ``R = 1``, is read from the register
+    that holds the value written."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(row_ptr + b).to(tl.int64)
     head = (row * num_layers + layer) * HEADS + h  # flat (row, layer, head) of the cache state
     p = tl.load(pos_ptr + b).to(tl.int64)
     slot = p % RING
+    previous = (p - 1 + RING) % RING
     cols = tl.arange(0, DIM_BLOCK)
     col_mask = cols < DIM
-
-    evict = (tl.load(evict_ptr + b * HEADS + h) != 0) & (p > 0)
-    tl.store(ring_flags + head * RING + (p - 1 + RING) % RING, evict.to(tl.uint8))
-
     ring_row = (head * RING + slot) * DIM
     leaving = p >= RING
-    kept = leaving & (tl.load(ring_flags + head * RING + slot) == 0)
+    evict = (tl.load(evict_ptr + b * HEADS + h) != 0) & (p > 0)
+    flag = tl.load(ring_flags + head * RING + slot)
     length = tl.load(lengths + head)
+    leaves = col_mask & (p + tl.zeros([DIM_BLOCK], dtype=tl.int64) >= RING)  # a vector mask
+    leaving_k = tl.load(ring_k + ring_row + cols, mask=leaves, other=0.0)
+    leaving_v = tl.load(ring_v + ring_row + cols, mask=leaves, other=0.0)
+    key = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols, mask=col_mask, other=0.0)
+    value = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols, mask=col_mask, other=0.0)
     column = length // PAGE_SIZE
     page = tl.load(tables + head * max_pages + column, mask=column < max_pages,
                    other=-1).to(tl.int64)
+
+    flag = tl.where(previous == slot, evict.to(tl.uint8), flag)  # R = 1: step 1's flag
+    kept = leaving & (flag == 0)
     page = tl.where(leaving, page, 0)  # nothing leaves: no entry looked at
     outside = (page < 0) | (page >= num_pages)  # not followed, counted
-    tl.atomic_add(faults, 1, mask=outside)
-    tl.atomic_max(faults + 1, head, mask=outside)
     pages = tl.where(leaving, page, -1) + tl.zeros([DIM_BLOCK], dtype=tl.int64)  # a vector
     move = col_mask & (pages >= 0) & (pages < num_pages)  # (the interpreter's masks)
     dst = (page * PAGE_SIZE + length % PAGE_SIZE) * DIM + cols
-    tl.store(k_pages + dst, tl.load(ring_k + ring_row + cols, mask=move, other=0.0), mask=move)
-    tl.store(v_pages + dst, tl.load(ring_v + ring_row + cols, mask=move, other=0.0), mask=move)
-    tl.store(lengths + head, length + kept.to(length.dtype))
-
     ring_ty = ring_k.dtype.element_ty
-    key = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols, mask=col_mask, other=0.0)
-    value = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols, mask=col_mask, other=0.0)
+
+    tl.store(ring_flags + head * RING + previous, evict.to(tl.uint8))
+    tl.atomic_add(faults, 1, mask=outside)
+    tl.atomic_max(faults + 1, head, mask=outside)
+    tl.store(k_pages + dst, leaving_k, mask=move)
+    tl.store(v_pages + dst, leaving_v, mask=move)
+    tl.store(lengths + head, length + kept.to(length.dtype))
     tl.store(ring_k + ring_row + cols, key.to(ring_ty), mask=col_mask)
     tl.store(ring_v + ring_row + cols, value.to(ring_ty), mask=col_mask)
     tl.store(ring_flags + head * RING + slot, 0)
