@@ -31,8 +31,9 @@
 # decode_throughput.{log,json}, paged_kernel.{log,json}, write_kernel.{log,json},
 # decode_model.{log,json}, kernel_tuning.json, decode_tuned.{log,json}, train_step.{log,json},
 # steps.tsv, summary.txt, summary.json. PYTHON (default python3) picks the interpreter.
-# DMC_CHECK_STEPS runs some steps only (of: gpu_tests decode_throughput decode_model
-# paged_kernel write_kernel decode_tuned train_step), e.g. one per call where a command's time is
+# DMC_CHECK_STEPS runs some steps only (of, in the order they run: gpu_tests train_step
+# decode_throughput decode_model paged_kernel write_kernel decode_tuned; the short train step
+# second, so a deadline does not leave it out), e.g. one per call where a command's time is
 # limited; steps.tsv keeps the earlier calls' records (the summary reads the newest of each
 # step). decode_tuned runs where kernel_tuning.json exists (from this call or an earlier one into
 # the same RESULTS_DIR); decode_model where DMC_CHECK_MODEL names a trained checkpoint (a run or
@@ -103,8 +104,8 @@ if [ -n "$ARCHIVE" ]; then
                     "archives; name a file elsewhere" >&2; exit 2 ;;
   esac
 fi
-ALL_STEPS="gpu_tests decode_throughput decode_model paged_kernel write_kernel decode_tuned \
-train_step"
+ALL_STEPS="gpu_tests train_step decode_throughput decode_model paged_kernel write_kernel \
+decode_tuned"
 SELECTED=${DMC_CHECK_STEPS:-$ALL_STEPS}
 for step in $SELECTED; do
   case " $ALL_STEPS " in
@@ -238,6 +239,10 @@ run gpu_tests "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v -rs --durations 
   "${TEST_PATHS[@]}"
 
 if [ "$CUDA" = 1 ]; then
+  run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
+    --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
+    "${TRAIN_ROWS[@]}" --by-site 8 --profile 30 --copy-sites 25 \
+    --out "$RESULTS/train_step.json"
   DECODE=("$PYTHON" benchmarks/decode_throughput.py --preset gpu --cuda-graphs --overlap both
           --profile "${QUICK_DECODE[@]}" "${DECODE_MODES[@]}")
   run decode_throughput "${DECODE[@]}" --out "$RESULTS/decode_throughput.json"
@@ -255,12 +260,11 @@ if [ "$CUDA" = 1 ]; then
   elif [[ " $SELECTED " == *" decode_tuned "* ]]; then
     echo "== decode_tuned: not run, no kernel_tuning.json (paged_kernel and write_kernel write it)"
   fi
-  run train_step "$PYTHON" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 \
-    --groups 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 4 "${QUICK_TRAIN[@]}" \
-    "${TRAIN_ROWS[@]}" --by-site 8 --profile 30 --copy-sites 25 \
-    --out "$RESULTS/train_step.json"
 else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  run train_step "$PYTHON" benchmarks/train_step.py --layers 2 --hidden 128 --heads 4 \
+    --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 "${TRAIN_ROWS[@]}" \
+    --by-site 8 --profile 12 --copy-sites 8 --out "$RESULTS/train_step.json"
   run decode_throughput "$PYTHON" benchmarks/decode_throughput.py --preset cpu \
     "${DECODE_MODES[@]}" --out "$RESULTS/decode_throughput.json"
   decode_model --preset cpu
@@ -269,9 +273,6 @@ else
     --out "$RESULTS/paged_kernel.json"
   run write_kernel "$PYTHON" benchmarks/write_kernel.py --batch 8 --kv-heads 4 --head-dim 64 \
     --length 256 --iters 5 --out "$RESULTS/write_kernel.json"
-  run train_step "$PYTHON" benchmarks/train_step.py --layers 2 --hidden 128 --heads 4 \
-    --ffn 256 --vocab 512 --seq 128 --batch 2 --steps 3 --warmup 1 "${TRAIN_ROWS[@]}" \
-    --by-site 8 --profile 12 --copy-sites 8 --out "$RESULTS/train_step.json"
 fi
 
 "$PYTHON" "$ROOT/scripts/gpu_check_summary.py" "$RESULTS"

@@ -39,7 +39,7 @@ def test_deadline_skips_steps_and_the_archive_keeps_the_results(tmp_path):
                           capture_output=True, text=True, env=env)
     assert done.returncode == 1, done.stderr
     assert (results / "steps.tsv").read_text().splitlines() == [
-        "paged_kernel\tskipped\t0", "train_step\tskipped\t0"]
+        "train_step\tskipped\t0", "paged_kernel\tskipped\t0"]
     assert not (results / "paged_kernel.log").exists()
     assert "paged_kernel       skipped (no time left before DMC_CHECK_DEADLINE)" in done.stdout
     with tarfile.open(archive) as tar:
