@@ -45,3 +45,23 @@ def build_tiny(groups: int, window="vanilla", c: float = -1.0, *, max_seq: int =
     spread_decisions(model, scale)
     runtime.set_mode("eval")
     return model, runtime
+
+
+def assert_same_train_step(models, tokens, positions) -> None:
+    """One train-mode step (target CR 2) of each ``(model, runtime)`` pair on ``tokens``: the
+    losses equal to float32 rounding and every parameter gradient within a 1e-4 relative norm
+    of the last pair's (float32 sums in other orders), the decision rows' among them."""
+    results = []
+    for model, runtime in models:
+        runtime.set_mode("train")
+        runtime.target_cr = 2.0
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    want_loss, want = results[-1]
+    assert any("linear_qkv" in n for n in want)
+    for loss, grads in results[:-1]:
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == want.keys()
+        for name, grad in want.items():
+            assert float((grads[name] - grad).norm() / grad.norm().clamp(min=1e-12)) < 1e-4, name

@@ -10,7 +10,7 @@ from dmc.ops import compression_loss, compression_loss_from_sums
 from dmc.ops.reference import compression_loss_reference
 
 from llama_reference import decode_with_compressed_cache
-from tiny_models import decision_rows, spread_decisions, tiny_config
+from tiny_models import assert_same_train_step, decision_rows, spread_decisions, tiny_config
 
 VOCAB, SEQ = 96, 24
 
@@ -295,23 +295,14 @@ def test_flex_train_step_wired_end_to_end(parallel_1x1, monkeypatch, backend, de
     monkeypatch.setattr(flex_module, "flex_attention", reference_flex)
     _, reference, _ = _pair(2)
     spread_decisions(reference, scale=1.0)
-    tokens, positions = _batch()
-    results = []
+    models = []
     for name in (backend, "dense"):
         runtime = DMCRuntime(DMCConfig(window=4, c=0.0, hard=hard, attention_backend=name,
                                        merge_delay=delay))
         model = build_gpt_model(tiny_config(2), VOCAB, 64, dmc=runtime)
         model.load_state_dict(reference.state_dict())
-        runtime.set_mode("train")
-        runtime.target_cr = 2.0
-        loss = model(tokens, positions, None, labels=tokens).float().mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (flex_loss, flex), (dense_loss, dense) = results
-    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-5, atol=1e-6)
-    assert flex.keys() == dense.keys() and any("linear_qkv" in n for n in dense)
-    for name, grad in dense.items():  # float32 sums in other orders: a relative norm
-        assert float((flex[name] - grad).norm() / grad.norm().clamp(min=1e-12)) < 1e-4, name
+        models.append((model, runtime))
+    assert_same_train_step(models, *_batch())
 
 
 @pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "merge_delay"])

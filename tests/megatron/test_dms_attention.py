@@ -15,7 +15,7 @@ from dmc.megatron.model import build_gpt_model
 from dmc.megatron.runtime import DMCConfig, DMCRuntime
 from dmc.ops.reference import compression_loss_reference, dms_attention_bias_reference
 
-from tiny_models import tiny_config
+from tiny_models import assert_same_train_step, tiny_config
 
 VOCAB, SEQ, HEADS, DIM = 96, 24, 4, 16
 
@@ -265,20 +265,8 @@ def test_flex_transposed_train_step_wired_end_to_end(parallel_1x1, monkeypatch, 
     from flex_reference import reference_flex
 
     monkeypatch.setattr(flex_module, "flex_attention", reference_flex)
-    tokens, positions = _batch()
-    results = []
-    for backend in ("flex-transposed", "dense"):
-        model, runtime = _dms_model(2, attention_backend=backend, hard=hard)
-        runtime.set_mode("train")
-        runtime.target_cr = 2.0
-        loss = model(tokens, positions, None, labels=tokens).float().mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (flex_loss, flex), (dense_loss, dense) = results
-    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-5, atol=1e-6)
-    assert any("linear_qkv" in n for n in dense)
-    for name, grad in dense.items():  # float32 sums in other orders: a relative norm
-        assert float((flex[name] - grad).norm() / grad.norm().clamp(min=1e-12)) < 1e-4, name
+    assert_same_train_step([_dms_model(2, attention_backend=backend, hard=hard)
+                            for backend in ("flex-transposed", "dense")], *_batch())
 
 
 def test_a_runtime_of_another_method_is_refused(parallel_1x1):
