@@ -13,7 +13,10 @@ comparison, on CUDA; PyTorch on the CPU):
 rows ``dmc-<backend>`` with the first, and ``dmc-<last backend>+<accumulate>-sums`` with each
 other one.
 Step time is the median of ``--steps`` after
-``--warmup``; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
+``--warmup``, "host" the median of the host's time to issue a step (before waiting for the
+device), "kernels" the summed device time of the profiled step's kernels (``--profile``, CUDA):
+a step much longer than its kernels with a host time close to it is bound by the host or
+waits for the device inside; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
 "saved" is what autograd keeps for the backward of one step (the bytes of the distinct storages
 packed by ``saved_tensors_hooks``, parameters left out: the activation memory, on any device).
 ``--kept-only`` measures that alone (one forward per mode, no timed steps: a large shape on the
@@ -91,24 +94,31 @@ def ours(path: str) -> bool:
         and "compat.py" not in path
 
 
-def train_step(model, runtime, mode, tokens, positions, optimizer, step: int) -> None:
-    """One optimizer step of ``mode`` on ``tokens``, waiting for the device at its end."""
+def train_step(model, runtime, mode, tokens, positions, optimizer, step: int) -> float:
+    """One optimizer step of ``mode`` on ``tokens``, waiting for the device at its end; returns
+    the seconds the host took to issue it (up to that wait: on a GPU, a step whose host time is
+    close to its whole time is bound by the host, or waits for the device inside)."""
+    start = time.perf_counter()
     runtime.start_step(step, mode, target_cr=2.0)
     loss = model(tokens, positions, None, labels=tokens).float().mean()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    issued = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    return issued
 
 
 def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=0,
             copy_sites=0):
-    """(tokens/s, median step seconds, peak allocated bytes or None, the ``profile_ops``
-    busiest ops of one more step, its ``copy_sites`` busiest data-movement call sites) of
-    ``steps`` train steps."""
+    """A dict of ``steps`` train steps: tokens_per_s, step_s (the median step), host_s (the
+    median of the host's time to issue a step), peak_bytes (None on the CPU), and of one more
+    step under torch.profiler its ``profile_ops`` busiest ops (``ops``), its ``copy_sites``
+    busiest data-movement call sites (``copy_sites``) and its kernels' summed time
+    (``kernel_s``, None on the CPU)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    timings = []
+    timings, issued = [], []
     cuda = torch.cuda.is_available()
     for i in range(warmup + steps):
         if cuda:
@@ -116,28 +126,34 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=
             if i == warmup:
                 torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        train_step(model, runtime, mode, tokens, positions, optimizer, i)
+        host = train_step(model, runtime, mode, tokens, positions, optimizer, i)
         if i >= warmup:
             timings.append(time.perf_counter() - start)
+            issued.append(host)
     seconds = sorted(timings)[len(timings) // 2]
-    peak = torch.cuda.max_memory_allocated() if cuda else None
-    busiest, sites = busiest_ops(lambda: train_step(model, runtime, mode, tokens, positions,
-                                                    optimizer, warmup + steps),
-                                 profile_ops, copy_sites)
-    return tokens.numel() / seconds, seconds, peak, busiest, sites
+    profiled = busiest_ops(lambda: train_step(model, runtime, mode, tokens, positions,
+                                              optimizer, warmup + steps),
+                           profile_ops, copy_sites)
+    return dict(tokens_per_s=tokens.numel() / seconds, step_s=seconds,
+                host_s=sorted(issued)[len(issued) // 2],
+                peak_bytes=torch.cuda.max_memory_allocated() if cuda else None, **profiled)
 
 
 COPY_OPS = ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::clone", "aten::fill_",
             "aten::zero_", "aten::contiguous")  # the ops that move or fill memory
 
 
-def busiest_ops(step, count: int, copy_sites: int = 0) -> tuple[list[dict], list[dict]]:
-    """Every op of ``step()`` under torch.profiler (none when ``count`` and ``copy_sites`` are
-    0), by self time on the device (CUDA kernels) or, without CUDA, on the CPU, most first:
-    name, milliseconds, calls; and the ``copy_sites`` (op, call site) pairs of
-    :data:`COPY_OPS` with the most self time (:func:`op_sites`)."""
+def busiest_ops(step, count: int, copy_sites: int = 0) -> dict:
+    """``ops``: every op of ``step()`` under torch.profiler (none when ``count`` and
+    ``copy_sites`` are 0), by self time on the device (CUDA kernels) or, without CUDA, on the
+    CPU, most first: name, milliseconds, calls, one entry a name (the profiler lists a Triton
+    kernel's launch and the kernel, or a region's host and device spans, under one name: the
+    longer is kept); ``copy_sites``: the ``copy_sites`` (op, call site) pairs of
+    :data:`COPY_OPS` with the most self time (:func:`op_sites`); ``kernel_s``: the seconds
+    the step's kernels, copies and fills ran on the device, summed (None without CUDA; against
+    the step's time, how busy the step keeps the device)."""
     if count <= 0 and copy_sites <= 0:
-        return [], []
+        return {"ops": [], "copy_sites": [], "kernel_s": None}
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -150,10 +166,29 @@ def busiest_ops(step, count: int, copy_sites: int = 0) -> tuple[list[dict], list
                  **options) as prof:
         step()
     attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute), reverse=True)
-    ops = [{"name": e.key, "ms": getattr(e, attribute) / 1e3, "calls": e.count}
-           for e in events]
-    return ops, op_sites(prof, attribute, copy_sites) if copy_sites > 0 else []
+    return {"ops": one_per_name(prof.key_averages(), attribute),
+            "copy_sites": op_sites(prof, attribute, copy_sites) if copy_sites > 0 else [],
+            "kernel_s": kernel_seconds(prof) if cuda else None}
+
+
+def one_per_name(averages, attribute: str) -> list[dict]:
+    """``{name, ms, calls}`` of each name among profiler averages (``key``, ``count`` and the
+    microseconds ``attribute``), the longest entry where a name has several, most first."""
+    longest = {}
+    for e in averages:
+        op = {"name": e.key, "ms": getattr(e, attribute) / 1e3, "calls": e.count}
+        if e.key not in longest or op["ms"] > longest[e.key]["ms"]:
+            longest[e.key] = op
+    return sorted(longest.values(), key=lambda op: -op["ms"])
+
+
+def kernel_seconds(prof) -> float:
+    """The summed device time of a profile's kernels, copies and fills (its device events but
+    the spans of annotated regions, which overlap the kernels they hold)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.device_time_total for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e6
 
 
 BACKWARD = "autograd::engine::evaluate_function: "  # the profiler's name of a backward node
@@ -307,10 +342,13 @@ def main(argv=None) -> int:
         write_results(args, device_name, rows)  # after every row: a run stopped by a time
         row = rows[name]                        # limit keeps the rows it measured
         if row.get("step_s"):
+            kernels = "" if row["kernel_s"] is None else \
+                f", its kernels {row['kernel_s']:.3f} s on the device (profiled step)"
             print(f"{name}: {row['step_s']:.3f} s a step, x{row['time_vs_vanilla']:.3f} "
-                  f"vanilla", flush=True)
+                  f"vanilla; the host issued it in {row['host_s']:.3f} s{kernels}", flush=True)
     failed = [name for name, row in rows.items() if "error" in row]
     print(f"{'attention':<20} {'tokens/s':>12} {'step (s)':>10} {'x vanilla time':>15} "
+          f"{'host (s)':>9} {'kernels (s)':>12} "
           f"{'peak GiB':>9} {'x vanilla mem':>14} {'saved GiB':>10} {'x vanilla':>10}   "
           f"device: {device_name}")
 
@@ -323,7 +361,8 @@ def main(argv=None) -> int:
             continue
         peak = None if row["peak_bytes"] is None else row["peak_bytes"] / 2**30
         print(f"{name:<20} {cell(row['tokens_per_s'], '.0f'):>12} {cell(row['step_s'], '.3f'):>10} "
-              f"{cell(row['time_vs_vanilla'], '.3f'):>15} {cell(peak, '.2f'):>9} "
+              f"{cell(row['time_vs_vanilla'], '.3f'):>15} {cell(row['host_s'], '.3f'):>9} "
+              f"{cell(row['kernel_s'], '.3f'):>12} {cell(peak, '.2f'):>9} "
               f"{cell(row['memory_vs_vanilla'], '.3f'):>14} "
               f"{row['saved_bytes'] / 2**30:>10.3f} {row['saved_vs_vanilla']:>10.3f}")
     return 1 if failed else 0
@@ -348,12 +387,14 @@ def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
     and with ``--profile`` / ``--copy-sites`` / ``--by-site`` the busiest ops, the busiest
     call sites of the ops that copy or fill memory and the heaviest saving sites (printed as
     they come)."""
-    tok_s, seconds, peak, busiest, copies = (None, None, None, [], []) if args.kept_only else \
-        measure(model, runtime, mode, tokens, positions, args.steps, args.warmup, args.profile,
-                args.copy_sites)
+    timed = (dict(tokens_per_s=None, step_s=None, host_s=None, peak_bytes=None, ops=[],
+                  copy_sites=[], kernel_s=None) if args.kept_only else
+             measure(model, runtime, mode, tokens, positions, args.steps, args.warmup,
+                     args.profile, args.copy_sites))
+    busiest, copies = timed.pop("ops"), timed.pop("copy_sites")
     sites = collections.Counter() if args.by_site else None
-    saved = saved_activation_bytes(model, runtime, mode, tokens, positions, sites)
-    row = {"tokens_per_s": tok_s, "step_s": seconds, "peak_bytes": peak, "saved_bytes": saved}
+    row = dict(timed, saved_bytes=saved_activation_bytes(model, runtime, mode, tokens,
+                                                         positions, sites))
     if busiest and args.profile:
         row["busiest_ops"] = busiest[:args.profile]
         print(f"{name}: the {args.profile} ops of one step with the most self time")

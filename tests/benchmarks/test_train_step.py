@@ -2,6 +2,7 @@
 chosen dtype; bad flags exit 2 naming them."""
 import gc
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
     assert set(rows) == {"vanilla", "dmc-dense"}
     for row in rows.values():
         assert row["step_s"] > 0 and len(row["busiest_ops"]) == 4
+        assert 0 < row["host_s"] <= row["step_s"] and row["kernel_s"] is None  # no CUDA here
         times = [op["ms"] for op in row["busiest_ops"]]
         assert times == sorted(times, reverse=True) and times[0] > 0
         assert all(op["name"] and op["calls"] >= 1 for op in row["busiest_ops"])
@@ -182,3 +184,29 @@ def test_excess_over_vanilla_is_the_difference_per_op():
         {"name": "cat", "ms": 2.0, "calls": 9, "vanilla_calls": 4},
         {"name": "flex", "ms": 2.0, "calls": 2, "vanilla_calls": 0}]
     assert [op["name"] for op in bench.excess_ops(dmc, vanilla, 5)] == ["cat", "flex", "mm"]
+
+
+def test_one_entry_a_name_the_longest():
+    """The profiler lists a Triton kernel's launch and the kernel, or a region's host and
+    device spans, under one name: the longer is kept, once."""
+    averages = [SimpleNamespace(key="Optimizer.step", count=1, self_device_time_total=15000.0),
+                SimpleNamespace(key="mm", count=4, self_device_time_total=9000.0),
+                SimpleNamespace(key="Optimizer.step", count=1, self_device_time_total=0.0),
+                SimpleNamespace(key="flex", count=2, self_device_time_total=3000.0),
+                SimpleNamespace(key="flex", count=2, self_device_time_total=3000.0)]
+    assert bench.one_per_name(averages, "self_device_time_total") == [
+        {"name": "Optimizer.step", "ms": 15.0, "calls": 1}, {"name": "mm", "ms": 9.0, "calls": 4},
+        {"name": "flex", "ms": 3.0, "calls": 2}]
+
+
+def test_kernel_seconds_sum_the_device_events_but_annotated_spans():
+    from torch.autograd import DeviceType
+
+    def event(device, us, annotation=False):
+        return SimpleNamespace(device_type=device, device_time_total=us,
+                               is_user_annotation=annotation)
+
+    prof = SimpleNamespace(events=lambda: [
+        event(DeviceType.CUDA, 1500.0), event(DeviceType.CPU, 9000.0),
+        event(DeviceType.CUDA, 20000.0, annotation=True), event(DeviceType.CUDA, 500.0)])
+    assert bench.kernel_seconds(prof) == pytest.approx(0.002)
