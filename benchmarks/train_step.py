@@ -14,9 +14,10 @@ rows ``dmc-<backend>`` with the first, and ``dmc-<last backend>+<accumulate>-sum
 other one.
 Step time is the median of ``--steps`` after
 ``--warmup``, "host" the median of the host's time to issue a step (before waiting for the
-device), "kernels" the summed device time of the profiled step's kernels (``--profile``, CUDA):
-a step much longer than its kernels with a host time close to it is bound by the host or
-waits for the device inside; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
+device), "kernels" the summed device time of the profiled step's kernels and "idle" the time
+the device ran none between its first and last (``--profile``, CUDA; the longest idle
+stretches printed with the kernels around them): a step much longer than its kernels, with a
+host time close to it, is bound by the host or waits for the device inside; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
 "saved" is what autograd keeps for the backward of one step (the bytes of the distinct storages
 packed by ``saved_tensors_hooks``, parameters left out: the activation memory, on any device).
 ``--kept-only`` measures that alone (one forward per mode, no timed steps: a large shape on the
@@ -115,8 +116,8 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=
     """A dict of ``steps`` train steps: tokens_per_s, step_s (the median step), host_s (the
     median of the host's time to issue a step), peak_bytes (None on the CPU), and of one more
     step under torch.profiler its ``profile_ops`` busiest ops (``ops``), its ``copy_sites``
-    busiest data-movement call sites (``copy_sites``) and its kernels' summed time
-    (``kernel_s``, None on the CPU)."""
+    busiest data-movement call sites (``copy_sites``) and what its device did (``kernel_s``,
+    ``idle_s``, ``gaps``: :func:`device_activity`; None, None and none on the CPU)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timings, issued = [], []
     cuda = torch.cuda.is_available()
@@ -149,11 +150,11 @@ def busiest_ops(step, count: int, copy_sites: int = 0) -> dict:
     CPU, most first: name, milliseconds, calls, one entry a name (the profiler lists a Triton
     kernel's launch and the kernel, or a region's host and device spans, under one name: the
     longer is kept); ``copy_sites``: the ``copy_sites`` (op, call site) pairs of
-    :data:`COPY_OPS` with the most self time (:func:`op_sites`); ``kernel_s``: the seconds
-    the step's kernels, copies and fills ran on the device, summed (None without CUDA; against
-    the step's time, how busy the step keeps the device)."""
+    :data:`COPY_OPS` with the most self time (:func:`op_sites`); and ``kernel_s``, ``idle_s``
+    and ``gaps`` of :func:`device_activity` (None, None and none without CUDA: against the
+    step's time, how busy the step keeps the device, and where it waits)."""
     if count <= 0 and copy_sites <= 0:
-        return {"ops": [], "copy_sites": [], "kernel_s": None}
+        return {"ops": [], "copy_sites": [], "kernel_s": None, "idle_s": None, "gaps": []}
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -168,7 +169,8 @@ def busiest_ops(step, count: int, copy_sites: int = 0) -> dict:
     attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
     return {"ops": one_per_name(prof.key_averages(), attribute),
             "copy_sites": op_sites(prof, attribute, copy_sites) if copy_sites > 0 else [],
-            "kernel_s": kernel_seconds(prof) if cuda else None}
+            **(device_activity(prof) if cuda else {"kernel_s": None, "idle_s": None,
+                                                    "gaps": []})}
 
 
 def one_per_name(averages, attribute: str) -> list[dict]:
@@ -182,13 +184,29 @@ def one_per_name(averages, attribute: str) -> list[dict]:
     return sorted(longest.values(), key=lambda op: -op["ms"])
 
 
-def kernel_seconds(prof) -> float:
-    """The summed device time of a profile's kernels, copies and fills (its device events but
-    the spans of annotated regions, which overlap the kernels they hold)."""
+def device_activity(prof, gaps: int = 5) -> dict:
+    """What a profile's device did: ``kernel_s``, the summed time of its kernels, copies and
+    fills (its device events but the spans of annotated regions, which overlap the kernels they
+    hold); ``idle_s``, the time between its first and last kernel with none running; ``gaps``,
+    the ``gaps`` longest of those idle stretches, most first (milliseconds and the kernels
+    before and after: a sync, or a host too slow to keep the device fed, shows there)."""
     from torch.autograd import DeviceType
 
-    return sum(e.device_time_total for e in prof.events()
-               if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e6
+    kernels = sorted((e for e in prof.events()
+                      if e.device_type == DeviceType.CUDA
+                      and not getattr(e, "is_user_annotation", False)),
+                     key=lambda e: e.time_range.start)
+    idle, stretches, busy_until, previous = 0.0, [], None, None
+    for kernel in kernels:
+        if busy_until is not None and kernel.time_range.start > busy_until:
+            gap = kernel.time_range.start - busy_until
+            idle += gap
+            stretches.append({"ms": gap / 1e3, "after": previous.name, "before": kernel.name})
+        if busy_until is None or kernel.time_range.end > busy_until:
+            busy_until, previous = kernel.time_range.end, kernel
+    return {"kernel_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
+            "idle_s": idle / 1e6,
+            "gaps": sorted(stretches, key=lambda g: -g["ms"])[:gaps]}
 
 
 BACKWARD = "autograd::engine::evaluate_function: "  # the profiler's name of a backward node
@@ -343,12 +361,13 @@ def main(argv=None) -> int:
         row = rows[name]                        # limit keeps the rows it measured
         if row.get("step_s"):
             kernels = "" if row["kernel_s"] is None else \
-                f", its kernels {row['kernel_s']:.3f} s on the device (profiled step)"
+                (f"; in the profiled step its kernels ran {row['kernel_s']:.3f} s and the "
+                 f"device idled {row['idle_s']:.3f} s between them")
             print(f"{name}: {row['step_s']:.3f} s a step, x{row['time_vs_vanilla']:.3f} "
                   f"vanilla; the host issued it in {row['host_s']:.3f} s{kernels}", flush=True)
     failed = [name for name, row in rows.items() if "error" in row]
     print(f"{'attention':<20} {'tokens/s':>12} {'step (s)':>10} {'x vanilla time':>15} "
-          f"{'host (s)':>9} {'kernels (s)':>12} "
+          f"{'host (s)':>9} {'kernels (s)':>12} {'idle (s)':>9} "
           f"{'peak GiB':>9} {'x vanilla mem':>14} {'saved GiB':>10} {'x vanilla':>10}   "
           f"device: {device_name}")
 
@@ -362,7 +381,8 @@ def main(argv=None) -> int:
         peak = None if row["peak_bytes"] is None else row["peak_bytes"] / 2**30
         print(f"{name:<20} {cell(row['tokens_per_s'], '.0f'):>12} {cell(row['step_s'], '.3f'):>10} "
               f"{cell(row['time_vs_vanilla'], '.3f'):>15} {cell(row['host_s'], '.3f'):>9} "
-              f"{cell(row['kernel_s'], '.3f'):>12} {cell(peak, '.2f'):>9} "
+              f"{cell(row['kernel_s'], '.3f'):>12} {cell(row['idle_s'], '.3f'):>9} "
+              f"{cell(peak, '.2f'):>9} "
               f"{cell(row['memory_vs_vanilla'], '.3f'):>14} "
               f"{row['saved_bytes'] / 2**30:>10.3f} {row['saved_vs_vanilla']:>10.3f}")
     return 1 if failed else 0
@@ -388,7 +408,7 @@ def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
     call sites of the ops that copy or fill memory and the heaviest saving sites (printed as
     they come)."""
     timed = (dict(tokens_per_s=None, step_s=None, host_s=None, peak_bytes=None, ops=[],
-                  copy_sites=[], kernel_s=None) if args.kept_only else
+                  copy_sites=[], kernel_s=None, idle_s=None, gaps=[]) if args.kept_only else
              measure(model, runtime, mode, tokens, positions, args.steps, args.warmup,
                      args.profile, args.copy_sites))
     busiest, copies = timed.pop("ops"), timed.pop("copy_sites")
@@ -401,6 +421,12 @@ def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
         for op in row["busiest_ops"]:
             print(f"  {op['ms']:10.2f} ms  x{op['calls']:<5} {op['name']}")
         row["ops"] = busiest  # main() compares them with vanilla's, then drops them
+    if row["gaps"]:
+        print(f"{name}: the {len(row['gaps'])} longest stretches the device idled in the "
+              f"profiled step")
+        for gap in row["gaps"]:
+            print(f"  {gap['ms']:10.3f} ms  after {gap['after'][:60]}  before "
+                  f"{gap['before'][:60]}")
     if copies:
         row["copy_sites"] = copies
         print(f"{name}: the {len(copies)} (op, call site) pairs that copy or fill memory with "

@@ -103,8 +103,9 @@ def summarise(results: Path) -> dict:
         summary["figures"]["train_step"] = [
             {"attention": name, "time_vs_vanilla": row.get("time_vs_vanilla"),
              "memory_vs_vanilla": row.get("memory_vs_vanilla"),
-             "saved_vs_vanilla": row.get("saved_vs_vanilla"), "error": row.get("error")}
-            for name, row in train["results"].items() if name != "vanilla"]
+             "saved_vs_vanilla": row.get("saved_vs_vanilla"), "error": row.get("error"),
+             **{key: row.get(key) for key in ("step_s", "host_s", "kernel_s", "idle_s")}}
+            for name, row in train["results"].items()]
     return summary
 
 
@@ -161,9 +162,18 @@ def as_text(summary: dict) -> str:
             lines.append(f"train step {t['attention']}: failed: {t['error'][:200]}")
             continue
         memory, saved = t["memory_vs_vanilla"], t.get("saved_vs_vanilla")
+        times = ("" if t.get("host_s") is None else
+                 f"; {t['step_s']:.3f} s a step, the host issued it in {t['host_s']:.3f} s"
+                 + ("" if t.get("kernel_s") is None else
+                    f", kernels {t['kernel_s']:.3f} s, device idle {t['idle_s']:.3f} s"))
+        if t["attention"] == "vanilla":
+            if times:
+                lines.append(f"train step vanilla{times}")
+            continue
         lines.append(f"train step {t['attention']}: x{t['time_vs_vanilla']:.3f} vanilla time"
                      + ("" if memory is None else f", x{memory:.3f} vanilla peak memory")
-                     + ("" if saved is None else f", x{saved:.3f} vanilla activations kept"))
+                     + ("" if saved is None else f", x{saved:.3f} vanilla activations kept")
+                     + times)
     lines.append("goals (H100): " + "; ".join(f"{k} {v}" for k, v in summary["goals"].items()))
     return "\n".join(lines)
 

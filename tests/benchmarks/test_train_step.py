@@ -38,7 +38,8 @@ def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
     assert set(rows) == {"vanilla", "dmc-dense"}
     for row in rows.values():
         assert row["step_s"] > 0 and len(row["busiest_ops"]) == 4
-        assert 0 < row["host_s"] <= row["step_s"] and row["kernel_s"] is None  # no CUDA here
+        assert 0 < row["host_s"] <= row["step_s"]
+        assert row["kernel_s"] is None and row["idle_s"] is None and row["gaps"] == []  # CPU
         times = [op["ms"] for op in row["busiest_ops"]]
         assert times == sorted(times, reverse=True) and times[0] > 0
         assert all(op["name"] and op["calls"] >= 1 for op in row["busiest_ops"])
@@ -199,14 +200,23 @@ def test_one_entry_a_name_the_longest():
         {"name": "flex", "ms": 3.0, "calls": 2}]
 
 
-def test_kernel_seconds_sum_the_device_events_but_annotated_spans():
+def test_device_activity_sums_kernels_and_finds_the_idle_stretches():
+    """Kernels (annotated spans left out, CPU events ignored) at 0-10, 5-12 (overlapping),
+    20-30 and 50-51 us: 28 us of kernels, idle 8 + 20 us, the longer gap first."""
     from torch.autograd import DeviceType
 
-    def event(device, us, annotation=False):
-        return SimpleNamespace(device_type=device, device_time_total=us,
-                               is_user_annotation=annotation)
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=span)
 
     prof = SimpleNamespace(events=lambda: [
-        event(DeviceType.CUDA, 1500.0), event(DeviceType.CPU, 9000.0),
-        event(DeviceType.CUDA, 20000.0, annotation=True), event(DeviceType.CUDA, 500.0)])
-    assert bench.kernel_seconds(prof) == pytest.approx(0.002)
+        event("c", 20.0, 30.0), event("a", 0.0, 10.0), event("host op", 10.0, 90.0,
+                                                             device=DeviceType.CPU),
+        event("step", 0.0, 60.0, annotation=True), event("b", 5.0, 12.0),
+        event("d", 50.0, 51.0)])
+    activity = bench.device_activity(prof, gaps=1)
+    assert activity["kernel_s"] == pytest.approx(28e-6)
+    assert activity["idle_s"] == pytest.approx(28e-6)
+    assert activity["gaps"] == [{"ms": pytest.approx(0.02), "after": "c", "before": "d"}]
+    assert [g["after"] for g in bench.device_activity(prof)["gaps"]] == ["c", "b"]

@@ -79,6 +79,8 @@ def test_summary_of_a_results_folder(tmp_path):
         "dmc-dense": {"step_s": 1.2, "time_vs_vanilla": 1.2, "memory_vs_vanilla": 1.5,
                       "saved_vs_vanilla": 1.25},
         "dmc-flex": {"step_s": 1.1, "time_vs_vanilla": 1.1, "memory_vs_vanilla": None},
+        "dmc-flex-channel": {"step_s": 1.3, "time_vs_vanilla": 1.3, "memory_vs_vanilla": 1.0,
+                             "host_s": 0.4, "kernel_s": 0.9, "idle_s": 0.35},
         "dmc-flex+torch-sums": {"error": "CompilationError: out of resources"}}}))
     done = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
                           text=True)
@@ -90,7 +92,7 @@ def test_summary_of_a_results_folder(tmp_path):
     assert summary["gpu_tests"] == {"tests": 4, "failures": 1, "errors": 0, "skipped": 2}
     assert summary["figures"]["decode"][1]["speedup_vs_vanilla"] == 3.0
     assert [t["attention"] for t in summary["figures"]["train_step"]] == [
-        "dmc-dense", "dmc-flex", "dmc-flex+torch-sums"]
+        "vanilla", "dmc-dense", "dmc-flex", "dmc-flex-channel", "dmc-flex+torch-sums"]
     text = (tmp_path / "summary.txt").read_text()
     assert "x3.00 vanilla  host 2.50 ms/step" in text and "x1.00 vanilla\n" in text
     assert "decode dmc 4x overlap   failed: RuntimeError: a fault" in text
@@ -102,6 +104,10 @@ def test_summary_of_a_results_folder(tmp_path):
     assert ("train step dmc-dense: x1.200 vanilla time, x1.500 vanilla peak memory, x1.250 "
             "vanilla activations kept") in text
     assert "train step dmc-flex: x1.100 vanilla time\n" in text
+    assert ("train step dmc-flex-channel: x1.300 vanilla time, x1.000 vanilla peak memory; "
+            "1.300 s a step, the host issued it in 0.400 s, kernels 0.900 s, device idle "
+            "0.350 s\n") in text
+    assert "train step vanilla" not in text  # no host time measured: no line
     assert "train step dmc-flex+torch-sums: failed: CompilationError: out of resources" in text
     assert [k["path"] for k in summary["figures"]["paged_kernel"]] == ["compiled", "pytorch"]
     assert "DMC write (triton w4 (default)): 25.6 us a layer, 2192 heads" in text
