@@ -40,9 +40,11 @@ from dmc.ops import (
     partial_accumulate,
     scale_decision_channel,
     straight_through_round,
+    without_decision_channel,
     zero_decision_channel,
 )
 from dmc.ops.mask import log_keep_next, log_keep_next_from_logits
+from dmc.ops.rope import rotate, rotation_tables
 
 
 def to_bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -154,15 +156,11 @@ class DMCSelfAttention(SelfAttention):
         (context [batch, q_heads, seq, dim], alpha [batch, kv_heads, seq])`` (this rank's heads).
 
         Decision channels read (Sec. 3.1), window-grouped partial accumulation of pre-RoPE keys
-        and values (Eq. 9), the decision channels zeroed, RoPE, then the additive
+        and values (Eq. 9), RoPE without the decision channels, then the additive
         log(1 - alpha) mask. The keys are accumulated with their decision channel, zeroed
         afterwards (each channel's sum is its own, so the others are those of zeroed keys):
         what Eq. 9's backward keeps is then a view of the projection's output, which the
-        values' sums keep anyway, not a zeroed copy of the keys. After RoPE only the keys'
-        decision channel is zeroed again: every score then gets ``q[..., -1] * 0`` from it,
-        and its gradient to the query ``dS * 0``, exactly what zeroing the query's too gives
-        (NVIDIA's code zeroes both: one pass over the queries forward and one backward less,
-        the same bits)."""
+        values' sums keep anyway, not a zeroed copy of the keys."""
         cfg = self.dmc.config
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         alpha_logit, omega = decision_logits(to_bhsd(query), to_bhsd(key), cfg.c,
@@ -171,34 +169,24 @@ class DMCSelfAttention(SelfAttention):
         key_acc, value_acc = partial_accumulate(
             to_bhsd(key), to_bhsd(value), alpha, omega, cfg.window,
             windowed=window_kernels(cfg.accumulate_backend, key.device))
-        query = zero_decision_channel(query)
         if cfg.merge_delay:
             return self._delayed_merge_attention(query, key, key_acc, value_acc, to_bhsd(value),
                                                  log_keep, rotary_pos_emb), alpha
-        query, key_acc = self._rotate(query, zero_decision_channel(to_sbhd(key_acc)),
-                                      rotary_pos_emb)
-        context = dmc_attention(
-            to_bhsd(query),  # its rotated decision channel meets the keys' zeros only
-            to_bhsd(zero_decision_channel(key_acc)),
-            value_acc,
-            log_keep,
-            scale=self.softmax_scale,
-            backend=cfg.attention_backend,
-            zero_key_channel=True,
-        )
+        query, key_acc = self._rotate_without_decisions(query, to_sbhd(key_acc), rotary_pos_emb)
+        context = dmc_attention(to_bhsd(query), to_bhsd(key_acc), value_acc, log_keep,
+                                scale=self.softmax_scale, backend=cfg.attention_backend,
+                                zero_key_channel=True)
         return context, alpha
 
     def _delayed_merge_attention(self, query, key, key_acc, value_acc, value, log_keep,
                                  rotary_pos_emb):
         """``dmc.merge_delay`` d >= 1: the accumulated and the raw keys (``key [seq, batch,
-        kv_heads, dim]``), their decision channels zeroed before and after RoPE, both rotated
-        at their own positions, under :func:`dmc.ops.delayed_merge_attention` (``query``
-        zeroed before RoPE already; after, the keys' zeros take its channel out, as in
-        :meth:`_compressed_attention`)."""
+        kv_heads, dim]``), both rotated at their own positions without their decision channels
+        (:meth:`_rotate_without_decisions`), under :func:`dmc.ops.delayed_merge_attention`."""
         batch = key_acc.shape[0]
-        keys = zero_decision_channel(torch.cat([to_sbhd(key_acc), key], dim=1))  # [seq, 2b, h, d]
-        query, keys = self._rotate(query, keys, rotary_pos_emb)
-        keys = to_bhsd(zero_decision_channel(keys))
+        keys = torch.cat([to_sbhd(key_acc), key], dim=1)  # [seq, 2 batch, kv_heads, dim]
+        query, keys = self._rotate_without_decisions(query, keys, rotary_pos_emb)
+        keys = to_bhsd(keys)
         return delayed_merge_attention(
             to_bhsd(query), keys[:batch], value_acc, keys[batch:], value,
             log_keep, self.dmc.config.merge_delay, scale=self.softmax_scale,
@@ -287,6 +275,30 @@ class DMCSelfAttention(SelfAttention):
         noise = logistic_noise((batch, total_heads, seq), generator=gen, device=alpha_logit.device)
         first = parallel_state.get_tensor_model_parallel_rank() * local_heads
         return noise[:, first:first + local_heads]
+
+    def _rotate_without_decisions(self, query, key, rotary_pos_emb):
+        """``query`` and ``key [seq, batch, heads, dim]`` rotated with their decision channels
+        zeroed before and after RoPE, the keys' exactly 0 after (the flex-channel backend's
+        premise): for megatron's plain rotate-half RoPE, one pass each way through tables
+        without the channel (:func:`dmc.ops.without_decision_channel`), bit for bit what
+        zeroing, RoPE and zeroing again give up to the sign of a zero (tests); else (fused,
+        interleaved or partial RoPE) those three steps, the query not zeroed after (its
+        rotated decision channel meets the keys' zeros only)."""
+        if rotary_pos_emb is None:
+            return zero_decision_channel(query), zero_decision_channel(key)
+        q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
+                            else (rotary_pos_emb, rotary_pos_emb))
+        config = self.config
+        if (config.apply_rope_fusion or config.rotary_interleaved
+                or config.multi_latent_attention or q_freqs.shape[-1] != query.shape[-1]
+                or k_freqs.shape[-1] != key.shape[-1]):
+            query, key = self._rotate(zero_decision_channel(query), zero_decision_channel(key),
+                                      rotary_pos_emb)
+            return query, zero_decision_channel(key)
+        q_tables = without_decision_channel(*rotation_tables(q_freqs, query.dtype))
+        k_tables = q_tables if k_freqs is q_freqs and key.dtype == query.dtype else \
+            without_decision_channel(*rotation_tables(k_freqs, key.dtype))
+        return rotate(query, *q_tables), rotate(key, *k_tables)
 
     def _rotate(self, query, key, rotary_pos_emb):
         """RoPE at each token's own position on ``[seq, batch, heads, dim]`` tensors."""

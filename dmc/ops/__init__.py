@@ -15,6 +15,7 @@ from dmc.ops.decisions import (
     split_decision_channels,
     split_dms_channels,
     straight_through_round,
+    without_decision_channel,
     zero_decision_channel,
     zero_dms_channel,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "split_decision_channels",
     "split_dms_channels",
     "straight_through_round",
+    "without_decision_channel",
     "zero_decision_channel",
     "zero_dms_channel",
 ]

@@ -225,3 +225,19 @@ def scale_decision_channel(x: torch.Tensor, scale: float) -> torch.Tensor:
 def zero_decision_channel(x: torch.Tensor) -> torch.Tensor:
     """Returns ``x`` with its last channel set to 0 (out of place, differentiable)."""
     return scale_decision_channel(x, 0.0)
+
+
+def without_decision_channel(cos: torch.Tensor,
+                             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation tables ``[..., head_dim]`` (:func:`dmc.ops.rope.rotate`'s) whose rotation of
+    ``x`` is that of ``x`` with its decision channel zeroed, zeroed again after: the rotation
+    with the channel out of it before and after RoPE (Sec. 3.1; NVIDIA's code zeroes both), in
+    one pass over ``x`` each way instead of three. Zeroed entries: the output's last channel
+    (``cos[-1]``, ``sin[-1]``) and ``sin[d/2 - 1]``, which rotate-half multiplies by the
+    input's last channel. Equal to the three passes up to the sign of a zero."""
+    dim = cos.shape[-1]
+    keep_cos = torch.ones(dim, dtype=cos.dtype, device=cos.device)
+    keep_cos[-1:].zero_()  # in place on the device: no host value copied in (CUDA graphs)
+    keep_sin = keep_cos.clone()
+    keep_sin[dim // 2 - 1:dim // 2].zero_()
+    return cos * keep_cos, sin * keep_sin

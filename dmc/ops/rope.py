@@ -60,6 +60,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
+def rotation_tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotate`'s tables from the angles ``[..., head_dim]`` (each half's, as
+    megatron-core's rotary embedding gives them), rounded to ``dtype`` as megatron-core's unfused
+    rotate-half RoPE rounds its cosines and sines before its products: with them :func:`rotate`
+    equals that RoPE bit for bit (``x2 * -sin`` is ``-x2 * sin`` exactly)."""
+    cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+    half = angles.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin`` with angles ``position * inv_freq``.
 

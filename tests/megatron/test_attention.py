@@ -305,14 +305,23 @@ def test_flex_train_step_wired_end_to_end(parallel_1x1, monkeypatch, backend, de
     assert_same_train_step(models, *_batch())
 
 
-@pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "merge_delay"])
-def test_the_rotated_queries_channel_left_in_place_changes_no_bit(parallel_1x1, monkeypatch,
-                                                                  delay):
-    """After RoPE only the keys' decision channel is zeroed: a train step's loss and every
-    gradient equal, bit for bit, those with the query's zeroed as well (NVIDIA's way), the
-    keys' zeros taking that channel out of every score and of the query's gradient."""
-    import dmc.megatron.attention as module
+def _zeroing_around_megatrons_rope(layer, query, key, rotary_pos_emb):
+    """The three passes the rotation tables replace: the decision channels zeroed, megatron's
+    RoPE, the keys' zeroed again (the query's left as RoPE makes it: the keys' zeros take it
+    out of every score and of the query's gradient)."""
     from dmc.ops import zero_decision_channel
+
+    query, key = layer._rotate(zero_decision_channel(query), zero_decision_channel(key),
+                               rotary_pos_emb)
+    return query, zero_decision_channel(key)
+
+
+@pytest.mark.parametrize("delay", [0, 3], ids=["dmc", "merge_delay"])
+def test_rope_without_decision_channels_changes_no_bit_of_a_train_step(parallel_1x1,
+                                                                       monkeypatch, delay):
+    """A train step's loss and every gradient with RoPE through tables without the decision
+    channels equal, bit for bit, those of zeroing the channels around megatron's RoPE."""
+    from dmc.megatron.attention import DMCSelfAttention
 
     _, model, runtime = _pair(2, DMCConfig(window=4, c=0.0, merge_delay=delay))
     spread_decisions(model, scale=1.0)
@@ -327,13 +336,45 @@ def test_the_rotated_queries_channel_left_in_place_changes_no_bit(parallel_1x1, 
         loss.backward()
         return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
-    plain = step()
-    for name in ("dmc_attention", "delayed_merge_attention"):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda query, *args, _f=original, **kwargs: _f(
-            zero_decision_channel(query), *args, **kwargs))
+    tables = step()
+    monkeypatch.setattr(DMCSelfAttention, "_rotate_without_decisions",
+                        _zeroing_around_megatrons_rope)
     zeroed = step()
-    assert len(plain) > 10 and all(torch.equal(a, b) for a, b in zip(plain, zeroed))
+    assert len(tables) > 10 and all(torch.equal(a, b) for a, b in zip(tables, zeroed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotated", [1.0, 0.5], ids=["full", "partial-rope"])
+def test_rotation_without_decision_channels(parallel_1x1, dtype, rotated):
+    """One layer's rotation of random queries and keys (a long sequence, the angles of
+    megatron's rotary embedding): the keys' decision channel exactly 0, the outputs (the
+    query's but its decision channel, which the three passes leave in place) and the input
+    gradients equal to the three passes', bit for bit, under upstream gradients whose query
+    decision channel is 0, as the keys' zeros make it in the attention; partial RoPE (half
+    the channels rotated) takes those three passes."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from dmc.megatron.attention import dmc_layers
+
+    _, model, _ = _pair(2)
+    layer = dmc_layers(model)[0]
+    seq, dim = 2048, layer.hidden_size_per_attention_head
+    freqs = RotaryEmbedding(dim, rotary_percent=rotated)(seq)  # [seq, 1, 1, dim * rotated]
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(seq, 2, 4, dim, generator=gen).to(dtype).requires_grad_()
+    key = torch.randn(seq, 2, 2, dim, generator=gen).to(dtype).requires_grad_()
+    grads = [torch.randn(seq, 2, heads, dim, generator=gen).to(dtype) for heads in (4, 2)]
+    grads[0][..., -1] = 0
+    results = []
+    for rotate in (layer._rotate_without_decisions,
+                   lambda *args: _zeroing_around_megatrons_rope(layer, *args)):
+        outs = rotate(query, key, freqs)
+        torch.autograd.backward(outs, grads)
+        results.append([outs[0].detach()[..., :-1], outs[1].detach(), query.grad, key.grad])
+        query.grad = key.grad = None
+    assert results[0][1][..., -1].eq(0).all()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert results[0][0].abs().sum() > 0 and results[0][2][..., :-1].abs().sum() > 0
 
 
 def test_hard_straight_through_training_is_finite(parallel_1x1):
