@@ -154,7 +154,8 @@ def busiest_ops(step, count: int, copy_sites: int = 0) -> dict:
     and ``gaps`` of :func:`device_activity` (None, None and none without CUDA: against the
     step's time, how busy the step keeps the device, and where it waits)."""
     if count <= 0 and copy_sites <= 0:
-        return {"ops": [], "copy_sites": [], "kernel_s": None, "idle_s": None, "gaps": []}
+        return {"ops": [], "copy_sites": [], "kernel_s": None, "launches": None,
+                "idle_s": None, "gaps": []}
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -169,8 +170,8 @@ def busiest_ops(step, count: int, copy_sites: int = 0) -> dict:
     attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
     return {"ops": one_per_name(prof.key_averages(), attribute),
             "copy_sites": op_sites(prof, attribute, copy_sites) if copy_sites > 0 else [],
-            **(device_activity(prof) if cuda else {"kernel_s": None, "idle_s": None,
-                                                    "gaps": []})}
+            **(device_activity(prof) if cuda else {"kernel_s": None, "launches": None,
+                                                    "idle_s": None, "gaps": []})}
 
 
 def one_per_name(averages, attribute: str) -> list[dict]:
@@ -187,9 +188,10 @@ def one_per_name(averages, attribute: str) -> list[dict]:
 def device_activity(prof, gaps: int = 5) -> dict:
     """What a profile's device did: ``kernel_s``, the summed time of its kernels, copies and
     fills (its device events but the spans of annotated regions, which overlap the kernels they
-    hold); ``idle_s``, the time between its first and last kernel with none running; ``gaps``,
-    the ``gaps`` longest of those idle stretches, most first (milliseconds and the kernels
-    before and after: a sync, or a host too slow to keep the device fed, shows there)."""
+    hold); ``launches``, how many ran; ``idle_s``, the time between its first and last kernel
+    with none running; ``gaps``, the ``gaps`` longest of those idle stretches, most first
+    (milliseconds and the kernels before and after: a sync, or a host too slow to keep the
+    device fed, shows there)."""
     from torch.autograd import DeviceType
 
     kernels = sorted((e for e in prof.events()
@@ -205,7 +207,7 @@ def device_activity(prof, gaps: int = 5) -> dict:
         if busy_until is None or kernel.time_range.end > busy_until:
             busy_until, previous = kernel.time_range.end, kernel
     return {"kernel_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
-            "idle_s": idle / 1e6,
+            "launches": len(kernels), "idle_s": idle / 1e6,
             "gaps": sorted(stretches, key=lambda g: -g["ms"])[:gaps]}
 
 
@@ -361,8 +363,9 @@ def main(argv=None) -> int:
         row = rows[name]                        # limit keeps the rows it measured
         if row.get("step_s"):
             kernels = "" if row["kernel_s"] is None else \
-                (f"; in the profiled step its kernels ran {row['kernel_s']:.3f} s and the "
-                 f"device idled {row['idle_s']:.3f} s between them")
+                (f"; in the profiled step its {row['launches']} kernels ran "
+                 f"{row['kernel_s']:.3f} s and the device idled {row['idle_s']:.3f} s between "
+                 f"them")
             print(f"{name}: {row['step_s']:.3f} s a step, x{row['time_vs_vanilla']:.3f} "
                   f"vanilla; the host issued it in {row['host_s']:.3f} s{kernels}", flush=True)
     failed = [name for name, row in rows.items() if "error" in row]
@@ -408,7 +411,8 @@ def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
     call sites of the ops that copy or fill memory and the heaviest saving sites (printed as
     they come)."""
     timed = (dict(tokens_per_s=None, step_s=None, host_s=None, peak_bytes=None, ops=[],
-                  copy_sites=[], kernel_s=None, idle_s=None, gaps=[]) if args.kept_only else
+                  copy_sites=[], kernel_s=None, launches=None, idle_s=None, gaps=[])
+             if args.kept_only else
              measure(model, runtime, mode, tokens, positions, args.steps, args.warmup,
                      args.profile, args.copy_sites))
     busiest, copies = timed.pop("ops"), timed.pop("copy_sites")

@@ -104,7 +104,8 @@ def summarise(results: Path) -> dict:
             {"attention": name, "time_vs_vanilla": row.get("time_vs_vanilla"),
              "memory_vs_vanilla": row.get("memory_vs_vanilla"),
              "saved_vs_vanilla": row.get("saved_vs_vanilla"), "error": row.get("error"),
-             **{key: row.get(key) for key in ("step_s", "host_s", "kernel_s", "idle_s")}}
+             **{key: row.get(key) for key in ("step_s", "host_s", "kernel_s", "launches",
+                                              "idle_s")}}
             for name, row in train["results"].items()]
     return summary
 
@@ -165,7 +166,8 @@ def as_text(summary: dict) -> str:
         times = ("" if t.get("host_s") is None else
                  f"; {t['step_s']:.3f} s a step, the host issued it in {t['host_s']:.3f} s"
                  + ("" if t.get("kernel_s") is None else
-                    f", kernels {t['kernel_s']:.3f} s, device idle {t['idle_s']:.3f} s"))
+                    f", {t['launches']} kernels {t['kernel_s']:.3f} s, device idle "
+                    f"{t['idle_s']:.3f} s"))
         if t["attention"] == "vanilla":
             if times:
                 lines.append(f"train step vanilla{times}")

@@ -39,7 +39,7 @@ def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
     for row in rows.values():
         assert row["step_s"] > 0 and len(row["busiest_ops"]) == 4
         assert 0 < row["host_s"] <= row["step_s"]
-        assert row["kernel_s"] is None and row["idle_s"] is None and row["gaps"] == []  # CPU
+        assert row["kernel_s"] is None and row["launches"] is None and row["gaps"] == []  # CPU
         times = [op["ms"] for op in row["busiest_ops"]]
         assert times == sorted(times, reverse=True) and times[0] > 0
         assert all(op["name"] and op["calls"] >= 1 for op in row["busiest_ops"])
@@ -216,7 +216,7 @@ def test_device_activity_sums_kernels_and_finds_the_idle_stretches():
         event("step", 0.0, 60.0, annotation=True), event("b", 5.0, 12.0),
         event("d", 50.0, 51.0)])
     activity = bench.device_activity(prof, gaps=1)
-    assert activity["kernel_s"] == pytest.approx(28e-6)
+    assert activity["kernel_s"] == pytest.approx(28e-6) and activity["launches"] == 4
     assert activity["idle_s"] == pytest.approx(28e-6)
     assert activity["gaps"] == [{"ms": pytest.approx(0.02), "after": "c", "before": "d"}]
     assert [g["after"] for g in bench.device_activity(prof)["gaps"]] == ["c", "b"]
