@@ -16,8 +16,10 @@ Step time is the median of ``--steps`` after
 ``--warmup``, "host" the median of the host's time to issue a step (before waiting for the
 device), "kernels" the summed device time of the profiled step's kernels and "idle" the time
 the device ran none between its first and last (``--profile``, CUDA; the longest idle
-stretches printed with the kernels around them): a step much longer than its kernels, with a
-host time close to it, is bound by the host or waits for the device inside; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
+stretches printed with the kernels around them, and the lines where one more step, under
+``torch.cuda.set_sync_debug_mode("warn")``, makes the host wait for the device): a step much
+longer than its kernels, with a host time close to it, is bound by the host or waits for the
+device inside; peak memory is the CUDA allocator's peak over those steps (none on the CPU);
 "saved" is what autograd keeps for the backward of one step (the bytes of the distinct storages
 packed by ``saved_tensors_hooks``, parameters left out: the activation memory, on any device).
 ``--kept-only`` measures that alone (one forward per mode, no timed steps: a large shape on the
@@ -117,7 +119,9 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=
     median of the host's time to issue a step), peak_bytes (None on the CPU), and of one more
     step under torch.profiler its ``profile_ops`` busiest ops (``ops``), its ``copy_sites``
     busiest data-movement call sites (``copy_sites``) and what its device did (``kernel_s``,
-    ``idle_s``, ``gaps``: :func:`device_activity`; None, None and none on the CPU)."""
+    ``launches``, ``idle_s``, ``gaps``: :func:`device_activity`; None and none on the CPU),
+    and with ``profile_ops`` on CUDA, where one more step waits for the device (``syncs``,
+    :func:`sync_sites`; None otherwise)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timings, issued = [], []
     cuda = torch.cuda.is_available()
@@ -132,12 +136,38 @@ def measure(model, runtime, mode, tokens, positions, steps, warmup, profile_ops=
             timings.append(time.perf_counter() - start)
             issued.append(host)
     seconds = sorted(timings)[len(timings) // 2]
+    peak = torch.cuda.max_memory_allocated() if cuda else None
     profiled = busiest_ops(lambda: train_step(model, runtime, mode, tokens, positions,
                                               optimizer, warmup + steps),
                            profile_ops, copy_sites)
+    syncs = sync_sites(lambda: train_step(model, runtime, mode, tokens, positions, optimizer,
+                                          warmup + steps + 1)) if cuda and profile_ops > 0 else None
     return dict(tokens_per_s=tokens.numel() / seconds, step_s=seconds,
-                host_s=sorted(issued)[len(issued) // 2],
-                peak_bytes=torch.cuda.max_memory_allocated() if cuda else None, **profiled)
+                host_s=sorted(issued)[len(issued) // 2], peak_bytes=peak, syncs=syncs,
+                **profiled)
+
+
+SYNC_WARNING = "synchroniz"  # in the warning of torch.cuda.set_sync_debug_mode("warn")
+
+
+def sync_sites(step) -> dict[str, int]:
+    """Where ``step()`` makes the host wait for the device (``.item()``, a copy to the host,
+    ``nonzero``: what ``torch.cuda.set_sync_debug_mode("warn")`` warns about; the step's own
+    final ``synchronize`` is not among them), as ``{"file:line": count}`` of the Python line
+    that called the op, most first. A step that waits inside leaves the device idle while the
+    host catches up."""
+    sites = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if SYNC_WARNING in str(warning.message):
+            sites[f"{Path(warning.filename).name}:{warning.lineno}"] += 1
+    return dict(sites.most_common())
 
 
 COPY_OPS = ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::clone", "aten::fill_",
@@ -411,7 +441,8 @@ def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
     call sites of the ops that copy or fill memory and the heaviest saving sites (printed as
     they come)."""
     timed = (dict(tokens_per_s=None, step_s=None, host_s=None, peak_bytes=None, ops=[],
-                  copy_sites=[], kernel_s=None, launches=None, idle_s=None, gaps=[])
+                  copy_sites=[], kernel_s=None, launches=None, idle_s=None, gaps=[],
+                  syncs=None)
              if args.kept_only else
              measure(model, runtime, mode, tokens, positions, args.steps, args.warmup,
                      args.profile, args.copy_sites))
@@ -425,6 +456,9 @@ def measure_row(args, model, runtime, mode, name, tokens, positions) -> dict:
         for op in row["busiest_ops"]:
             print(f"  {op['ms']:10.2f} ms  x{op['calls']:<5} {op['name']}")
         row["ops"] = busiest  # main() compares them with vanilla's, then drops them
+    if row["syncs"] is not None:
+        print(f"{name}: {sum(row['syncs'].values())} waits for the device inside a step"
+              + "".join(f"\n  {count:5d}  {site}" for site, count in row["syncs"].items()))
     if row["gaps"]:
         print(f"{name}: the {len(row['gaps'])} longest stretches the device idled in the "
               f"profiled step")

@@ -105,7 +105,7 @@ def summarise(results: Path) -> dict:
              "memory_vs_vanilla": row.get("memory_vs_vanilla"),
              "saved_vs_vanilla": row.get("saved_vs_vanilla"), "error": row.get("error"),
              **{key: row.get(key) for key in ("step_s", "host_s", "kernel_s", "launches",
-                                              "idle_s")}}
+                                              "idle_s", "syncs")}}
             for name, row in train["results"].items()]
     return summary
 
@@ -167,7 +167,9 @@ def as_text(summary: dict) -> str:
                  f"; {t['step_s']:.3f} s a step, the host issued it in {t['host_s']:.3f} s"
                  + ("" if t.get("kernel_s") is None else
                     f", {t['launches']} kernels {t['kernel_s']:.3f} s, device idle "
-                    f"{t['idle_s']:.3f} s"))
+                    f"{t['idle_s']:.3f} s")
+                 + ("" if t.get("syncs") is None else
+                    f", {sum(t['syncs'].values())} waits for the device"))
         if t["attention"] == "vanilla":
             if times:
                 lines.append(f"train step vanilla{times}")

@@ -40,6 +40,7 @@ def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
         assert row["step_s"] > 0 and len(row["busiest_ops"]) == 4
         assert 0 < row["host_s"] <= row["step_s"]
         assert row["kernel_s"] is None and row["launches"] is None and row["gaps"] == []  # CPU
+        assert row["syncs"] is None
         times = [op["ms"] for op in row["busiest_ops"]]
         assert times == sorted(times, reverse=True) and times[0] > 0
         assert all(op["name"] and op["calls"] >= 1 for op in row["busiest_ops"])
@@ -220,3 +221,30 @@ def test_device_activity_sums_kernels_and_finds_the_idle_stretches():
     assert activity["idle_s"] == pytest.approx(28e-6)
     assert activity["gaps"] == [{"ms": pytest.approx(0.02), "after": "c", "before": "d"}]
     assert [g["after"] for g in bench.device_activity(prof)["gaps"]] == ["c", "b"]
+
+
+def test_sync_sites_count_the_lines_that_wait_for_the_device(monkeypatch):
+    """The warnings of torch.cuda.set_sync_debug_mode("warn") grouped by the line that made
+    them (other warnings ignored); the mode set back to default after the step, even when it
+    fails."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation")  # this line, twice
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+
+    sites = bench.sync_sites(step)
+    assert list(sites.values()) == [2, 1] and modes == ["warn", "default"]
+    assert all(site.startswith("test_train_step.py:") for site in sites)
+
+    def failing():
+        raise RuntimeError("a kernel failed")
+
+    with pytest.raises(RuntimeError):
+        bench.sync_sites(failing)
+    assert modes[-1] == "default"

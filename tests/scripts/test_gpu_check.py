@@ -80,7 +80,8 @@ def test_summary_of_a_results_folder(tmp_path):
                       "saved_vs_vanilla": 1.25},
         "dmc-flex": {"step_s": 1.1, "time_vs_vanilla": 1.1, "memory_vs_vanilla": None},
         "dmc-flex-channel": {"step_s": 1.3, "time_vs_vanilla": 1.3, "memory_vs_vanilla": 1.0,
-                             "host_s": 0.4, "kernel_s": 0.9, "launches": 900, "idle_s": 0.35},
+                             "host_s": 0.4, "kernel_s": 0.9, "launches": 900, "idle_s": 0.35,
+                             "syncs": {"cross_entropy.py:34": 2, "attention.py:90": 1}},
         "dmc-flex+torch-sums": {"error": "CompilationError: out of resources"}}}))
     done = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
                           text=True)
@@ -106,7 +107,7 @@ def test_summary_of_a_results_folder(tmp_path):
     assert "train step dmc-flex: x1.100 vanilla time\n" in text
     assert ("train step dmc-flex-channel: x1.300 vanilla time, x1.000 vanilla peak memory; "
             "1.300 s a step, the host issued it in 0.400 s, 900 kernels 0.900 s, device idle "
-            "0.350 s\n") in text
+            "0.350 s, 3 waits for the device\n") in text
     assert "train step vanilla" not in text  # no host time measured: no line
     assert "train step dmc-flex+torch-sums: failed: CompilationError: out of resources" in text
     assert [k["path"] for k in summary["figures"]["paged_kernel"]] == ["compiled", "pytorch"]
