@@ -102,6 +102,7 @@ import warnings
 import torch
 
 from dmc.eval.decode_modes import FORCED, MODE_SYNTAX, Mode, build_models, parse_mode
+from dmc.eval.device_activity import device_activity
 from dmc.eval.kv_budget import batch_pages_bound, cache_allocation, fit_batch
 from dmc.eval.roofline import attention_flops, measure_machine, roofline, weight_bytes_and_flops
 from dmc.inference.ring_cache import WindowRingCache
@@ -566,8 +567,8 @@ def profile_step(run: Run, cuda: bool, kernels: int = 25) -> None:
         run.step(cuda)
     run.profiled.append(run.steps.pop())
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
-    launches = sum(e.count for e in events if e.self_device_time_total > 0) if cuda else 0
+    device = device_activity(prof) if cuda else {"kernel_s": 0.0, "launches": 0}
+    device_us, launches = device["kernel_s"] * 1e6, device["launches"]
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     run.profile_ms = {e.key: getattr(e, sort) / 1e3 for e in events}
     print(f"profile of one {run.mode.label} step (batch {run.batch}): "

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from dmc.eval.device_activity import device_activity
 from dmc.ops.attention import BACKENDS
 
 warnings.filterwarnings("ignore")
@@ -213,32 +214,6 @@ def one_per_name(averages, attribute: str) -> list[dict]:
         if e.key not in longest or op["ms"] > longest[e.key]["ms"]:
             longest[e.key] = op
     return sorted(longest.values(), key=lambda op: -op["ms"])
-
-
-def device_activity(prof, gaps: int = 5) -> dict:
-    """What a profile's device did: ``kernel_s``, the summed time of its kernels, copies and
-    fills (its device events but the spans of annotated regions, which overlap the kernels they
-    hold); ``launches``, how many ran; ``idle_s``, the time between its first and last kernel
-    with none running; ``gaps``, the ``gaps`` longest of those idle stretches, most first
-    (milliseconds and the kernels before and after: a sync, or a host too slow to keep the
-    device fed, shows there)."""
-    from torch.autograd import DeviceType
-
-    kernels = sorted((e for e in prof.events()
-                      if e.device_type == DeviceType.CUDA
-                      and not getattr(e, "is_user_annotation", False)),
-                     key=lambda e: e.time_range.start)
-    idle, stretches, busy_until, previous = 0.0, [], None, None
-    for kernel in kernels:
-        if busy_until is not None and kernel.time_range.start > busy_until:
-            gap = kernel.time_range.start - busy_until
-            idle += gap
-            stretches.append({"ms": gap / 1e3, "after": previous.name, "before": kernel.name})
-        if busy_until is None or kernel.time_range.end > busy_until:
-            busy_until, previous = kernel.time_range.end, kernel
-    return {"kernel_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
-            "launches": len(kernels), "idle_s": idle / 1e6,
-            "gaps": sorted(stretches, key=lambda g: -g["ms"])[:gaps]}
 
 
 BACKWARD = "autograd::engine::evaluate_function: "  # the profiler's name of a backward node

@@ -201,28 +201,6 @@ def test_one_entry_a_name_the_longest():
         {"name": "flex", "ms": 3.0, "calls": 2}]
 
 
-def test_device_activity_sums_kernels_and_finds_the_idle_stretches():
-    """Kernels (annotated spans left out, CPU events ignored) at 0-10, 5-12 (overlapping),
-    20-30 and 50-51 us: 28 us of kernels, idle 8 + 20 us, the longer gap first."""
-    from torch.autograd import DeviceType
-
-    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
-        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
-        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
-                               time_range=span)
-
-    prof = SimpleNamespace(events=lambda: [
-        event("c", 20.0, 30.0), event("a", 0.0, 10.0), event("host op", 10.0, 90.0,
-                                                             device=DeviceType.CPU),
-        event("step", 0.0, 60.0, annotation=True), event("b", 5.0, 12.0),
-        event("d", 50.0, 51.0)])
-    activity = bench.device_activity(prof, gaps=1)
-    assert activity["kernel_s"] == pytest.approx(28e-6) and activity["launches"] == 4
-    assert activity["idle_s"] == pytest.approx(28e-6)
-    assert activity["gaps"] == [{"ms": pytest.approx(0.02), "after": "c", "before": "d"}]
-    assert [g["after"] for g in bench.device_activity(prof)["gaps"]] == ["c", "b"]
-
-
 def test_sync_sites_count_the_lines_that_wait_for_the_device(monkeypatch):
     """The warnings of torch.cuda.set_sync_debug_mode("warn") grouped by the line that made
     them (other warnings ignored); the mode set back to default after the step, even when it
