@@ -10,9 +10,12 @@ taken in the kernel from the key's decision channel, the lengths advanced on the
 kept within 2%) into a kernel tuning file for this GPU. Without a GPU: the compiled CPU kernel
 and the PyTorch path with the decisions taken on the host. Inputs: ``--batch`` sequences of
 ``--kv-heads`` heads of about ``--length`` slots, a ring of ``--window`` rows, pages in shuffled
-order, one decision in ``--cr`` appending. The default layout is DMC 4x's batch at the GPU
-decode preset (137 sequences, 16 KV heads, head_dim 128, bf16, 653 slots a head after 2560
-tokens).
+order, one decision in ``--cr`` appending, each head's open slot holding as many tokens as
+such decisions leave it (a geometric draw; ``--full-rings``: every ring full, the write's
+most traffic). The default layout is DMC 4x's batch at the GPU decode preset (137 sequences,
+16 KV heads, head_dim 128, bf16, 653 slots a head after 2560 tokens). On CUDA a call's time is
+the kernel's own (profiled): launched from Python, a call takes longer on the host than the
+kernel on the device, so timing calls back to back would time the host.
 
     python benchmarks/write_kernel.py --out write_kernel.json
 """
@@ -27,9 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_kernel import time_cpu, time_cuda  # noqa: E402
+from paged_kernel import time_cpu  # noqa: E402
 
-WARMUPS = 3  # the most calls a timer makes before it times (time_cuda's)
+WARMUPS = 3  # the most calls a timer makes before it times (kernel_time_cuda's)
 
 
 def parse_args(argv=None):
@@ -40,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--length", type=int, default=653, help="slots per head before the calls")
     p.add_argument("--window", type=int, default=12)
     p.add_argument("--cr", type=float, default=4.0, help="one decision in CR appends")
+    p.add_argument("--full-rings", action="store_true",
+                   help="every open slot holds --window tokens or more (every ring row read); "
+                        "default: as many as decisions with one in CR appending leave")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--iters", type=int, default=50)
@@ -91,7 +97,7 @@ def write_inputs(args, device: torch.device) -> dict:
         block_tables=tables.to(device, torch.int32),
         open_k=normal(*ring, dim), open_v=normal(*ring, dim),
         open_omega=(0.5 + torch.rand(ring, generator=gen)).to(device),
-        open_count=torch.full(ring[:3], window, dtype=torch.int32, device=device),
+        open_count=open_tokens(args, gen).to(device),
         inv_freq=(10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)).to(device),
         window=window, layer=0,
         seq_slots=torch.arange(batch, dtype=torch.int32, device=device),
@@ -99,6 +105,20 @@ def write_inputs(args, device: torch.device) -> dict:
         omega=(0.5 + torch.rand(batch, heads, generator=gen)).to(device),
         positions=torch.full((batch,), 4 * args.length, dtype=torch.long, device=device),
     )
+
+
+def open_tokens(args, gen: torch.Generator) -> torch.Tensor:
+    """``[batch, 1, kv_heads]`` int32 tokens in each head's open slot: ``--window`` with
+    ``--full-rings``; else the age of the slot open at a random step when one decision in
+    ``--cr`` appends, geometric with mean CR (1 at CR 1)."""
+    shape = (args.batch, 1, args.kv_heads)
+    if args.full_rings:
+        return torch.full(shape, args.window, dtype=torch.int32)
+    uniform = torch.rand(shape, generator=gen, dtype=torch.float64).clamp_min(1e-12)
+    merge = 1 - 1 / args.cr
+    if merge == 0:
+        return torch.ones(shape, dtype=torch.int32)
+    return (1 + torch.floor(torch.log(uniform) / math.log(merge))).to(torch.int32)
 
 
 def decisions(args, device: torch.device) -> torch.Tensor:
@@ -134,8 +154,36 @@ def triton_rows(args, device: torch.device) -> dict:
             dmc_write(**call_args, num_warps=warps)
 
         lengths.fill_(args.length)
-        rows[warps] = (time_cuda if device.type == "cuda" else time_cpu)(call, args.iters)
+        rows[warps] = (kernel_time_cuda(call, args.iters, "_dmc_write_kernel")
+                       if device.type == "cuda" else time_cpu(call, args.iters))
     return rows
+
+
+def kernel_time_cuda(fn, iters: int, kernel: str) -> float:
+    """Seconds of device time per call of ``fn`` in kernels whose name holds ``kernel``,
+    over ``iters`` profiled calls after :data:`WARMUPS` others."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(WARMUPS):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return mean_kernel_seconds(prof.events(), kernel)
+
+
+def mean_kernel_seconds(events, kernel: str) -> float:
+    """The mean duration in seconds of the device events (``device_type`` CUDA) among profiler
+    ``events`` whose name holds ``kernel``; ValueError where none ran."""
+    from torch.autograd import DeviceType
+
+    spans = [e.time_range.elapsed_us() for e in events
+             if e.device_type == DeviceType.CUDA and kernel in e.name]
+    if not spans:
+        raise ValueError(f"no kernel named like {kernel!r} in the profile")
+    return sum(spans) / len(spans) / 1e6
 
 
 def row_names(seconds_by_warps: dict, in_use: int) -> dict:
@@ -190,7 +238,8 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
     programs = args.batch * args.kv_heads
     print(f"DMC decode write on {device}: batch {args.batch}, {args.kv_heads} KV heads "
-          f"({programs} programs), head_dim {args.head_dim}, window {args.window}, {args.dtype}")
+          f"({programs} programs), head_dim {args.head_dim}, window {args.window}, {args.dtype}, "
+          f"{'full rings' if args.full_rings else f'open slots as at CR {args.cr:g}'}")
     print(f"{'path':>20} | {'us a call':>10} | {'ns a head':>10}")
     for name, seconds in rows.items():
         print(f"{name:>20} | {seconds * 1e6:10.1f} | {seconds * 1e9 / programs:10.1f}")

@@ -34,6 +34,37 @@ def test_the_triton_rows_time_each_warp_count():
     assert list(bench.row_names(rows, 4)) == ["triton w1", "triton w4 (in use)"]
 
 
+def test_open_slots_hold_what_the_decisions_leave_or_fill_the_ring():
+    """Without ``--full-rings`` a head's open slot holds a geometric count of tokens with mean
+    CR (a quarter of the write's ring rows read at CR 4); with it, the whole window."""
+    gen = torch.Generator().manual_seed(0)
+    args = bench.parse_args(SMALL + ["--batch", "4000", "--cr", "4"])
+    counts = bench.open_tokens(args, gen)
+    assert counts.shape == (4000, 1, 4) and int(counts.min()) == 1
+    assert abs(counts.double().mean().item() - 4) < 0.1
+    assert abs((counts == 1).double().mean().item() - 0.25) < 0.02
+    assert bool((bench.open_tokens(bench.parse_args(SMALL + ["--cr", "1"]), gen) == 1).all())
+    full = bench.open_tokens(bench.parse_args(SMALL + ["--full-rings"]), gen)
+    assert bool((full == 3).all())
+
+
+def test_a_kernel_time_is_the_mean_of_its_device_spans():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, us, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event("_dmc_write_kernel", 8.0), event("_dmc_write_kernel", 12.0),
+              event("_dmc_write_kernel", 500.0, DeviceType.CPU),  # its launch on the host
+              event("fill_kernel", 3.0)]
+    assert bench.mean_kernel_seconds(events, "_dmc_write_kernel") == pytest.approx(10e-6)
+    with pytest.raises(ValueError, match="no kernel named like 'other'"):
+        bench.mean_kernel_seconds(events, "other")
+
+
 @pytest.mark.parametrize("seconds, chosen", [({1: 2.0e-5, 4: 2.03e-5}, 4),  # within 2%: kept
                                              ({1: 1.0e-5, 4: 2.0e-5, 8: 3e-5}, 1)])
 def test_write_tuning_writes_the_fastest_warps_keeping_the_decode_rows(tmp_path, seconds,

@@ -125,10 +125,10 @@ def test_empty_head_gives_zeros(num_splits):
 
 
 def drive_identical_caches(window, dtype, steps=10, *, device="cpu", kv_heads=2, head_dim=8,
-                           page_size=4, stale_rings=False):
+                           page_size=4, stale_rings=False, merge=0.6):
     """The same random DMC writes (varying batches of sequences) into a reference and a Triton
-    cache on ``device``; ``stale_rings``: every ring row starts as NaN (a row past the open
-    slot's tokens must never reach a page)."""
+    cache on ``device``, each token merging with probability ``merge``; ``stale_rings``: every
+    ring row starts as NaN (a row past the open slot's tokens must never reach a page)."""
     gen = torch.Generator().manual_seed(7)
     caches = [PagedKVCache(2, kv_heads, head_dim, 40 * kv_heads, page_size=page_size,
                            max_seqs=3, window=window, dtype=dtype, device=device)
@@ -145,7 +145,7 @@ def drive_identical_caches(window, dtype, steps=10, *, device="cpu", kv_heads=2,
         omega = (torch.rand(n, kv_heads, generator=gen) + 0.1).to(device)
         positions = torch.tensor([position[s] for s in batch])
         for layer in range(2):
-            alpha = (torch.rand(n, kv_heads, generator=gen) < 0.6).float().to(device)
+            alpha = (torch.rand(n, kv_heads, generator=gen) < merge).float().to(device)
             for cache, use_triton in zip(caches, (False, True)):
                 cache.write(layer, batch, positions, k, v, omega, alpha, use_triton=use_triton)
         for s in batch:
@@ -166,16 +166,18 @@ def assert_same_caches(reference, triton_cache, dtype, stale_rings=False):
 
 
 @pytest.mark.parametrize(
-    "window,dtype", [(3, torch.float32), (None, torch.float32), (3, torch.bfloat16)]
+    "window,dtype,merge", [(3, torch.float32, 0.6), (None, torch.float32, 0.6),
+                           (3, torch.bfloat16, 0.6), (5, torch.float32, 0.9)]
 )
-def test_triton_write_matches_reference(window, dtype):
-    assert_same_caches(*drive_identical_caches(window, dtype), dtype)
+def test_triton_write_matches_reference(window, dtype, merge):
+    """The last case merges 9 tokens in 10: open slots outgrow the ring, every row read."""
+    assert_same_caches(*drive_identical_caches(window, dtype, steps=16, merge=merge), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stale_ring_rows_never_reach_a_page(dtype):
-    """The Triton write loads every row of the window ring and keeps the open slot's: NaN in
-    the others leaves the pages and the slot's rows as the reference writes them."""
+    """The Triton write reads only the ring rows of the open slot's earlier tokens: NaN in the
+    others leaves the pages and the slot's rows as the reference writes them."""
     reference, triton_cache = drive_identical_caches(5, dtype, steps=12, stale_rings=True)
     assert_same_caches(reference, triton_cache, dtype, stale_rings=True)
     assert triton_cache.open_k.isnan().any()  # rows no token reached are still stale
