@@ -11,7 +11,9 @@ and flex on CUDA, dense on the CPU, where FlexAttention has no backward), and Eq
 sums through ``--accumulate`` (default the fused Triton kernels, then the PyTorch path for
 comparison, on CUDA; PyTorch on the CPU):
 rows ``dmc-<backend>`` with the first, and ``dmc-<last backend>+<accumulate>-sums`` with each
-other one.
+other one. ``--compile on`` runs the DMC rows with ``dmc.compile_elementwise`` (the
+decisions and the rotation through ``torch.compile``), ``--compile both`` adds a
+``<row>+compiled`` twin after each (the compilation happens in the warm-up steps).
 Step time is the median of ``--steps`` after
 ``--warmup``, "host" the median of the host's time to issue a step (before waiting for the
 device), "kernels" the summed device time of the profiled step's kernels and "idle" the time
@@ -260,14 +262,18 @@ def excess_ops(ops: list[dict], base: list[dict], count: int) -> list[dict]:
     return sorted((e for e in excess if e["ms"] > 0), key=lambda e: -e["ms"])[:count]
 
 
-def row_plan(backends: list[str], sums: list[str]) -> list[tuple]:
-    """``(mode, row name, attention backend, accumulate backend)`` of every row: vanilla, each
-    attention backend with the first accumulate backend, then the last attention backend with
-    each other accumulate backend (one comparison of the window sums is enough: they do not
-    depend on the attention)."""
-    return ([("vanilla", "vanilla", None, None)]
-            + [("train", f"dmc-{b}", b, sums[0]) for b in backends]
-            + [("train", f"dmc-{backends[-1]}+{a}-sums", backends[-1], a) for a in sums[1:]])
+def row_plan(backends: list[str], sums: list[str], compile_rows: str = "off") -> list[tuple]:
+    """``(mode, row name, attention backend, accumulate backend, compiled)`` of every row:
+    vanilla, each attention backend with the first accumulate backend, then the last attention
+    backend with each other accumulate backend (one comparison of the window sums is enough:
+    they do not depend on the attention); ``compile_rows`` "on": the DMC rows with
+    ``dmc.compile_elementwise``, "both": each DMC row then its ``+compiled`` twin."""
+    dmc = ([(f"dmc-{b}", b, sums[0]) for b in backends]
+           + [(f"dmc-{backends[-1]}+{a}-sums", backends[-1], a) for a in sums[1:]])
+    variants = {"off": (False,), "on": (True,), "both": (False, True)}[compile_rows]
+    return [("vanilla", "vanilla", None, None, False)] + [
+        ("train", name + ("+compiled" if compiled else ""), backend, accumulate, compiled)
+        for name, backend, accumulate in dmc for compiled in variants]
 
 
 def main(argv=None) -> int:
@@ -289,6 +295,9 @@ def main(argv=None) -> int:
     parser.add_argument("--accumulate", help="comma separated backends of Eq. 9's window sums "
                         "(dmc.accumulate_backend: torch, triton; default triton,torch on CUDA, "
                         "torch on the CPU)")
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                        help="DMC rows with dmc.compile_elementwise (torch.compile of the "
+                             "decisions and the rotation): off, on, or both (a twin row each)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help="parameters' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--kept-only", action="store_true",
@@ -345,10 +354,11 @@ def main(argv=None) -> int:
     positions = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows, ops = {}, {}
-    for mode, name, backend, accumulate in row_plan(backends, sums):
+    for mode, name, backend, accumulate, compiled in row_plan(backends, sums, args.compile):
         if backend:
             runtime.config.attention_backend = backend
             runtime.config.accumulate_backend = accumulate
+            runtime.config.compile_elementwise = compiled
         try:
             rows[name] = measure_row(args, model, runtime, mode, name, tokens, positions)
             ops[name] = rows[name].pop("ops", [])

@@ -51,8 +51,9 @@
 # which compile their FlexAttention and Triton kernels side by side; DMC_DECODE_MODES (e.g.
 # vanilla,dmc:2,dmc:8) replaces the decode step's modes; DMC_TEST_PATHS (default tests) the
 # test folders or files the GPU tests are collected from (e.g. tests/inference, for a call
-# that checks decode changes only); DMC_TRAIN_BACKENDS and DMC_TRAIN_ACCUMULATE the train
-# step's --backends and --accumulate (e.g. flex-transposed and triton: one DMC row).
+# that checks decode changes only); DMC_TRAIN_BACKENDS, DMC_TRAIN_ACCUMULATE and
+# DMC_TRAIN_COMPILE the train step's --backends, --accumulate and --compile (e.g.
+# flex-transposed, triton and off: one DMC row; both: a twin row with dmc.compile_elementwise).
 #
 # For one command under a hard time limit (a lease whose calls are killed at N seconds, taking
 # every file not yet copied out with them): DMC_CHECK_DEADLINE=SECONDS, counted from the script's
@@ -229,6 +230,9 @@ if [ -n "${DMC_TRAIN_BACKENDS:-}" ]; then
 fi
 if [ -n "${DMC_TRAIN_ACCUMULATE:-}" ]; then
   TRAIN_ROWS+=(--accumulate "$DMC_TRAIN_ACCUMULATE")
+fi
+if [ -n "${DMC_TRAIN_COMPILE:-}" ]; then
+  TRAIN_ROWS+=(--compile "$DMC_TRAIN_COMPILE")
 fi
 # a test module that cannot be imported there (another extra missing) must not stop the GPU
 # tests: it is counted as an error in gpu_tests.xml and the summary

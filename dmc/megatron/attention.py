@@ -23,6 +23,8 @@ Megatron tensors are ``[seq, batch, heads, dim]``; the ops take ``[batch, heads,
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -38,12 +40,13 @@ from dmc.ops import (
     dmc_attention,
     logistic_noise,
     partial_accumulate,
+    relaxed_decisions,
     scale_decision_channel,
     straight_through_round,
     without_decision_channel,
     zero_decision_channel,
 )
-from dmc.ops.mask import log_keep_next, log_keep_next_from_logits
+from dmc.ops.mask import log_keep_next
 from dmc.ops.rope import rotate, rotation_tables
 
 
@@ -163,8 +166,8 @@ class DMCSelfAttention(SelfAttention):
         values' sums keep anyway, not a zeroed copy of the keys."""
         cfg = self.dmc.config
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        alpha_logit, omega = decision_logits(to_bhsd(query), to_bhsd(key), cfg.c,
-                                             cfg.omega_offset)
+        alpha_logit, omega = self._fused(decision_logits)(to_bhsd(query), to_bhsd(key), cfg.c,
+                                                          cfg.omega_offset)
         alpha, log_keep = self._decisions(alpha_logit)
         key_acc, value_acc = partial_accumulate(
             to_bhsd(key), to_bhsd(value), alpha, omega, cfg.window,
@@ -254,17 +257,14 @@ class DMCSelfAttention(SelfAttention):
             alpha = (alpha_logit > 0).to(alpha_logit.dtype)
             alpha[..., 0] = 0
             return alpha, log_keep_next(alpha)
-        noise = self._noise(alpha_logit)
-        scaled = (alpha_logit.float() + noise) / cfg.tau
-        soft = torch.sigmoid(scaled)
-        log_keep = log_keep_next_from_logits(scaled)
-        if cfg.hard:
-            log_keep = log_keep_next((soft > 0.5).float()) + (log_keep - log_keep.detach())
-            soft = straight_through_round(soft)
-        alpha = soft.to(alpha_logit.dtype)
-        first = torch.ones_like(alpha)
-        first[..., 0] = 0
-        return alpha * first, log_keep
+        return self._fused(relaxed_decisions)(alpha_logit, self._noise(alpha_logit), cfg.tau,
+                                              cfg.hard)
+
+    def _fused(self, fn):
+        """``fn`` (elementwise math of a train or eval forward) compiled by ``torch.compile``
+        where ``dmc.compile_elementwise`` is set, one graph per function shared by the
+        layers; ``fn`` itself otherwise."""
+        return compiled(fn) if self.dmc.config.compile_elementwise else fn
 
     def _noise(self, alpha_logit):
         """Logistic noise for this rank's KV heads, drawn for all heads of the layer from a
@@ -298,7 +298,8 @@ class DMCSelfAttention(SelfAttention):
         q_tables = without_decision_channel(*rotation_tables(q_freqs, query.dtype))
         k_tables = q_tables if k_freqs is q_freqs and key.dtype == query.dtype else \
             without_decision_channel(*rotation_tables(k_freqs, key.dtype))
-        return rotate(query, *q_tables), rotate(key, *k_tables)
+        rotated = self._fused(rotate)
+        return rotated(query, *q_tables), rotated(key, *k_tables)
 
     def _rotate(self, query, key, rotary_pos_emb):
         """RoPE at each token's own position on ``[seq, batch, heads, dim]`` tensors."""
@@ -345,6 +346,12 @@ class DMCSelfAttention(SelfAttention):
     def measured_cr(self) -> torch.Tensor:
         """``[local_kv_heads]`` measured compression ratio n / (kept slots) since the last reset."""
         return self.cr_count / self.cr_kept.clamp_min(1e-12)
+
+
+@functools.cache
+def compiled(fn):
+    """``torch.compile(fn)`` for fixed shapes, made once per function."""
+    return torch.compile(fn, dynamic=False)
 
 
 def decision_rows(module: "DMCSelfAttention") -> list[int]:

@@ -179,6 +179,14 @@ class DMCConfig:
         :mod:`dmc.megatron.window_sum_kernels`; "triton" on the CPU needs
         ``TRITON_INTERPRET=1``), in training and in the engine's prefill; not part of the model
         (``to_dict`` leaves it out).
+    compile_elementwise: ``torch.compile`` the elementwise math of a train or eval forward
+        (the decisions from their channels, Eq. 8 with App. H's log(1 - alpha), and RoPE
+        without the decision channels; :meth:`dmc.megatron.attention.DMCSelfAttention._fused`),
+        some thirty small operations a layer fused into a few kernels on CUDA, with values equal
+        to rounding (not bit for bit: the fused kernels round once, at their end). Compiled at
+        the first forward of each shape (seconds); a C++ compiler is needed on the CPU. Not part
+        of the model (``to_dict`` leaves it out); off by default until a GPU run measures it
+        (``benchmarks/train_step.py --compile``).
     merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
         (DMS's delayed eviction carried over to DMC; README "DMC with delayed merging"): a
         query sees its last d + 1 tokens as they are and the earlier ones through the merged
@@ -199,6 +207,7 @@ class DMCConfig:
     omega_offset: float = 0.0
     attention_backend: str = "auto"
     accumulate_backend: str = "auto"
+    compile_elementwise: bool = False
     method: str = "dmc"
     dms_window: int = 512
     dms_logit_scale: float = 100.0
@@ -252,8 +261,8 @@ class DMCConfig:
         A DMC model's dict leaves out the DMS fields (and ``method``), so it reads as it did
         before DMS existed, and a DMS model's leaves out ``dms_decision`` at "query", so it
         reads as before that field existed; :meth:`from_dict` restores the defaults."""
-        skip = {"attention_backend", "accumulate_backend", "head_cr_cap", "head_balance_weight",
-                "cr_loss_grad"} | (set() if self.method == "dms" else set(DMS_ONLY))
+        skip = {"attention_backend", "accumulate_backend", "compile_elementwise", "head_cr_cap",
+                "head_balance_weight", "cr_loss_grad"} | (set() if self.method == "dms" else set(DMS_ONLY))
         if self.dms_decision == "query":
             skip.add("dms_decision")
         if not self.merge_delay:

@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dmc.ops.mask import log_keep_next, log_keep_next_from_logits
+
 DECISION_CHANNEL = -1
 OMEGA_MIN = 1e-6
 
@@ -70,6 +72,28 @@ def gumbel_sigmoid(
     if hard:
         alpha = straight_through_round(alpha)
     return alpha.to(logits.dtype)
+
+
+def relaxed_decisions(alpha_logit: torch.Tensor, noise: torch.Tensor, tau: float,
+                      hard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training forward's decisions from their logits ``[batch, heads, seq]`` and drawn
+    Logistic(0, 1) ``noise`` (float32, same shape): ``(alpha, log_keep)``.
+
+    ``alpha = sigmoid((alpha_logit + noise) / tau)`` (Eq. 8) in the logits' dtype, with
+    ``alpha_0 = 0`` (the first token opens a slot), and ``log(1 - alpha_{j+1})`` computed
+    stably from the same sample (App. H, :func:`dmc.ops.mask.log_keep_next_from_logits`), both
+    computed in float32. ``hard``: both rounded straight-through (forward ``alpha > 0.5``,
+    gradient the soft one's)."""
+    scaled = (alpha_logit.float() + noise.float()) / tau
+    soft = torch.sigmoid(scaled)
+    log_keep = log_keep_next_from_logits(scaled)
+    if hard:
+        log_keep = log_keep_next((soft > 0.5).float()) + (log_keep - log_keep.detach())
+        soft = straight_through_round(soft)
+    alpha = soft.to(alpha_logit.dtype)
+    first = torch.ones_like(alpha)
+    first[..., 0] = 0
+    return alpha * first, log_keep
 
 
 def straight_through_round(alpha: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ from dmc.training.config import ConfigError
 INIT_FROM_SAME = ("seed", "model", "schedule", "optim", "data.seq_length",
                   "data.global_batch_size")
 MAY_CHANGE_ON_RESUME = ("run_dir", "logging", "checkpoint", "parallel", "data.micro_batch_size",
-                        "data.cache_dir", "dmc.attention_backend", "dmc.accumulate_backend")
+                        "data.cache_dir", "dmc.attention_backend", "dmc.accumulate_backend",
+                        "dmc.compile_elementwise")
 HISTORY = "config_history.jsonl"
 
 

@@ -120,7 +120,12 @@ def test_the_kits_rows():
     assert names == ["vanilla", "dmc-dense", "dmc-flex-transposed", "dmc-flex",
                      "dmc-flex+torch-sums"]
     assert bench.row_plan(["flex"], ["triton", "torch"])[-1] == ("train", "dmc-flex+torch-sums",
-                                                                 "flex", "torch")
+                                                                 "flex", "torch", False)
+    twins = bench.row_plan(["flex-channel"], ["triton"], "both")
+    assert [row[1] for row in twins] == ["vanilla", "dmc-flex-channel",
+                                         "dmc-flex-channel+compiled"]
+    assert [row[4] for row in twins] == [False, False, True]
+    assert [row[4] for row in bench.row_plan(["dense"], ["torch"], "on")] == [False, True]
 
 
 @pytest.mark.parametrize("flags,named", [(["--by-site", "-1"], "--by-site"),

@@ -1,4 +1,6 @@
 """DMCSelfAttention inside a tiny megatron GPTModel (single process, CPU)."""
+import shutil
+
 import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -375,6 +377,36 @@ def test_rotation_without_decision_channels(parallel_1x1, dtype, rotated):
     assert results[0][1][..., -1].eq(0).all()
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert results[0][0].abs().sum() > 0 and results[0][2][..., :-1].abs().sum() > 0
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("hard, delay", [(False, 0), (True, 3)], ids=["dmc", "hard-delay"])
+def test_compiled_elementwise_math_trains_and_evaluates_as_eager(parallel_1x1, hard, delay):
+    """``dmc.compile_elementwise``: a train step's loss and gradients (decision rows
+    included) and the eval-mode logits those of the eager layer, to float32 rounding; the
+    decisions and the rotation go through compiled graphs."""
+    from dmc.megatron import attention
+
+    reference = build_gpt_model(tiny_config(2), VOCAB, 64)
+    spread_decisions(reference, scale=1.0)
+    models = []
+    for compile_elementwise in (True, False):
+        runtime = DMCRuntime(DMCConfig(window=4, c=0.0, hard=hard, merge_delay=delay,
+                                       compile_elementwise=compile_elementwise))
+        model = build_gpt_model(tiny_config(2), VOCAB, 64, dmc=runtime)
+        model.load_state_dict(reference.state_dict())
+        models.append((model, runtime))
+    tokens, positions = _batch()
+    attention.compiled.cache_clear()
+    assert_same_train_step(models, tokens, positions)
+    assert attention.compiled.cache_info().currsize == 3  # logits, decisions, rotation
+    logits = []
+    for model, runtime in models:
+        runtime.set_mode("eval")
+        with torch.no_grad():
+            logits.append(model(tokens, positions, None))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
 def test_hard_straight_through_training_is_finite(parallel_1x1):

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -6,6 +8,7 @@ from dmc.ops import (
     compression_loss,
     compression_loss_from_sums,
     gumbel_sigmoid,
+    relaxed_decisions,
     split_decision_channels,
     straight_through_round,
     zero_decision_channel,
@@ -19,6 +22,35 @@ def test_gumbel_calibration(logit):
     alpha = gumbel_sigmoid(torch.full((100_000,), logit), tau=0.1, generator=g)
     frac = (alpha > 0.5).double().mean().item()
     assert abs(frac - torch.sigmoid(torch.tensor(logit)).item()) < 0.01
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_relaxed_decisions_against_a_float64_loop(hard):
+    """Eq. 8's alpha (alpha_0 = 0) and App. H's log(1 - alpha_{j+1}) (0 for the last key),
+    value by value against float64 (computed in float32); under ``hard`` the rounded values
+    with the soft gradients."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(2, 3, 17, generator=gen, dtype=torch.float64)).requires_grad_()
+    noise = torch.randn(2, 3, 17, generator=gen, dtype=torch.float64)
+    alpha, log_keep = relaxed_decisions(logits, noise, 0.5, hard)
+    for b, h in ((b, h) for b in range(2) for h in range(3)):
+        for j in range(17):
+            soft = 1 / (1 + math.exp(-(float(logits[b, h, j]) + float(noise[b, h, j])) / 0.5))
+            want = float(soft > 0.5) if hard else soft
+            assert float(alpha[b, h, j]) == pytest.approx(0.0 if j == 0 else want, rel=1e-6,
+                                                          abs=1e-7)
+            if j + 1 < 17:
+                nxt = 1 / (1 + math.exp(-(float(logits[b, h, j + 1])
+                                          + float(noise[b, h, j + 1])) / 0.5))
+                nxt = float(nxt > 0.5) if hard else nxt
+                assert float(log_keep[b, h, j]) == pytest.approx(
+                    math.log1p(-nxt) if nxt < 1 else -math.inf, rel=1e-5, abs=1e-6)
+            else:
+                assert float(log_keep[b, h, j]) == 0
+    soft_alpha = torch.sigmoid((logits + noise) / 0.5)
+    grad = torch.autograd.grad(alpha[..., 1:].sum(), logits)[0]
+    want = torch.autograd.grad(soft_alpha[..., 1:].sum(), logits)[0]
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
 
 
 def test_gumbel_reproducible_and_hard_straight_through():

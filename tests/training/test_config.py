@@ -46,6 +46,7 @@ def test_fidelity_switches_default_to_the_paper():
      r"flex-channel"),
     ("dmc.prior=layer", r"dmc.prior: 'layer' is not one of global, local"),
     ("dmc.omega_offset=-0.1", r"dmc.omega_offset: must be >= 0"),
+    ("dmc.compile_elementwise=3", r"dmc.compile_elementwise: expected true or false, got 3"),
     ("dmc.head_cr_cap=1", r"dmc.head_cr_cap: must be null or > 1"),
     ("dmc.head_cr_cap=1.5", r"dmc.head_cr_cap: 1.5 is below dmc.target_cr \(2.0\)"),
     ("dmc.head_balance_weight=-1", r"dmc.head_balance_weight: must be >= 0 \(0 = off\)"),
