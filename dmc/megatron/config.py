@@ -262,7 +262,9 @@ class DMCConfig:
         before DMS existed, and a DMS model's leaves out ``dms_decision`` at "query", so it
         reads as before that field existed; :meth:`from_dict` restores the defaults."""
         skip = {"attention_backend", "accumulate_backend", "compile_elementwise", "head_cr_cap",
-                "head_balance_weight", "cr_loss_grad"} | (set() if self.method == "dms" else set(DMS_ONLY))
+                "head_balance_weight", "cr_loss_grad"}
+        if self.method != "dms":
+            skip |= set(DMS_ONLY)
         if self.dms_decision == "query":
             skip.add("dms_decision")
         if not self.merge_delay:
