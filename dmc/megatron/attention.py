@@ -350,8 +350,10 @@ class DMCSelfAttention(SelfAttention):
 
 @functools.cache
 def compiled(fn):
-    """``torch.compile(fn)`` for fixed shapes, made once per function."""
-    return torch.compile(fn, dynamic=False)
+    """``torch.compile(fn)``, made once per function (compiled for the first shapes it sees; a
+    dimension that then changes, the heads of queries against keys, an eval length, is
+    compiled once more as dynamic)."""
+    return torch.compile(fn)
 
 
 def decision_rows(module: "DMCSelfAttention") -> list[int]:

@@ -184,7 +184,8 @@ class DMCConfig:
         without the decision channels; :meth:`dmc.megatron.attention.DMCSelfAttention._fused`),
         some thirty small operations a layer fused into a few kernels on CUDA, with values equal
         to rounding (not bit for bit: the fused kernels round once, at their end). Compiled at
-        the first forward of each shape (seconds); a C++ compiler is needed on the CPU. Not part
+        the first forward (seconds; once more, as dynamic, where a shape changes); a C++
+        compiler is needed on the CPU. Not part
         of the model (``to_dict`` leaves it out); off by default until a GPU run measures it
         (``benchmarks/train_step.py --compile``).
     merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
