@@ -185,9 +185,8 @@ class DMCConfig:
         some thirty small operations a layer fused into a few kernels on CUDA, with values equal
         to rounding (not bit for bit: the fused kernels round once, at their end). Compiled at
         the first forward (seconds; once more, as dynamic, where a shape changes); a C++
-        compiler is needed on the CPU. Not part
-        of the model (``to_dict`` leaves it out); off by default until a GPU run measures it
-        (``benchmarks/train_step.py --compile``).
+        compiler is needed on the CPU. Not part of the model (``to_dict`` leaves it out); off
+        by default until a GPU run measures it (``benchmarks/train_step.py --compile``).
     merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
         (DMS's delayed eviction carried over to DMC; README "DMC with delayed merging"): a
         query sees its last d + 1 tokens as they are and the earlier ones through the merged
