@@ -9,7 +9,8 @@ instead of running them, then compiles each recorded launch with ``triton.compil
 ``GPUTarget("cuda", 90, 32)`` down to a cubin (Triton's wheel brings ``ptxas``), with the
 launch's argument types, constexprs, warps and stages.
 
-    python tests/triton_aot.py paged_decode dmc_write decode_rope dms_write gumbel window_sums
+    python tests/triton_aot.py paged_decode dmc_write decode_rope rope_append dms_write gumbel \
+        window_sums
 
 prints one line per compiled launch and exits 1 naming the kernels that fail.
 """
@@ -19,7 +20,8 @@ import os
 import subprocess
 import sys
 
-CASES = ("paged_decode", "dmc_write", "decode_rope", "dms_write", "gumbel", "window_sums")
+CASES = ("paged_decode", "dmc_write", "decode_rope", "rope_append", "dms_write", "gumbel",
+         "window_sums")
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
 
@@ -174,6 +176,23 @@ def _decode_rope():
                     EvictionChannel(2, 5.0, 100.0))
 
 
+def _rope_append():
+    """The vanilla decode write of bf16 MHA and GQA rows into a bf16 cache."""
+    import torch
+
+    from dmc.inference.kernels import run_rope_append
+
+    batch, dim = 2, 128
+    cos = sin = torch.zeros(batch, 1, dim)
+    pages = [torch.zeros(8, 16, dim, dtype=torch.bfloat16) for _ in range(2)]
+    slots = torch.zeros(batch, 3, 8, dtype=torch.int32)
+    for kv_heads in (8, 2):
+        run_rope_append(torch.zeros(batch, 8, dim, dtype=torch.bfloat16),
+                        *(torch.zeros(batch, kv_heads, dim, dtype=torch.bfloat16)
+                          for _ in range(2)), cos, sin, *pages, slots[:, 1, :kv_heads],
+                        slots[:, 1, :kv_heads], torch.arange(batch), 1, 3)
+
+
 def _dms_write():
     """The DMS decode write into a bf16 cache (float32 rotated keys, bf16 values)."""
     import torch
@@ -230,7 +249,8 @@ def main(cases: list[str]) -> int:
     for module in (kernels, cache):  # Triton on CPU tensors where asked, without interpreting
         module.resolve_use_triton = lambda device, use_triton=None: bool(use_triton)
     drivers = {"paged_decode": _paged_decode, "dmc_write": _dmc_write,
-               "decode_rope": _decode_rope, "dms_write": _dms_write, "gumbel": _gumbel,
+               "decode_rope": _decode_rope, "rope_append": _rope_append,
+               "dms_write": _dms_write, "gumbel": _gumbel,
                "window_sums": _window_sums}
     failed = []
     for case in cases:

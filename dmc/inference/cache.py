@@ -33,7 +33,13 @@ from dmc.ops.algorithm1 import KeyDecision, OpenSlot, ring_from_tail
 from .block_allocator import BlockAllocator, SeqRows
 from .eviction import SlotEviction
 from .paging import at_page_boundary, pages_for, to_device
-from .kernels import resolve_use_triton, rope_inv_freq, run_dmc_write, run_paged_decode
+from .kernels import (
+    resolve_use_triton,
+    rope_inv_freq,
+    run_dmc_write,
+    run_paged_decode,
+    run_rope_append,
+)
 
 RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the window ring's keys, values
 
@@ -285,6 +291,18 @@ class PagedKVCache(SlotEviction):
         self.allocator.grow(seqs, layer, slots + 1)
         heads = torch.arange(self.num_kv_heads).expand_as(slots)
         self._scatter(seqs.unsqueeze(1).expand_as(slots), layer, heads, slots, k, v)
+
+    def append_rotating(self, layer: int, rows: torch.Tensor, reserved, query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`append` into the ``reserved`` slots (device, of :meth:`begin_append`) of
+        pre-RoPE keys, rotated with the queries by the step's RoPE tables ``cos, sin`` in the
+        same Triton launch (:func:`~dmc.inference.kernels.run_rope_append`): ``query [batch,
+        heads, dim]``, ``key, value [batch, kv_heads, dim]``, ``rows`` the sequences' cache
+        rows (device). Returns the rotated queries, float32."""
+        return run_rope_append(query, key, value, cos, sin, self.k_pages, self.v_pages,
+                               reserved[0][:, layer], reserved[1][:, layer], rows, layer,
+                               self.num_layers, faults=self.allocator.faults)
 
     def pack_prefill(self, layer: int, seq_slot: int, keys: torch.Tensor, values: torch.Tensor,
                      counts, open_k: torch.Tensor, open_v: torch.Tensor,

@@ -237,6 +237,9 @@ class VanillaKV(KVWrite):
     """One slot per token; keys rotated at their position when written."""
 
     def write_token(self, layer, step, query, key, value):
+        if step.reserved is not None and resolve_use_triton(query.device, self.use_triton):
+            return self.cache.append_rotating(layer, step.seqs.device, step.reserved, query,
+                                              key, value, step.cos, step.sin)  # one launch
         self.cache.append(layer, step.seqs, self.rotate_rows(key), value, step.reserved)
         return self.rotate_rows(query)
 

@@ -179,7 +179,8 @@ def test_engine_uses_eval_semantics_whatever_the_runtime_mode(parallel_1x1, qk_n
 @pytest.mark.parametrize("window", [3, "vanilla"])
 def test_triton_kernels_in_the_engine(parallel_1x1, window):
     """DMC (decisions read by the decode RoPE and write kernels) and vanilla (keys and queries
-    rotated by the decode RoPE kernel) decode as with the PyTorch kernels."""
+    rotated, keys and values stored, by one kernel a layer) decode as with the PyTorch
+    kernels."""
     model, _ = build(2, window)
     prompt_list = prompts((9, 5))
     params = SamplingParams(max_new_tokens=3)

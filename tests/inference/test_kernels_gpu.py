@@ -129,6 +129,35 @@ def test_decode_rope_on_cuda_matches_the_pytorch_path(q_heads, kv_heads):
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_heads,kv_heads", [(16, 16), (32, 8)])
+def test_rope_append_on_cuda_matches_the_pytorch_path(q_heads, kv_heads):
+    """The vanilla write at head_dim 128 in bf16: the rotated queries as rotate's to float32
+    rounding (fused multiply-adds), the stored keys within one bf16 step of rotate's rounded,
+    the values exactly, nothing else of the pools touched."""
+    from dmc.inference.kernels import run_rope_append
+    from dmc.inference.kernels.faults import fault_counter
+    from dmc.ops.rope import rotate
+    from test_decode_rope import step_rows
+
+    batch, layer, dim, pool = 64, 1, 128, 1024
+    q, _, cos, sin = (t.cuda() for t in step_rows(batch, q_heads, dim, torch.bfloat16))
+    k = step_rows(batch, kv_heads, dim, torch.bfloat16, seed=5)[0].cuda()
+    v = torch.randn(batch, kv_heads, dim, device="cuda").to(torch.bfloat16)
+    flat = torch.randperm(pool * 16, device="cuda")[:batch * 3 * kv_heads].view(batch, 3, -1)
+    pages, offsets = (flat // 16).int(), (flat % 16).int()
+    pools = [torch.randn(pool, 16, dim, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    want = [p.clone() for p in pools]
+    slot = (pages[:, layer].long(), offsets[:, layer].long())
+    want[0][slot] = rotate(k.float(), cos, sin).to(torch.bfloat16)
+    want[1][slot] = v
+    faults = fault_counter("cuda")
+    got = run_rope_append(q, k, v, cos, sin, *pools, pages[:, layer], offsets[:, layer],
+                          torch.arange(batch, device="cuda"), layer, 3, faults=faults)
+    torch.testing.assert_close(got, rotate(q.float(), cos, sin), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pools[0].float(), want[0].float(), atol=1e-5, rtol=2 ** -7)
+    assert torch.equal(pools[1], want[1]) and faults.tolist() == [0, -1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, None])
 def test_dms_triton_decode_on_cuda_matches_the_gathering_path(dtype, num_splits):

@@ -33,6 +33,7 @@ __all__ = [
     "run_decode_rope",
     "run_dmc_write",
     "run_paged_decode",
+    "run_rope_append",
 ]
 
 
@@ -117,6 +118,15 @@ class EvictionChannel(NamedTuple):
     kv_heads: int
     c: float
     scale: float
+
+
+def run_rope_append(*tensors, faults=None) -> torch.Tensor:
+    """Triton vanilla decode write of one layer (:func:`.rope_append.rope_append`: the keys
+    and queries rotated, the keys and values stored, one launch; same arguments); returns the
+    rotated queries. Triton only."""
+    from .rope_append import rope_append
+
+    return rope_append(*tensors, faults=faults)
 
 
 def run_decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
