@@ -4,7 +4,8 @@ merged into its window ring or appended, rotated and written to its page), per c
 The write moves little (per head: the token, the ring of ``window`` keys and values, one page
 row), so its time is latency: a chain of dependent loads (the head's length, its decision, the
 page of its slot) per program. On CUDA: the Triton kernel as a decode step runs it (the decision
-taken in the kernel from the key's decision channel, the lengths advanced on the device), under
+taken in the kernel from the key's decision channel, the importance from the queries', which
+it rotates, one query head a KV head; the lengths advanced on the device), under
 ``--warps`` (default: 1, 2, 4 and 8 warps per program, the setting in use on this GPU marked,
 :mod:`dmc.inference.kernels.tuning`); ``--write-tuning FILE`` writes the fastest (the default
 kept within 2%) into a kernel tuning file for this GPU. Without a GPU: the compiled CPU kernel
@@ -130,15 +131,21 @@ def decisions(args, device: torch.device) -> torch.Tensor:
 
 def deferred_write(args, device: torch.device) -> tuple[dict, torch.Tensor]:
     """``dmc_write``'s keyword arguments for a decode step's deferred write (the decisions in
-    the keys' last channel, read by the kernel: merge where it is > c = 0) and the heads'
-    lengths ``[batch, 1, kv_heads]`` int32 (``--length``) the write advances."""
+    the keys' last channel, read by the kernel: merge where it is > c = 0; the importance read
+    from the queries', one a KV head, which the kernel rotates) and the heads' lengths
+    ``[batch, 1, kv_heads]`` int32 (``--length``) the write advances."""
+    from dmc.inference.kernels import DecisionChannel
     from dmc.ops.algorithm1 import KeyDecision
+    from dmc.ops.rope import rope_tables
 
     inputs = write_inputs(args, device)
     inputs["k"][..., -1] = 2 * decisions(args, device) - 1
     lengths = torch.full((args.batch, 1, args.kv_heads), args.length, dtype=torch.int32,
                          device=device)
-    return dict(inputs, slots=None, append=None, decide=(lengths, KeyDecision(0.0))), lengths
+    cos, sin = rope_tables(inputs["positions"][:, None], inputs["inv_freq"])
+    query = (inputs["v"].clone(), cos, sin, DecisionChannel(args.kv_heads, 5.0))
+    return dict(inputs, slots=None, append=None, omega=None, query=query,
+                decide=(lengths, KeyDecision(0.0))), lengths
 
 
 def triton_rows(args, device: torch.device) -> dict:

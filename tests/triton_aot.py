@@ -118,12 +118,14 @@ def _paged_decode():
 
 def _dmc_write():
     """The windowed (window 12, a float32 ring and a bf16 one) and exact merges into a bf16
-    cache, decided on the host, then deferred with the decisions read from the key (the decode
-    step's launch); that launch again at 1 and 8 warps (``benchmarks/write_kernel.py``'s) and at
-    the shipped tuning files' counts."""
+    cache, decided on the host, then deferred with the decisions read from the key and the
+    importance from GQA queries, which it rotates (the decode step's launch); that launch again
+    at 1 and 8 warps (``benchmarks/write_kernel.py``'s, MHA) and at the shipped tuning files'
+    counts."""
     import torch
 
     from dmc.inference.cache import PagedKVCache
+    from dmc.inference.kernels import DecisionChannel
     from dmc.inference.kernels.dmc_write import dmc_write
     from dmc.inference.kernels.tuning import shipped_tunings
     from dmc.ops.algorithm1 import KeyDecision
@@ -137,8 +139,11 @@ def _dmc_write():
         cache.write(0, seqs, torch.zeros(batch, dtype=torch.long), k, k.clone(),
                     torch.ones(batch, heads), torch.zeros(batch, heads), use_triton=True)
         cache.begin_decode(seqs)
-        cache.write(0, seqs, torch.ones(batch, dtype=torch.long), k, k.clone(),
-                    torch.ones(batch, heads), KeyDecision(5.0), use_triton=True, defer=True)
+        tables = torch.zeros(batch, 1, dim)
+        query = (torch.zeros(batch, 2 * heads, dim, dtype=torch.bfloat16), tables, tables,
+                 DecisionChannel(heads, 5.0, 2.0 ** -7))
+        cache.write(0, seqs, torch.ones(batch, dtype=torch.long), k, k.clone(), None,
+                    KeyDecision(5.0), use_triton=True, defer=True, query=query)
     write_kernel = _benchmark("write_kernel")  # the deferred write at the other warp counts
     call_args, _ = write_kernel.deferred_write(write_kernel.parse_args(
         ["--batch", "2", "--kv-heads", str(heads), "--length", "20"]), torch.device("cpu"))

@@ -185,7 +185,8 @@ class PagedKVCache(SlotEviction):
 
     # ---------------------------------------------------------------- writes
     def write(self, layer: int, seq_slots, positions, k: torch.Tensor, v: torch.Tensor, omega,
-              alpha, *, use_triton: bool | None = None, defer: bool = False) -> None:
+              alpha, *, use_triton: bool | None = None, defer: bool = False,
+              query: tuple | None = None) -> torch.Tensor | None:
         """DMC step of one layer: each (sequence, KV head) appends or merges a token (Algorithm 1).
 
         ``alpha <= 0.5`` (or an empty head) appends a slot holding ``RoPE(k_t, p_t)``, ``v_t``;
@@ -202,6 +203,13 @@ class PagedKVCache(SlotEviction):
             use_triton: kernel choice, see :func:`~dmc.inference.kernels.resolve_use_triton`.
             defer: decide on the device and leave the host lengths to :meth:`settle`, in the
                 step :meth:`begin_decode` opened for ``seq_slots`` (see the module docstring).
+            query: with ``defer`` on the Triton path, ``(queries [batch, heads, dim], cos,
+                sin, channel)`` of the step: the importance is read from the queries' decision
+                channel (:class:`~dmc.inference.kernels.DecisionChannel`; ``omega`` None) and
+                the queries rotated by the step's RoPE tables in the same launch.
+
+        Returns:
+            with ``query``, the rotated queries (float32); None otherwise.
         """
         seqs, rows = self.allocator.rows(seq_slots)
         kernel_decides = defer and resolve_use_triton(self.device, use_triton)
@@ -209,7 +217,10 @@ class PagedKVCache(SlotEviction):
             alpha, k = alpha.split(k)
         if defer:
             self.allocator.claim(seqs, layer)
-            return self._write_decided(layer, rows, positions, k, v, omega, alpha, use_triton)
+            return self._write_decided(layer, rows, positions, k, v, omega, alpha, use_triton,
+                                       query=query)
+        if query is not None:
+            raise ValueError("PagedKVCache.write: query= needs defer=True")
         self._settle_for(seqs)
         lengths = self.allocator.lengths[seqs, layer].long()
         append = (torch.as_tensor(alpha).detach().cpu() <= 0.5) | (lengths == 0)
@@ -219,9 +230,10 @@ class PagedKVCache(SlotEviction):
 
     def _write_decided(self, layer: int, rows: torch.Tensor, positions, k: torch.Tensor,
                        v: torch.Tensor, omega, alpha, use_triton: bool | None,
-                       host: tuple | None = None) -> None:
+                       host: tuple | None = None, query: tuple | None = None):
         """Algorithm 1's write of a token per cache row ``rows`` (device ``[batch]``): ``host``
-        (new lengths, appends) decided there, else on the device (by the Triton kernel itself)."""
+        (new lengths, appends) decided there, else on the device (by the Triton kernel itself);
+        ``query``: see :meth:`write` (returns the rotated queries)."""
         device, decide = self.device, None
         if host is not None:
             slots, append = to_device(host[0], device) - 1, to_device(host[1], device)
@@ -234,11 +246,12 @@ class PagedKVCache(SlotEviction):
             append = (torch.as_tensor(alpha, device=device) <= 0.5) | (current == 0)
             slots = current + append.long() - 1
             self.lengths[rows, layer] = (slots + 1).to(torch.int32)
-        run_dmc_write(self.k_pages, self.v_pages, self.block_tables, self.open_k, self.open_v,
-                      self.open_omega, self.open_count, self.inv_freq, self.window, layer, rows,
-                      slots, append, k, v, torch.as_tensor(omega, device=device),
-                      torch.as_tensor(positions, device=device), use_triton=use_triton,
-                      faults=self.allocator.faults, decide=decide)
+        return run_dmc_write(self.k_pages, self.v_pages, self.block_tables, self.open_k,
+                             self.open_v, self.open_omega, self.open_count, self.inv_freq,
+                             self.window, layer, rows, slots, append, k, v,
+                             None if omega is None else torch.as_tensor(omega, device=device),
+                             torch.as_tensor(positions, device=device), use_triton=use_triton,
+                             faults=self.allocator.faults, decide=decide, query=query)
 
     def begin_decode(self, seq_slots, static: bool = False, overlap: bool = False) -> None:
         """Open a decode step of ``seq_slots`` whose writes are deferred: settle the previous

@@ -260,6 +260,7 @@ class DMCKV(KVWrite):
 
     keeps_merge_state = True
     defers_writes = True
+    writes_read_queries = True  # the Triton write reads the importance from the queries
 
     def __init__(self, config: DMCConfig, *args):
         super().__init__(*args)
@@ -271,9 +272,13 @@ class DMCKV(KVWrite):
         return hard_decisions(query, key, self.config.c, self.config.omega_offset)
 
     def write_token(self, layer, step, query, key, value):
-        if resolve_use_triton(query.device, self.use_triton):  # two launches (see the kernels)
-            q_rot, omega = run_decode_rope(query, step.cos, step.sin, DecisionChannel(
-                key.shape[1], self.config.c, self.config.omega_offset))
+        if resolve_use_triton(query.device, self.use_triton):
+            channel = DecisionChannel(key.shape[1], self.config.c, self.config.omega_offset)
+            if self.writes_read_queries:  # one launch: the importance and rotated queries too
+                return self.cache.write(layer, step.seqs, step.positions, key, value, None,
+                                        KeyDecision(self.config.c), use_triton=True,
+                                        defer=True, query=(query, step.cos, step.sin, channel))
+            q_rot, omega = run_decode_rope(query, step.cos, step.sin, channel)
             self.cache.write(layer, step.seqs, step.positions, key, value, omega,
                              KeyDecision(self.config.c), use_triton=True, defer=True)
             return q_rot

@@ -16,6 +16,7 @@ from dmc.inference.kernels import (
     paged_decode_batched,
     paged_decode_reference,
     resolve_use_triton,
+    rope_inv_freq,
     run_dmc_write,
     run_paged_decode,
 )
@@ -557,3 +558,72 @@ def test_triton_kernels_compile_for_hopper():
     assert sum("_rope_append_kernel: compiled" in line for line in compiled) == 2
     assert sum("_dms_write_kernel: compiled" in line for line in compiled) == 1
     assert sum("_gumbel_argmax_kernel: compiled" in line for line in compiled) == 1
+
+
+def _write_state(batch, kv_heads, dim, window, dtype, seed, device="cpu"):
+    """One layer's cache for :func:`~dmc.inference.kernels.dmc_write.dmc_write`'s deferred
+    write (keyword arguments) and the heads' lengths ``[batch, 1, kv_heads]``: shuffled pages
+    with room for a few steps, open slots of 1-5 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_head, page_size = 5, 4
+    num_pages = batch * kv_heads * pages_per_head
+    ring = (batch, 1, kv_heads, window or 1)
+    state = dict(
+        k_pages=torch.zeros(num_pages, page_size, dim, dtype=dtype),
+        v_pages=torch.zeros(num_pages, page_size, dim, dtype=dtype),
+        block_tables=torch.randperm(num_pages, generator=gen).view(
+            batch, 1, kv_heads, pages_per_head).int(),
+        open_k=torch.randn(*ring, dim, generator=gen),
+        open_v=torch.randn(*ring, dim, generator=gen),
+        open_omega=0.5 + torch.rand(ring, generator=gen),
+        open_count=torch.randint(1, 6, ring[:3], generator=gen, dtype=torch.int32),
+        inv_freq=rope_inv_freq(dim), window=window, layer=0,
+        seq_slots=torch.arange(batch, dtype=torch.int32), slots=None, append=None)
+    lengths = torch.randint(1, 9, ring[:3], generator=gen, dtype=torch.int32)
+    state = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+             for name, value in state.items()}
+    return state, lengths.to(device)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,q_heads", [(3, 2), (None, 8), (5, 6)])
+def test_the_write_reading_the_queries_equals_decode_rope_then_write(dtype, window, q_heads,
+                                                                     device):
+    """The deferred DMC write with ``query=`` (one launch: the importance read from the
+    queries, the queries rotated) against the decode RoPE kernel and then the write: the same
+    rotated queries, pages, merge state and lengths, bit for bit, over four steps (MHA and
+    GQA, windowed and exact merges; the interpreter on the CPU, compiled on CUDA)."""
+    from dmc.inference.kernels import DecisionChannel, run_decode_rope
+    from dmc.inference.kernels.dmc_write import dmc_write
+    from dmc.ops.algorithm1 import KeyDecision
+    from dmc.ops.rope import rope_tables
+
+    batch, kv_heads, dim, c, offset = 3, 2, 16, 5.0, 2.0 ** -7
+    states = [_write_state(batch, kv_heads, dim, window, dtype, 4, device) for _ in range(2)]
+    channel = DecisionChannel(kv_heads, c, offset)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(4):
+        k = torch.randn(batch, kv_heads, dim, generator=gen)
+        k[..., -1] = torch.where(torch.rand(batch, kv_heads, generator=gen) < 0.6, c + 1, c - 1)
+        v = torch.randn(batch, kv_heads, dim, generator=gen)
+        q = torch.randn(batch, q_heads, dim, generator=gen)
+        q[..., -1] *= 8.0
+        k, v, q = k.to(device, dtype), v.to(device, dtype), q.to(device, dtype)
+        positions = torch.randint(0, 4096, (batch,), generator=gen).to(device)
+        cos, sin = rope_tables(positions[:, None], rope_inv_freq(dim).to(device))
+        (state, lengths), (fused, fused_lengths) = states
+        q_rot, omega = run_decode_rope(q, cos, sin, channel)
+        dmc_write(**state, k=k, v=v, omega=omega, positions=positions,
+                  decide=(lengths, KeyDecision(c)))
+        q_fused = dmc_write(**fused, k=k, v=v, omega=None, positions=positions,
+                            decide=(fused_lengths, KeyDecision(c)),
+                            query=(q, cos, sin, channel))
+        assert torch.equal(q_fused, q_rot), step
+        assert torch.equal(fused_lengths, lengths) and int(lengths.sum()) > 0
+        for name in ("k_pages", "v_pages", "open_k", "open_v", "open_omega", "open_count"):
+            assert torch.equal(fused[name], state[name]), (step, name)
+    with pytest.raises(ValueError, match="query= reads omega itself"):
+        dmc_write(**fused, k=k, v=v, omega=omega, positions=positions,
+                  decide=(fused_lengths, KeyDecision(c)), query=(q, cos, sin, channel))

@@ -85,19 +85,21 @@ def run_paged_decode(
                                 host_lengths=host_lengths)
 
 
-def run_dmc_write(*tensors, use_triton=None, faults=None, decide=None) -> None:
+def run_dmc_write(*tensors, use_triton=None, faults=None, decide=None,
+                  query=None) -> torch.Tensor | None:
     """DMC append/merge write (Algorithm 1, Eq. 9); arguments (plain tensors and ints) as
     :func:`dmc_write_reference`; ``faults``: the Triton kernel's fault counter (:mod:`.faults`;
     the compiled CPU kernel raises instead); ``decide``: the Triton kernel takes the decisions
-    itself (:func:`.dmc_write.dmc_write`; Triton only)."""
+    itself; ``query``: it also reads the importance from the step's queries and returns them
+    rotated (:func:`.dmc_write.dmc_write`; both Triton only)."""
     if resolve_use_triton(tensors[0].device, use_triton):
         from .dmc_write import dmc_write
 
-        dmc_write(*tensors, faults=faults, decide=decide)
-    elif decide is not None:
-        raise ValueError("run_dmc_write: decide= needs the Triton kernel")
-    else:
-        dmc_write_inplace(*tensors)
+        return dmc_write(*tensors, faults=faults, decide=decide, query=query)
+    if decide is not None or query is not None:
+        raise ValueError("run_dmc_write: decide= and query= need the Triton kernel")
+    dmc_write_inplace(*tensors)
+    return None
 
 
 class DecisionChannel(NamedTuple):

@@ -41,6 +41,22 @@ def _in_dtype(x, like_ptr):
 
 
 @triton.jit
+def _dmc_query_rope(lo, hi, cos, sin, inside, cols, c, offset, omega_min, like_ptr,
+                    GROUP: tl.constexpr, HALF: tl.constexpr):
+    """A DMC decode query's KV group, its rows in float32 halves ``lo, hi [GROUP_BLOCK,
+    HALF_BLOCK]`` (``inside`` the real entries): ``(omega, out_lo, out_hi)``, the group's
+    importance ``max(sigmoid(mean of q[..., -1] + c) + offset, omega_min)`` (Sec. 3.2, each
+    step rounded to ``like_ptr``'s dtype as PyTorch's ops round theirs) and the rows rotated
+    with their decision channel (the upper half's last) zeroed before and after."""
+    last = (cols == HALF - 1)[None, :] & inside
+    mean = _in_dtype(tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0) / GROUP, like_ptr)
+    omega = _in_dtype(tl.sigmoid(_in_dtype(mean + c, like_ptr)), like_ptr)
+    omega = _in_dtype(tl.maximum(_in_dtype(omega + offset, like_ptr), omega_min), like_ptr)
+    hi = tl.where(last, 0.0, hi)
+    return omega, lo * cos - hi * sin, tl.where(last, 0.0, hi * cos + lo * sin)
+
+
+@triton.jit
 def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, decision_ptr, stride_xb, stride_xh,
                         stride_cb, c, param, omega_min,
                         GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HALF: tl.constexpr,
@@ -58,24 +74,22 @@ def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, decision_ptr, stride_x
     hi = tl.load(x_row + HALF, mask=inside, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + b * stride_cb + cols, mask=cols < HALF, other=0.0)[None, :]
     sin = tl.load(sin_ptr + b * stride_cb + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
-    last = (cols == HALF - 1)[None, :] & inside  # the decision channel, the upper half's last
-    if MODE == 2:  # DMS borrows it from the group's first head only
-        last = last & (rows == 0)[:, None]
     if MODE == 1:  # omega = max(sigmoid(mean + c) + offset, OMEGA_MIN), each step rounded
-        mean = _in_dtype(tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0) / GROUP, x_ptr)
-        omega = _in_dtype(tl.sigmoid(_in_dtype(mean + c, x_ptr)), x_ptr)
-        omega = _in_dtype(tl.maximum(_in_dtype(omega + param, x_ptr), omega_min), x_ptr)
+        omega, out_lo, out_hi = _dmc_query_rope(lo, hi, cos, sin, inside, cols, c, param,
+                                                omega_min, x_ptr, GROUP, HALF)
         tl.store(decision_ptr + b * tl.num_programs(1) + g, omega)
-    if MODE == 2:  # evict = [q[..., -1] * scale - c > 0], each step rounded
-        logit = tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0)
-        logit = _in_dtype(_in_dtype(logit * param, x_ptr) - c, x_ptr)
-        tl.store(decision_ptr + b * tl.num_programs(1) + g, logit > 0)
-    if MODE != 0:
-        hi = tl.where(last, 0.0, hi)
-    out_lo = lo * cos - hi * sin
-    out_hi = hi * cos + lo * sin
-    if MODE != 0:
-        out_hi = tl.where(last, 0.0, out_hi)
+    else:
+        # DMS borrows the decision channel (the upper half's last) of the group's first head
+        last = (cols == HALF - 1)[None, :] & inside & (rows == 0)[:, None]
+        if MODE == 2:  # evict = [q[..., -1] * scale - c > 0], each step rounded
+            logit = tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0)
+            logit = _in_dtype(_in_dtype(logit * param, x_ptr) - c, x_ptr)
+            tl.store(decision_ptr + b * tl.num_programs(1) + g, logit > 0)
+            hi = tl.where(last, 0.0, hi)
+        out_lo = lo * cos - hi * sin
+        out_hi = hi * cos + lo * sin
+        if MODE == 2:
+            out_hi = tl.where(last, 0.0, out_hi)
     out_row = (out_ptr + (b * tl.num_programs(1) * GROUP + heads[:, None]) * (2 * HALF)
                + cols[None, :])
     tl.store(out_row, out_lo, mask=inside)

@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 from dmc.ops.algorithm1 import KeyDecision
+from dmc.ops.decisions import OMEGA_MIN
 
+from .decode_rope import _dmc_query_rope
 from .faults import unread_counter
 from .tuning import tuning_for
 
@@ -48,9 +50,12 @@ def _dmc_write_kernel(
     lengths_ptr, alpha_ptr, key_c,
     layer, num_layers, max_pages, num_pages,
     stride_kb, stride_kh, stride_vb, stride_vh,
+    q_ptr, cos_ptr, sin_ptr, q_out, stride_qb, stride_qh, stride_cb, omega_c, omega_offset,
+    omega_min,
     HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, DECIDE: tl.constexpr,
-    KEY_DECIDES: tl.constexpr,
+    KEY_DECIDES: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+    QUERY: tl.constexpr,
 ):
     """Every load first, then the arithmetic, then every store: a store ahead of a load keeps
     the load from being issued before it (the compiler cannot tell that they do not alias),
@@ -58,7 +63,11 @@ def _dmc_write_kernel(
 
     Of the ring only the rows of the open slot's earlier tokens are read (none where the token
     opens a slot): at CR 4 about a quarter of the ring's bytes, which were most of the write's
-    traffic when every row was loaded and the unfilled ones selected away."""
+    traffic when every row was loaded and the unfilled ones selected away.
+
+    ``QUERY``: the program also rotates its KV group's decode queries (``q_ptr``, by the
+    step's tables ``cos_ptr, sin_ptr``, into ``q_out``) and reads the token's importance from
+    their decision channel, as :func:`~.decode_rope.decode_rope` does in its own launch."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_ptr + b).to(tl.int64)
@@ -73,7 +82,18 @@ def _dmc_write_kernel(
     k_hi = _load_half(k_row, cols + HALF, col_mask, key_col)
     v_lo = _load_half(v_row, cols, col_mask, -1)
     v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
-    omega = tl.load(omega_ptr + bh).to(tl.float32)
+    if QUERY:  # the group's queries: their importance, and rotated for the attention
+        q_rows = tl.arange(0, GROUP_BLOCK)
+        q_mask = (q_rows < GROUP)[:, None] & col_mask[None, :]
+        q_row = q_ptr + b * stride_qb + (h * GROUP + q_rows)[:, None] * stride_qh + cols[None, :]
+        q_cos = tl.load(cos_ptr + b * stride_cb + cols, mask=col_mask, other=0.0)[None, :]
+        q_sin = tl.load(sin_ptr + b * stride_cb + HALF + cols, mask=col_mask, other=0.0)[None, :]
+        omega, q_lo, q_hi = _dmc_query_rope(
+            tl.load(q_row, mask=q_mask, other=0.0).to(tl.float32),
+            tl.load(q_row + HALF, mask=q_mask, other=0.0).to(tl.float32), q_cos, q_sin, q_mask,
+            cols, omega_c, omega_offset, omega_min, q_ptr, GROUP, HALF)
+    else:
+        omega = tl.load(omega_ptr + bh).to(tl.float32)
     position = tl.load(pos_ptr + b).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
     open_tokens = tl.load(open_count + head)
@@ -132,6 +152,10 @@ def _dmc_write_kernel(
     cos = tl.cos(angle)
     sin = tl.sin(angle)
 
+    if QUERY:
+        q_dst = q_out + ((b * HEADS + h) * GROUP + q_rows)[:, None] * DIM + cols[None, :]
+        tl.store(q_dst, q_lo, mask=q_mask)
+        tl.store(q_dst + HALF, q_hi, mask=q_mask)
     if DECIDE:
         tl.store(lengths_ptr + head, new_length)
     tl.store(open_count + head, count + 1)
@@ -164,7 +188,8 @@ def _dmc_write_kernel(
 
 def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count, inv_freq,
               window, layer, seq_slots, slots, append, k, v, omega, positions,
-              faults=None, decide=None, num_warps: int | None = None) -> None:
+              faults=None, decide=None, num_warps: int | None = None,
+              query=None) -> torch.Tensor | None:
     """Triton :func:`~dmc.inference.kernels.reference.dmc_write_reference` (same arguments).
 
     Pages, block tables and open-slot state must be contiguous (as the cache builds them); ``k``,
@@ -179,7 +204,13 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
     channel, which the kernel reads (``alpha = [k[..., -1] - c > 0]``) and zeroes.
     ``num_warps``: warps per (sequence, KV head) program (tuning only; ``benchmarks/
     write_kernel.py`` times each); ``None``: the device's measured setting
-    (:func:`~dmc.inference.kernels.tuning.tuning_for`).
+    (:func:`~dmc.inference.kernels.tuning.tuning_for`). ``query``: ``(q [batch, q_heads, dim],
+    cos, sin, channel)``, a decode step's queries (unit stride on ``dim``), its RoPE tables
+    (:func:`~dmc.ops.rope.rope_tables`, ``[batch, 1, dim]`` float32) and a
+    :class:`~dmc.inference.kernels.DecisionChannel`: the importance is read from the queries
+    in the same launch (``omega`` then None) and the queries rotated as
+    :func:`~.decode_rope.decode_rope` rotates them, which this returns (float32); None
+    otherwise.
     """
     lengths, alpha = decide if decide is not None else (None, None)
     num_warps = num_warps or tuning_for(k_pages.device).write_warps
@@ -196,15 +227,34 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
         faults = unread_counter(k_pages.device)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    q, cos, sin, channel = query if query is not None else (None, None, None, None)
+    q_rot, group = None, 1
+    if q is not None:
+        if omega is not None or channel.kv_heads != heads or q.shape[1] % heads:
+            raise ValueError(f"dmc_write: query= reads omega itself (omega None) for {heads} "
+                             f"KV heads, got omega {omega is not None}, {channel.kv_heads} "
+                             f"groups of {q.shape[1]} query heads")
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        cos, sin = cos.reshape(batch, head_dim).float(), sin.reshape(batch, head_dim).float()
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        group = q.shape[1] // heads
     _dmc_write_kernel[(batch, heads)](
         k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
         seq_slots, *((None, None) if decide is not None else
                      (slots.to(torch.int32).contiguous(), append.to(torch.int32).contiguous())),
-        k, v, omega.contiguous(), positions, inv_freq, faults, lengths, alpha,
-        0.0 if key_c is None else key_c, layer, block_tables.shape[1], block_tables.shape[-1],
-        k_pages.shape[0],
+        k, v, None if omega is None else omega.contiguous(), positions, inv_freq, faults,
+        lengths, alpha, 0.0 if key_c is None else key_c, layer, block_tables.shape[1],
+        block_tables.shape[-1], k_pages.shape[0],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, cos, sin, q_rot, *((q.stride(0), q.stride(1), cos.stride(0)) if q is not None
+                              else (0, 0, 0)),
+        0.0 if channel is None else channel.c, 0.0 if channel is None else channel.offset,
+        OMEGA_MIN,
         HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         PAGE_SIZE=k_pages.shape[1], WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
-        DECIDE=decide is not None, KEY_DECIDES=key_c is not None, num_warps=num_warps,
+        DECIDE=decide is not None, KEY_DECIDES=key_c is not None, GROUP=group,
+        GROUP_BLOCK=triton.next_power_of_2(group), QUERY=q is not None, num_warps=num_warps,
     )
+    return q_rot
