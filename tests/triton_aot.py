@@ -199,20 +199,27 @@ def _rope_append():
 
 
 def _dms_write():
-    """The DMS decode write into a bf16 cache (float32 rotated keys, bf16 values)."""
+    """The DMS decode write into a bf16 cache (float32 rotated keys, bf16 values), and the
+    decode step's launch: bf16 keys rotated with GQA queries whose eviction it reads."""
     import torch
 
+    from dmc.inference.kernels import EvictionChannel
     from dmc.inference.kernels.dms_write import dms_write
 
     rows, layers, heads, ring, dim, batch = 3, 2, 2, 33, 128, 2
     pages = [torch.zeros(8, 16, dim, dtype=torch.bfloat16) for _ in range(2)]
     rings = [torch.zeros(rows, layers, heads, ring, dim, dtype=torch.bfloat16) for _ in range(2)]
-    dms_write(*pages, torch.zeros(rows, layers, heads, 4, dtype=torch.int32),
-              torch.zeros(rows, layers, heads, dtype=torch.int32), *rings,
-              torch.zeros(rows, layers, heads, ring, dtype=torch.bool), 1, torch.tensor([2, 0]),
-              torch.tensor([40, 41]), torch.zeros(batch, heads, dim),
-              torch.zeros(batch, heads, dim, dtype=torch.bfloat16),
+    state = (*pages, torch.zeros(rows, layers, heads, 4, dtype=torch.int32),
+             torch.zeros(rows, layers, heads, dtype=torch.int32), *rings,
+             torch.zeros(rows, layers, heads, ring, dtype=torch.bool), 1, torch.tensor([2, 0]),
+             torch.tensor([40, 41]))
+    values = torch.zeros(batch, heads, dim, dtype=torch.bfloat16)
+    dms_write(*state, torch.zeros(batch, heads, dim), values,
               torch.zeros(batch, heads, dtype=torch.bool))
+    tables = torch.zeros(batch, 1, dim)
+    dms_write(*state, values.clone(), values, None,
+              query=(torch.zeros(batch, 4 * heads, dim, dtype=torch.bfloat16), tables, tables,
+                     EvictionChannel(heads, 5.0, 100.0)))
 
 
 def _gumbel():

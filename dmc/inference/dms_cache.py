@@ -90,8 +90,9 @@ class DMSPagedCache(WindowRingCache):
 
     # ---------------------------------------------------------------- decode
     def decode_write(self, layer: int, seq_slots, keys: torch.Tensor, values: torch.Tensor,
-                     evict: torch.Tensor, positions: torch.Tensor | None = None, *,
-                     use_triton: bool | None = None) -> None:
+                     evict: torch.Tensor | None, positions: torch.Tensor | None = None, *,
+                     use_triton: bool | None = None,
+                     query: tuple | None = None) -> torch.Tensor | None:
         """One token per sequence of ``seq_slots`` at its next position p (tokens written so
         far): flag token p - 1 with ``evict``, move token p - w - 1 out of the ring (to its
         head's pages if kept; decided on the device in the step ``begin_decode`` opened, see the
@@ -107,18 +108,30 @@ class DMSPagedCache(WindowRingCache):
             use_triton: None: one Triton launch on CUDA (:mod:`.kernels.dms_write`), the
                 compiled kernel or PyTorch on the CPU; see
                 :func:`~dmc.inference.kernels.resolve_use_triton`.
+            query: on the Triton path, ``(queries [batch, heads, dim], cos, sin, channel)`` of
+                the step: the eviction is read from the queries
+                (:class:`~dmc.inference.kernels.EvictionChannel`; ``evict`` None), the queries
+                rotated and ``keys``, pre-RoPE here, rotated by the tables in the same launch.
+
+        Returns:
+            with ``query``, the rotated queries (float32); None otherwise.
         """
         seqs, rows = self.allocator.rows(seq_slots)
         self.allocator.claim(seqs, layer)
         written = self.written[seqs, layer]
         p = positions if self.static_step else to_device(written, self.device)
         native = not self.static_step and self.native_kernels and self.device.type == "cpu"
+        q_rot = None
         if resolve_use_triton(self.device, use_triton):
             from .kernels.dms_write import dms_write
 
-            dms_write(self.k_pages, self.v_pages, self.block_tables, self.lengths, self.ring_k,
-                      self.ring_v, self.ring_evict, layer, rows, p, keys, values,
-                      torch.as_tensor(evict, device=self.device), self.allocator.faults)
+            q_rot = dms_write(self.k_pages, self.v_pages, self.block_tables, self.lengths,
+                              self.ring_k, self.ring_v, self.ring_evict, layer, rows, p, keys,
+                              values, None if evict is None
+                              else torch.as_tensor(evict, device=self.device),
+                              self.allocator.faults, query=query)
+        elif query is not None:
+            raise ValueError("DMSPagedCache.decode_write: query= needs the Triton kernel")
         elif not (native and native_dms_write(self.k_pages, self.v_pages, self.block_tables,
                                               self.lengths, self.ring_k, self.ring_v,
                                               self.ring_evict, layer, seqs, written, keys,
@@ -126,6 +139,7 @@ class DMSPagedCache(WindowRingCache):
             self._write_torch(layer, seqs, rows, p, keys, values, evict, positions)
         if not self.static_step:
             self.written[seqs, layer] += 1
+        return q_rot
 
     def _write_torch(self, layer: int, seqs, rows, p, keys, values, evict, positions) -> None:
         """:meth:`decode_write` in PyTorch ops (the oracle of the kernels); ``p`` the tokens'

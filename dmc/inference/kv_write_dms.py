@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from dmc.inference.kernels import EvictionChannel, resolve_use_triton, run_decode_rope
+from dmc.inference.kernels import EvictionChannel, resolve_use_triton
 from dmc.inference.kv_write import KVWrite
 from dmc.megatron.config import DMCConfig
 from dmc.ops import dms_alpha_logit, split_dms_channels, zero_dms_channel
@@ -79,11 +79,11 @@ class DMSKV(KVWrite):
 
     def write_token(self, layer, step, query, key, value):
         if not self.adapter and resolve_use_triton(query.device, self.use_triton):
-            q_rot, evict = run_decode_rope(query, step.cos, step.sin, EvictionChannel(
-                self.cache.num_kv_heads, self.config.c, self.config.dms_logit_scale))
-            self.cache.decode_write(layer, step.seqs, self.rotate_rows(key), value, evict,
-                                    step.positions, use_triton=True)
-            return q_rot
+            channel = EvictionChannel(self.cache.num_kv_heads, self.config.c,
+                                      self.config.dms_logit_scale)  # one launch: see the kernel
+            return self.cache.decode_write(layer, step.seqs, key, value, None, step.positions,
+                                           use_triton=True,
+                                           query=(query, step.cos, step.sin, channel))
         query, alpha = self._decide(query[:, :, None])
         self.cache.decode_write(layer, step.seqs, self.rotate_rows(key), value, alpha[..., 0],
                                 step.positions, use_triton=self.use_triton)

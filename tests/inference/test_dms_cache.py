@@ -271,3 +271,43 @@ def test_triton_decode_write_on_cuda_equals_the_pytorch_path(window, dtype):
                             device="cuda") for _ in range(2)]
     drive_decode_writes(caches, [{"use_triton": False}, {"use_triton": True}], window, dtype,
                         static_from=1)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("window,dtype,q_heads", [(2, torch.bfloat16, 4), (4, torch.float32, 2)])
+def test_the_write_reading_the_queries_equals_decode_rope_then_write(window, dtype, q_heads,
+                                                                     device):
+    """The Triton decode write with ``query=`` (one launch: the eviction read from the queries,
+    the queries and the key rotated) against the decode RoPE kernel for the queries and the
+    keys and then the write: the same rotated queries and every tensor of the caches, bit for
+    bit, across ring wrap-arounds and page boundaries (the interpreter on the CPU)."""
+    from dmc.inference.kernels import EvictionChannel, run_decode_rope
+    from dmc.ops.rope import rope_inv_freq, rope_tables
+
+    kv, seqs, c, scale = 2, 3, 0.5, 1.0
+    caches = [DMSPagedCache(LAYERS, kv, DIM, 200, window, page_size=PAGE, max_seqs=seqs,
+                            dtype=dtype, device=device) for _ in range(2)]
+    slots = [[cache.add_sequence() for _ in range(seqs)] for cache in caches][0]
+    channel = EvictionChannel(kv, c, scale)
+    gen = torch.Generator().manual_seed(window)
+    for step in range(2 * (window + 1) + 2 * PAGE):
+        positions = caches[0].written[slots, 0].to(device)
+        cos, sin = rope_tables(positions[:, None], rope_inv_freq(DIM).to(device))
+        for cache in caches:
+            cache.begin_decode(slots)
+        for layer in range(LAYERS):
+            q = torch.randn(seqs, q_heads, DIM, generator=gen).to(device, dtype)
+            keys, values = torch.randn(2, seqs, kv, DIM, generator=gen).to(device, dtype)
+            q_rot, evict = run_decode_rope(q, cos, sin, channel)
+            caches[0].decode_write(layer, slots, run_decode_rope(keys, cos, sin)[0], values,
+                                   evict, positions, use_triton=True)
+            fused = caches[1].decode_write(layer, slots, keys, values, None, positions,
+                                           use_triton=True, query=(q, cos, sin, channel))
+            assert torch.equal(fused, q_rot), (step, layer)
+        for cache in caches:
+            cache.settle()
+        for name in ("k_pages", "v_pages", "lengths", "ring_k", "ring_v", "ring_evict",
+                     "written"):
+            assert torch.equal(getattr(caches[1], name), getattr(caches[0], name)), (step, name)
+    assert int(caches[0].lengths.sum()) > 0 and bool(caches[0].ring_evict.any())

@@ -57,6 +57,21 @@ def _dmc_query_rope(lo, hi, cos, sin, inside, cols, c, offset, omega_min, like_p
 
 
 @triton.jit
+def _dms_query_rope(lo, hi, cos, sin, inside, cols, rows, c, scale, like_ptr,
+                    HALF: tl.constexpr):
+    """A DMS decode query's KV group, its rows in float32 halves ``lo, hi [GROUP_BLOCK,
+    HALF_BLOCK]`` (``rows`` their index in the group): ``(evict, out_lo, out_hi)``, the
+    group's eviction ``[q[..., -1] * scale - c > 0]`` of its first head (each step rounded to
+    ``like_ptr``'s dtype) and the rows rotated with that head's channel (the upper half's last)
+    zeroed before and after."""
+    last = (cols == HALF - 1)[None, :] & inside & (rows == 0)[:, None]
+    logit = tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0)
+    logit = _in_dtype(_in_dtype(logit * scale, like_ptr) - c, like_ptr)
+    hi = tl.where(last, 0.0, hi)
+    return logit > 0, lo * cos - hi * sin, tl.where(last, 0.0, hi * cos + lo * sin)
+
+
+@triton.jit
 def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, decision_ptr, stride_xb, stride_xh,
                         stride_cb, c, param, omega_min,
                         GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HALF: tl.constexpr,
@@ -79,17 +94,13 @@ def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, decision_ptr, stride_x
                                                 omega_min, x_ptr, GROUP, HALF)
         tl.store(decision_ptr + b * tl.num_programs(1) + g, omega)
     else:
-        # DMS borrows the decision channel (the upper half's last) of the group's first head
-        last = (cols == HALF - 1)[None, :] & inside & (rows == 0)[:, None]
-        if MODE == 2:  # evict = [q[..., -1] * scale - c > 0], each step rounded
-            logit = tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0)
-            logit = _in_dtype(_in_dtype(logit * param, x_ptr) - c, x_ptr)
-            tl.store(decision_ptr + b * tl.num_programs(1) + g, logit > 0)
-            hi = tl.where(last, 0.0, hi)
-        out_lo = lo * cos - hi * sin
-        out_hi = hi * cos + lo * sin
-        if MODE == 2:
-            out_hi = tl.where(last, 0.0, out_hi)
+        if MODE == 2:  # evict = [q[..., -1] * scale - c > 0] of the group's first head
+            evict, out_lo, out_hi = _dms_query_rope(lo, hi, cos, sin, inside, cols, rows, c,
+                                                    param, x_ptr, HALF)
+            tl.store(decision_ptr + b * tl.num_programs(1) + g, evict)
+        else:
+            out_lo = lo * cos - hi * sin
+            out_hi = hi * cos + lo * sin
     out_row = (out_ptr + (b * tl.num_programs(1) * GROUP + heads[:, None]) * (2 * HALF)
                + cols[None, :])
     tl.store(out_row, out_lo, mask=inside)

@@ -15,6 +15,11 @@ One program per (sequence, KV head), the token at position ``p``, ring of ``R = 
    (:mod:`.faults`) and not followed;
 3. token ``p`` (rotated key, value) into ring row ``p mod R``, its flag cleared.
 
+With ``query=`` the program also takes its KV group's decode queries: it reads the eviction
+from their borrowed channel and rotates them (as :func:`~.decode_rope.decode_rope` does, in a
+launch of its own), and rotates the token's key by the same tables (the key then comes
+pre-RoPE): the decode step's whole write in one launch.
+
 Pools, block tables, lengths and rings contiguous, as the cache builds them. Import this module
 only after ``TRITON_INTERPRET`` is settled (the cache imports it lazily).
 """
@@ -24,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_rope import _dms_query_rope
 from .faults import unread_counter
 
 
@@ -33,8 +39,10 @@ def _dms_write_kernel(
     row_ptr, pos_ptr, k_ptr, v_ptr, evict_ptr, faults,
     layer, num_layers, max_pages, num_pages,
     stride_kb, stride_kh, stride_vb, stride_vh,
+    q_ptr, cos_ptr, sin_ptr, q_out, stride_qb, stride_qh, stride_cb, evict_c, evict_scale,
     HEADS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, RING: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, RING: tl.constexpr, QUERY: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
 ):
     """Every load first, then every store (a store ahead of a load keeps it from being issued
     before it: the compiler cannot tell that they do not alias); the one address read after
@@ -51,13 +59,31 @@ def _dms_write_kernel(
     col_mask = cols < DIM
     ring_row = (head * RING + slot) * DIM
     leaving = p >= RING
-    evict = (tl.load(evict_ptr + b * HEADS + h) != 0) & (p > 0)
+    if QUERY:  # the group's queries (their eviction, rotated) and the key rotated, by halves
+        half = tl.arange(0, HALF_BLOCK)
+        half_mask = half < DIM // 2
+        q_rows = tl.arange(0, GROUP_BLOCK)
+        q_mask = (q_rows < GROUP)[:, None] & half_mask[None, :]
+        q_row = q_ptr + b * stride_qb + (h * GROUP + q_rows)[:, None] * stride_qh + half[None, :]
+        q_cos = tl.load(cos_ptr + b * stride_cb + half, mask=half_mask, other=0.0)
+        q_sin = tl.load(sin_ptr + b * stride_cb + DIM // 2 + half, mask=half_mask, other=0.0)
+        decided, q_lo, q_hi = _dms_query_rope(
+            tl.load(q_row, mask=q_mask, other=0.0).to(tl.float32),
+            tl.load(q_row + DIM // 2, mask=q_mask, other=0.0).to(tl.float32), q_cos[None, :],
+            q_sin[None, :], q_mask, half, q_rows, evict_c, evict_scale, q_ptr, DIM // 2)
+        evict = decided & (p > 0)
+        k_row = k_ptr + b * stride_kb + h * stride_kh
+        k_lo = tl.load(k_row + half, mask=half_mask, other=0.0).to(tl.float32)
+        k_hi = tl.load(k_row + DIM // 2 + half, mask=half_mask, other=0.0).to(tl.float32)
+    else:
+        evict = (tl.load(evict_ptr + b * HEADS + h) != 0) & (p > 0)
     flag = tl.load(ring_flags + head * RING + slot)
     length = tl.load(lengths + head)
     leaves = col_mask & (p + tl.zeros([DIM_BLOCK], dtype=tl.int64) >= RING)  # a vector mask
     leaving_k = tl.load(ring_k + ring_row + cols, mask=leaves, other=0.0)
     leaving_v = tl.load(ring_v + ring_row + cols, mask=leaves, other=0.0)
-    key = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols, mask=col_mask, other=0.0)
+    if not QUERY:
+        key = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols, mask=col_mask, other=0.0)
     value = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols, mask=col_mask, other=0.0)
     column = length // PAGE_SIZE
     page = tl.load(tables + head * max_pages + column, mask=column < max_pages,
@@ -78,14 +104,24 @@ def _dms_write_kernel(
     tl.store(k_pages + dst, leaving_k, mask=move)
     tl.store(v_pages + dst, leaving_v, mask=move)
     tl.store(lengths + head, length + kept.to(length.dtype))
-    tl.store(ring_k + ring_row + cols, key.to(ring_ty), mask=col_mask)
+    if QUERY:
+        tl.store(ring_k + ring_row + half, (k_lo * q_cos - k_hi * q_sin).to(ring_ty),
+                 mask=half_mask)
+        tl.store(ring_k + ring_row + DIM // 2 + half, (k_hi * q_cos + k_lo * q_sin).to(ring_ty),
+                 mask=half_mask)
+        q_dst = q_out + ((b * HEADS + h) * GROUP + q_rows)[:, None] * DIM + half[None, :]
+        tl.store(q_dst, q_lo, mask=q_mask)
+        tl.store(q_dst + DIM // 2, q_hi, mask=q_mask)
+    else:
+        tl.store(ring_k + ring_row + cols, key.to(ring_ty), mask=col_mask)
     tl.store(ring_v + ring_row + cols, value.to(ring_ty), mask=col_mask)
     tl.store(ring_flags + head * RING + slot, 0)
 
 
 def dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evict, layer: int,
               rows: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-              values: torch.Tensor, evict: torch.Tensor, faults=None) -> None:
+              values: torch.Tensor, evict: torch.Tensor | None, faults=None,
+              query=None) -> torch.Tensor | None:
     """The decode write of one layer (module docstring), in place.
 
     Args:
@@ -101,17 +137,43 @@ def dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evic
         evict: ``[batch, kv_heads]`` bool or 0 / 1, token p - 1's eviction decision.
         faults: a fault counter (:func:`~dmc.inference.kernels.faults.fault_counter`; None: one
             nobody reads).
+        query: ``(q [batch, q_heads, head_dim], cos, sin, channel)``: the step's queries (unit
+            stride on ``head_dim``), RoPE tables (:func:`~dmc.ops.rope.rope_tables`, ``[batch,
+            1, head_dim]`` float32) and :class:`~dmc.inference.kernels.EvictionChannel`: the
+            eviction read from the queries (``evict`` then None), the queries rotated as
+            :func:`~.decode_rope.decode_rope` rotates them (returned, float32), and ``keys``
+            pre-RoPE, rotated by the same tables; None: ``evict`` given, ``keys`` rotated.
     """
-    batch, heads = evict.shape
+    batch, heads = keys.shape[:2]
     head_dim = k_pages.shape[-1]
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()
+    q, cos, sin, channel = query if query is not None else (None, None, None, None)
+    q_rot, group = None, 1
+    if q is not None:
+        if evict is not None or channel.kv_heads != heads or q.shape[1] % heads:
+            raise ValueError(f"dms_write: query= reads the eviction itself (evict None) for "
+                             f"{heads} KV heads, got evict {evict is not None}, "
+                             f"{channel.kv_heads} groups of {q.shape[1]} query heads")
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        cos, sin = cos.reshape(batch, head_dim).float(), sin.reshape(batch, head_dim).float()
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        group = q.shape[1] // heads
     _dms_write_kernel[(batch, heads)](
         k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evict.view(torch.uint8),
-        rows, positions, keys, values, evict.to(torch.uint8).contiguous(),
+        rows, positions, keys, values,
+        None if evict is None else evict.to(torch.uint8).contiguous(),
         unread_counter(k_pages.device) if faults is None else faults,
         layer, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[0],
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        q, cos, sin, q_rot, *((q.stride(0), q.stride(1), cos.stride(0)) if q is not None
+                              else (0, 0, 0)),
+        0.0 if channel is None else channel.c, 0.0 if channel is None else channel.scale,
         HEADS=heads, DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
-        PAGE_SIZE=k_pages.shape[1], RING=ring_k.shape[3],
+        PAGE_SIZE=k_pages.shape[1], RING=ring_k.shape[3], QUERY=q is not None, GROUP=group,
+        GROUP_BLOCK=triton.next_power_of_2(group),
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
     )
+    return q_rot
