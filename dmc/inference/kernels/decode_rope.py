@@ -19,6 +19,8 @@ and evictions are :func:`dmc.ops.decisions.decision_logits`'s and
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -107,6 +109,52 @@ def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, decision_ptr, stride_x
     tl.store(out_row + HALF, out_hi, mask=inside)
 
 
+def step_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int,
+                dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's RoPE tables (:func:`~dmc.ops.rope.rope_tables`, ``[batch, 1, dim]``) as
+    the kernels read them: ``[batch, dim]`` float32 with a unit stride on ``dim``, equal
+    strides."""
+    cos, sin = cos.reshape(batch, dim).float(), sin.reshape(batch, dim).float()
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+class QueryOperands(NamedTuple):
+    """What a write kernel taking a decode step's queries launches with
+    (:func:`query_operands`): the queries, the step's tables, the float32 output of the rotated
+    queries, ``(stride_qb, stride_qh, stride_cb)``, query heads per KV head and the decision
+    channel; Nones, zeros and a group of 1 without queries."""
+
+    q: torch.Tensor | None
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    out: torch.Tensor | None
+    strides: tuple[int, int, int]
+    group: int
+    channel: DecisionChannel | EvictionChannel | None
+
+
+def query_operands(query: tuple | None, batch: int, kv_heads: int, dim: int, owner: str,
+                   decision: str, given: bool) -> QueryOperands:
+    """The operands of ``query=(q [batch, q_heads, dim], cos, sin, channel)`` for ``owner``'s
+    write kernel, which then reads ``decision`` from the queries itself; ValueError naming
+    ``owner`` where ``decision`` was ``given`` as well or the channel's groups are not the
+    kernel's ``kv_heads``."""
+    if query is None:
+        return QueryOperands(None, None, None, None, (0, 0, 0), 1, None)
+    q, cos, sin, channel = query
+    if given or channel.kv_heads != kv_heads or q.shape[1] % kv_heads:
+        raise ValueError(f"{owner}: query= reads {decision} itself ({decision} None) for "
+                         f"{kv_heads} KV heads, got {decision} {given}, {channel.kv_heads} "
+                         f"groups of {q.shape[1]} query heads")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    cos, sin = step_tables(cos, sin, batch, dim)
+    return QueryOperands(q, cos, sin, torch.empty(q.shape, dtype=torch.float32, device=q.device),
+                         (q.stride(0), q.stride(1), cos.stride(0)), q.shape[1] // kv_heads,
+                         channel)
+
+
 def decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 decision: DecisionChannel | EvictionChannel | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,10 +172,7 @@ def decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          f"groups of rotate-half pairs")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cos = cos.reshape(batch, dim).float()
-    sin = sin.reshape(batch, dim).float()
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = step_tables(cos, sin, batch, dim)
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=x.device)
     mode = {type(None): 0, DecisionChannel: 1, EvictionChannel: 2}[type(decision)]
     out_decision = (None if mode == 0 else

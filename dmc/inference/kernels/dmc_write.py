@@ -14,7 +14,7 @@ import triton.language as tl
 from dmc.ops.algorithm1 import KeyDecision
 from dmc.ops.decisions import OMEGA_MIN
 
-from .decode_rope import _dmc_query_rope
+from .decode_rope import _dmc_query_rope, query_operands
 from .faults import unread_counter
 from .tuning import tuning_for
 
@@ -227,19 +227,8 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
         faults = unread_counter(k_pages.device)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    q, cos, sin, channel = query if query is not None else (None, None, None, None)
-    q_rot, group = None, 1
-    if q is not None:
-        if omega is not None or channel.kv_heads != heads or q.shape[1] % heads:
-            raise ValueError(f"dmc_write: query= reads omega itself (omega None) for {heads} "
-                             f"KV heads, got omega {omega is not None}, {channel.kv_heads} "
-                             f"groups of {q.shape[1]} query heads")
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        cos, sin = cos.reshape(batch, head_dim).float(), sin.reshape(batch, head_dim).float()
-        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
-        q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        group = q.shape[1] // heads
+    query = query_operands(query, batch, heads, head_dim, "dmc_write", "omega",
+                           omega is not None)
     _dmc_write_kernel[(batch, heads)](
         k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count,
         seq_slots, *((None, None) if decide is not None else
@@ -248,13 +237,13 @@ def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_c
         lengths, alpha, 0.0 if key_c is None else key_c, layer, block_tables.shape[1],
         block_tables.shape[-1], k_pages.shape[0],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q, cos, sin, q_rot, *((q.stride(0), q.stride(1), cos.stride(0)) if q is not None
-                              else (0, 0, 0)),
-        0.0 if channel is None else channel.c, 0.0 if channel is None else channel.offset,
-        OMEGA_MIN,
+        query.q, query.cos, query.sin, query.out, *query.strides,
+        0.0 if query.channel is None else query.channel.c,
+        0.0 if query.channel is None else query.channel.offset, OMEGA_MIN,
         HEADS=heads, DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         PAGE_SIZE=k_pages.shape[1], WINDOW=window, ROWS=triton.next_power_of_2(max(window, 1)),
-        DECIDE=decide is not None, KEY_DECIDES=key_c is not None, GROUP=group,
-        GROUP_BLOCK=triton.next_power_of_2(group), QUERY=q is not None, num_warps=num_warps,
+        DECIDE=decide is not None, KEY_DECIDES=key_c is not None, GROUP=query.group,
+        GROUP_BLOCK=triton.next_power_of_2(query.group), QUERY=query.q is not None,
+        num_warps=num_warps,
     )
-    return q_rot
+    return query.out

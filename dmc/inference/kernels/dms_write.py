@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_rope import _dms_query_rope
+from .decode_rope import _dms_query_rope, query_operands
 from .faults import unread_counter
 
 
@@ -148,19 +148,8 @@ def dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evic
     head_dim = k_pages.shape[-1]
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()
-    q, cos, sin, channel = query if query is not None else (None, None, None, None)
-    q_rot, group = None, 1
-    if q is not None:
-        if evict is not None or channel.kv_heads != heads or q.shape[1] % heads:
-            raise ValueError(f"dms_write: query= reads the eviction itself (evict None) for "
-                             f"{heads} KV heads, got evict {evict is not None}, "
-                             f"{channel.kv_heads} groups of {q.shape[1]} query heads")
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        cos, sin = cos.reshape(batch, head_dim).float(), sin.reshape(batch, head_dim).float()
-        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
-        q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        group = q.shape[1] // heads
+    query = query_operands(query, batch, heads, head_dim, "dms_write", "evict",
+                           evict is not None)
     _dms_write_kernel[(batch, heads)](
         k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evict.view(torch.uint8),
         rows, positions, keys, values,
@@ -168,12 +157,12 @@ def dms_write(k_pages, v_pages, block_tables, lengths, ring_k, ring_v, ring_evic
         unread_counter(k_pages.device) if faults is None else faults,
         layer, block_tables.shape[1], block_tables.shape[-1], k_pages.shape[0],
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        q, cos, sin, q_rot, *((q.stride(0), q.stride(1), cos.stride(0)) if q is not None
-                              else (0, 0, 0)),
-        0.0 if channel is None else channel.c, 0.0 if channel is None else channel.scale,
+        query.q, query.cos, query.sin, query.out, *query.strides,
+        0.0 if query.channel is None else query.channel.c,
+        0.0 if query.channel is None else query.channel.scale,
         HEADS=heads, DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
-        PAGE_SIZE=k_pages.shape[1], RING=ring_k.shape[3], QUERY=q is not None, GROUP=group,
-        GROUP_BLOCK=triton.next_power_of_2(group),
+        PAGE_SIZE=k_pages.shape[1], RING=ring_k.shape[3], QUERY=query.q is not None,
+        GROUP=query.group, GROUP_BLOCK=triton.next_power_of_2(query.group),
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
     )
-    return q_rot
+    return query.out

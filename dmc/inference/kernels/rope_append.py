@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_rope import step_tables
 from .faults import unread_counter
 
 
@@ -101,9 +102,7 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
                          f"heads, page strides {pages.stride()} and {offsets.stride()}: need "
                          f"whole groups of rotate-half pairs and equal strides")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    cos, sin = cos.reshape(batch, dim).float(), sin.reshape(batch, dim).float()
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = step_tables(cos, sin, batch, dim)
     q_rot = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=q.device)
     group = q_heads // kv_heads
     _rope_append_kernel[(batch, kv_heads)](
