@@ -43,6 +43,42 @@ def _in_dtype(x, like_ptr):
 
 
 @triton.jit
+def _rotate_half(lo, hi, cos, sin):
+    """Rotate-half RoPE of float32 halves: ``(lo cos - hi sin, hi cos + lo sin)``."""
+    return lo * cos - hi * sin, hi * cos + lo * sin
+
+
+@triton.jit
+def _load_group(x_ptr, cos_ptr, sin_ptr, b, g, stride_xb, stride_xh, stride_cb,
+                GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HALF: tl.constexpr,
+                HALF_BLOCK: tl.constexpr):
+    """The ``GROUP`` rows of KV group ``g`` of decode row ``b`` as float32 halves ``lo, hi
+    [GROUP_BLOCK, HALF_BLOCK]``, with row ``b``'s RoPE tables ``cos, sin [1, HALF_BLOCK]``:
+    ``(lo, hi, cos, sin, rows, cols, inside)`` (``inside`` the real entries)."""
+    rows = tl.arange(0, GROUP_BLOCK)
+    cols = tl.arange(0, HALF_BLOCK)
+    inside = (rows < GROUP)[:, None] & (cols < HALF)[None, :]
+    x_row = x_ptr + b * stride_xb + (g * GROUP + rows)[:, None] * stride_xh + cols[None, :]
+    lo = tl.load(x_row, mask=inside, other=0.0).to(tl.float32)
+    hi = tl.load(x_row + HALF, mask=inside, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + b * stride_cb + cols, mask=cols < HALF, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + b * stride_cb + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+    return lo, hi, cos, sin, rows, cols, inside
+
+
+@triton.jit
+def _store_group(out_ptr, lo, hi, b, g, rows, cols, inside, GROUP: tl.constexpr,
+                 HALF: tl.constexpr):
+    """Halves ``lo, hi`` (:func:`_load_group`'s layout) into the rows of KV group ``g`` of row
+    ``b`` of the contiguous ``out [batch, groups * GROUP, 2 HALF]``, the grid's second axis
+    running over the groups."""
+    out_row = (out_ptr + (b * tl.num_programs(1) * GROUP + g * GROUP + rows)[:, None] * (2 * HALF)
+               + cols[None, :])
+    tl.store(out_row, lo, mask=inside)
+    tl.store(out_row + HALF, hi, mask=inside)
+
+
+@triton.jit
 def _dmc_query_rope(lo, hi, cos, sin, inside, cols, c, offset, omega_min, like_ptr,
                     GROUP: tl.constexpr, HALF: tl.constexpr):
     """A DMC decode query's KV group, its rows in float32 halves ``lo, hi [GROUP_BLOCK,
@@ -54,8 +90,8 @@ def _dmc_query_rope(lo, hi, cos, sin, inside, cols, c, offset, omega_min, like_p
     mean = _in_dtype(tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0) / GROUP, like_ptr)
     omega = _in_dtype(tl.sigmoid(_in_dtype(mean + c, like_ptr)), like_ptr)
     omega = _in_dtype(tl.maximum(_in_dtype(omega + offset, like_ptr), omega_min), like_ptr)
-    hi = tl.where(last, 0.0, hi)
-    return omega, lo * cos - hi * sin, tl.where(last, 0.0, hi * cos + lo * sin)
+    out_lo, out_hi = _rotate_half(lo, tl.where(last, 0.0, hi), cos, sin)
+    return omega, out_lo, tl.where(last, 0.0, out_hi)
 
 
 @triton.jit
@@ -69,8 +105,8 @@ def _dms_query_rope(lo, hi, cos, sin, inside, cols, rows, c, scale, like_ptr,
     last = (cols == HALF - 1)[None, :] & inside & (rows == 0)[:, None]
     logit = tl.sum(tl.sum(tl.where(last, hi, 0.0), axis=1), axis=0)
     logit = _in_dtype(_in_dtype(logit * scale, like_ptr) - c, like_ptr)
-    hi = tl.where(last, 0.0, hi)
-    return logit > 0, lo * cos - hi * sin, tl.where(last, 0.0, hi * cos + lo * sin)
+    out_lo, out_hi = _rotate_half(lo, tl.where(last, 0.0, hi), cos, sin)
+    return logit > 0, out_lo, tl.where(last, 0.0, out_hi)
 
 
 @triton.jit
@@ -82,15 +118,9 @@ def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, decision_ptr, stride_x
     logit's scale)."""
     b = tl.program_id(0)
     g = tl.program_id(1)
-    rows = tl.arange(0, GROUP_BLOCK)
-    cols = tl.arange(0, HALF_BLOCK)
-    heads = g * GROUP + rows
-    inside = (rows < GROUP)[:, None] & (cols < HALF)[None, :]
-    x_row = x_ptr + b * stride_xb + heads[:, None] * stride_xh + cols[None, :]
-    lo = tl.load(x_row, mask=inside, other=0.0).to(tl.float32)
-    hi = tl.load(x_row + HALF, mask=inside, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + b * stride_cb + cols, mask=cols < HALF, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + b * stride_cb + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+    lo, hi, cos, sin, rows, cols, inside = _load_group(
+        x_ptr, cos_ptr, sin_ptr, b, g, stride_xb, stride_xh, stride_cb, GROUP, GROUP_BLOCK, HALF,
+        HALF_BLOCK)
     if MODE == 1:  # omega = max(sigmoid(mean + c) + offset, OMEGA_MIN), each step rounded
         omega, out_lo, out_hi = _dmc_query_rope(lo, hi, cos, sin, inside, cols, c, param,
                                                 omega_min, x_ptr, GROUP, HALF)
@@ -101,12 +131,8 @@ def _decode_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, decision_ptr, stride_x
                                                     param, x_ptr, HALF)
             tl.store(decision_ptr + b * tl.num_programs(1) + g, evict)
         else:
-            out_lo = lo * cos - hi * sin
-            out_hi = hi * cos + lo * sin
-    out_row = (out_ptr + (b * tl.num_programs(1) * GROUP + heads[:, None]) * (2 * HALF)
-               + cols[None, :])
-    tl.store(out_row, out_lo, mask=inside)
-    tl.store(out_row + HALF, out_hi, mask=inside)
+            out_lo, out_hi = _rotate_half(lo, hi, cos, sin)
+    _store_group(out_ptr, out_lo, out_hi, b, g, rows, cols, inside, GROUP, HALF)
 
 
 def step_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int,

@@ -14,7 +14,13 @@ import triton.language as tl
 from dmc.ops.algorithm1 import KeyDecision
 from dmc.ops.decisions import OMEGA_MIN
 
-from .decode_rope import _dmc_query_rope, query_operands
+from .decode_rope import (
+    _dmc_query_rope,
+    _load_group,
+    _rotate_half,
+    _store_group,
+    query_operands,
+)
 from .faults import unread_counter
 from .tuning import tuning_for
 
@@ -83,15 +89,11 @@ def _dmc_write_kernel(
     v_lo = _load_half(v_row, cols, col_mask, -1)
     v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
     if QUERY:  # the group's queries: their importance, and rotated for the attention
-        q_rows = tl.arange(0, GROUP_BLOCK)
-        q_mask = (q_rows < GROUP)[:, None] & col_mask[None, :]
-        q_row = q_ptr + b * stride_qb + (h * GROUP + q_rows)[:, None] * stride_qh + cols[None, :]
-        q_cos = tl.load(cos_ptr + b * stride_cb + cols, mask=col_mask, other=0.0)[None, :]
-        q_sin = tl.load(sin_ptr + b * stride_cb + HALF + cols, mask=col_mask, other=0.0)[None, :]
-        omega, q_lo, q_hi = _dmc_query_rope(
-            tl.load(q_row, mask=q_mask, other=0.0).to(tl.float32),
-            tl.load(q_row + HALF, mask=q_mask, other=0.0).to(tl.float32), q_cos, q_sin, q_mask,
-            cols, omega_c, omega_offset, omega_min, q_ptr, GROUP, HALF)
+        q_lo, q_hi, q_cos, q_sin, q_rows, q_cols, q_mask = _load_group(
+            q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb, GROUP, GROUP_BLOCK,
+            HALF, HALF_BLOCK)
+        omega, q_lo, q_hi = _dmc_query_rope(q_lo, q_hi, q_cos, q_sin, q_mask, q_cols, omega_c,
+                                            omega_offset, omega_min, q_ptr, GROUP, HALF)
     else:
         omega = tl.load(omega_ptr + bh).to(tl.float32)
     position = tl.load(pos_ptr + b).to(tl.float32)
@@ -153,9 +155,7 @@ def _dmc_write_kernel(
     sin = tl.sin(angle)
 
     if QUERY:
-        q_dst = q_out + ((b * HEADS + h) * GROUP + q_rows)[:, None] * DIM + cols[None, :]
-        tl.store(q_dst, q_lo, mask=q_mask)
-        tl.store(q_dst + HALF, q_hi, mask=q_mask)
+        _store_group(q_out, q_lo, q_hi, b, h, q_rows, q_cols, q_mask, GROUP, HALF)
     if DECIDE:
         tl.store(lengths_ptr + head, new_length)
     tl.store(open_count + head, count + 1)
@@ -179,9 +179,9 @@ def _dmc_write_kernel(
     store = col_mask & (pages >= 0) & (pages < num_pages)
     dst = (page * PAGE_SIZE + slot % PAGE_SIZE) * DIM
     out_ty = k_pages.dtype.element_ty
-    tl.store(k_pages + dst + cols, (mean_k_lo * cos - mean_k_hi * sin).to(out_ty), mask=store)
-    tl.store(k_pages + dst + HALF + cols, (mean_k_hi * cos + mean_k_lo * sin).to(out_ty),
-             mask=store)
+    rotated_lo, rotated_hi = _rotate_half(mean_k_lo, mean_k_hi, cos, sin)
+    tl.store(k_pages + dst + cols, rotated_lo.to(out_ty), mask=store)
+    tl.store(k_pages + dst + HALF + cols, rotated_hi.to(out_ty), mask=store)
     tl.store(v_pages + dst + cols, mean_v_lo.to(out_ty), mask=store)
     tl.store(v_pages + dst + HALF + cols, mean_v_hi.to(out_ty), mask=store)
 

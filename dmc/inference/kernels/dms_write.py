@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_rope import _dms_query_rope, query_operands
+from .decode_rope import (
+    _dms_query_rope,
+    _load_group,
+    _rotate_half,
+    _store_group,
+    query_operands,
+)
 from .faults import unread_counter
 
 
@@ -60,21 +66,17 @@ def _dms_write_kernel(
     ring_row = (head * RING + slot) * DIM
     leaving = p >= RING
     if QUERY:  # the group's queries (their eviction, rotated) and the key rotated, by halves
-        half = tl.arange(0, HALF_BLOCK)
-        half_mask = half < DIM // 2
-        q_rows = tl.arange(0, GROUP_BLOCK)
-        q_mask = (q_rows < GROUP)[:, None] & half_mask[None, :]
-        q_row = q_ptr + b * stride_qb + (h * GROUP + q_rows)[:, None] * stride_qh + half[None, :]
-        q_cos = tl.load(cos_ptr + b * stride_cb + half, mask=half_mask, other=0.0)
-        q_sin = tl.load(sin_ptr + b * stride_cb + DIM // 2 + half, mask=half_mask, other=0.0)
-        decided, q_lo, q_hi = _dms_query_rope(
-            tl.load(q_row, mask=q_mask, other=0.0).to(tl.float32),
-            tl.load(q_row + DIM // 2, mask=q_mask, other=0.0).to(tl.float32), q_cos[None, :],
-            q_sin[None, :], q_mask, half, q_rows, evict_c, evict_scale, q_ptr, DIM // 2)
+        q_lo, q_hi, q_cos, q_sin, q_rows, half, q_mask = _load_group(
+            q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb, GROUP, GROUP_BLOCK,
+            DIM // 2, HALF_BLOCK)
+        decided, q_lo, q_hi = _dms_query_rope(q_lo, q_hi, q_cos, q_sin, q_mask, half, q_rows,
+                                              evict_c, evict_scale, q_ptr, DIM // 2)
         evict = decided & (p > 0)
-        k_row = k_ptr + b * stride_kb + h * stride_kh
-        k_lo = tl.load(k_row + half, mask=half_mask, other=0.0).to(tl.float32)
-        k_hi = tl.load(k_row + DIM // 2 + half, mask=half_mask, other=0.0).to(tl.float32)
+        half_mask = (half < DIM // 2)[None, :]  # the key as one row, [1, HALF_BLOCK]
+        k_row = k_ptr + b * stride_kb + h * stride_kh + half[None, :]
+        k_lo, k_hi = _rotate_half(
+            tl.load(k_row, mask=half_mask, other=0.0).to(tl.float32),
+            tl.load(k_row + DIM // 2, mask=half_mask, other=0.0).to(tl.float32), q_cos, q_sin)
     else:
         evict = (tl.load(evict_ptr + b * HEADS + h) != 0) & (p > 0)
     flag = tl.load(ring_flags + head * RING + slot)
@@ -105,13 +107,9 @@ def _dms_write_kernel(
     tl.store(v_pages + dst, leaving_v, mask=move)
     tl.store(lengths + head, length + kept.to(length.dtype))
     if QUERY:
-        tl.store(ring_k + ring_row + half, (k_lo * q_cos - k_hi * q_sin).to(ring_ty),
-                 mask=half_mask)
-        tl.store(ring_k + ring_row + DIM // 2 + half, (k_hi * q_cos + k_lo * q_sin).to(ring_ty),
-                 mask=half_mask)
-        q_dst = q_out + ((b * HEADS + h) * GROUP + q_rows)[:, None] * DIM + half[None, :]
-        tl.store(q_dst, q_lo, mask=q_mask)
-        tl.store(q_dst + DIM // 2, q_hi, mask=q_mask)
+        tl.store(ring_k + ring_row + half[None, :], k_lo.to(ring_ty), mask=half_mask)
+        tl.store(ring_k + ring_row + DIM // 2 + half[None, :], k_hi.to(ring_ty), mask=half_mask)
+        _store_group(q_out, q_lo, q_hi, b, h, q_rows, half, q_mask, GROUP, DIM // 2)
     else:
         tl.store(ring_k + ring_row + cols, key.to(ring_ty), mask=col_mask)
     tl.store(ring_v + ring_row + cols, value.to(ring_ty), mask=col_mask)

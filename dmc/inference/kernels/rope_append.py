@@ -17,16 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_rope import step_tables
+from .decode_rope import _load_group, _rotate_half, _store_group, step_tables
 from .faults import unread_counter
-
-
-@triton.jit
-def _rotated_halves(row_ptrs, cols, mask, cos, sin, HALF: tl.constexpr):
-    """The rotate-half RoPE of the rows at ``row_ptrs`` (float32 halves)."""
-    lo = tl.load(row_ptrs + cols, mask=mask, other=0.0).to(tl.float32)
-    hi = tl.load(row_ptrs + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    return lo * cos - hi * sin, hi * cos + lo * sin
 
 
 @triton.jit
@@ -40,38 +32,35 @@ def _rope_append_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out, k_pages, v
     the load early: it cannot tell that they do not alias)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    cols = tl.arange(0, HALF_BLOCK)
-    col_mask = cols < HALF
-    rows = tl.arange(0, GROUP_BLOCK)
-    heads = h * GROUP + rows
-    q_mask = (rows < GROUP)[:, None] & col_mask[None, :]
-    cos = tl.load(cos_ptr + b * stride_cb + cols, mask=col_mask, other=0.0)
-    sin = tl.load(sin_ptr + b * stride_cb + HALF + cols, mask=col_mask, other=0.0)
-    q_lo, q_hi = _rotated_halves(q_ptr + b * stride_qb + heads[:, None] * stride_qh,
-                                 cols[None, :], q_mask, cos[None, :], sin[None, :], HALF)
-    k_lo, k_hi = _rotated_halves(k_ptr + b * stride_kb + h * stride_kh, cols, col_mask, cos,
-                                 sin, HALF)
-    v_row = v_ptr + b * stride_vb + h * stride_vh
-    v_lo = tl.load(v_row + cols, mask=col_mask, other=0.0)
-    v_hi = tl.load(v_row + HALF + cols, mask=col_mask, other=0.0)
+    q_lo, q_hi, cos, sin, rows, cols, q_mask = _load_group(
+        q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb, GROUP, GROUP_BLOCK, HALF,
+        HALF_BLOCK)
+    q_lo, q_hi = _rotate_half(q_lo, q_hi, cos, sin)
+    row_mask = (cols < HALF)[None, :]  # the key and value as one row, [1, HALF_BLOCK]
+    k_row = k_ptr + b * stride_kb + h * stride_kh + cols[None, :]
+    k_lo, k_hi = _rotate_half(tl.load(k_row, mask=row_mask, other=0.0).to(tl.float32),
+                              tl.load(k_row + HALF, mask=row_mask, other=0.0).to(tl.float32),
+                              cos, sin)
+    v_row = v_ptr + b * stride_vb + h * stride_vh + cols[None, :]
+    v_lo = tl.load(v_row, mask=row_mask, other=0.0)
+    v_hi = tl.load(v_row + HALF, mask=row_mask, other=0.0)
     page = tl.load(pages_ptr + b * stride_pb + h * stride_ph).to(tl.int64)
     offset = tl.load(offsets_ptr + b * stride_pb + h * stride_ph).to(tl.int64)
     seq = tl.load(rows_ptr + b).to(tl.int64)
 
-    q_row = q_out + (b * tl.num_programs(1) * GROUP + heads[:, None]) * (2 * HALF) + cols[None, :]
-    tl.store(q_row, q_lo, mask=q_mask)
-    tl.store(q_row + HALF, q_hi, mask=q_mask)
+    _store_group(q_out, q_lo, q_hi, b, h, rows, cols, q_mask, GROUP, HALF)
     outside = (page < 0) | (page >= num_pages)  # not a page of the pool: not written, counted
     tl.atomic_add(faults, 1, mask=outside)
     tl.atomic_max(faults + 1, (seq * num_layers + layer) * tl.num_programs(1) + h, mask=outside)
-    pages = page + tl.zeros([HALF_BLOCK], dtype=tl.int64)  # a vector (the interpreter's masks)
-    store = col_mask & (pages >= 0) & (pages < num_pages)
-    dst = (page * PAGE_SIZE + offset) * (2 * HALF)
+    pages = page + tl.zeros([1, HALF_BLOCK], dtype=tl.int64)  # a row (the interpreter's masks)
+    store = row_mask & (pages >= 0) & (pages < num_pages)
+    dst = k_pages + (page * PAGE_SIZE + offset) * (2 * HALF) + cols[None, :]
     out_ty = k_pages.dtype.element_ty
-    tl.store(k_pages + dst + cols, k_lo.to(out_ty), mask=store)
-    tl.store(k_pages + dst + HALF + cols, k_hi.to(out_ty), mask=store)
-    tl.store(v_pages + dst + cols, v_lo.to(out_ty), mask=store)
-    tl.store(v_pages + dst + HALF + cols, v_hi.to(out_ty), mask=store)
+    tl.store(dst, k_lo.to(out_ty), mask=store)
+    tl.store(dst + HALF, k_hi.to(out_ty), mask=store)
+    v_dst = v_pages + (page * PAGE_SIZE + offset) * (2 * HALF) + cols[None, :]
+    tl.store(v_dst, v_lo.to(out_ty), mask=store)
+    tl.store(v_dst + HALF, v_hi.to(out_ty), mask=store)
 
 
 def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
