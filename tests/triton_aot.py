@@ -10,7 +10,7 @@ instead of running them, then compiles each recorded launch with ``triton.compil
 launch's argument types, constexprs, warps and stages.
 
     python tests/triton_aot.py paged_decode dmc_write decode_rope rope_append dms_write gumbel \
-        window_sums
+        window_sums delayed_write
 
 prints one line per compiled launch and exits 1 naming the kernels that fail.
 """
@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 CASES = ("paged_decode", "dmc_write", "decode_rope", "rope_append", "dms_write", "gumbel",
-         "window_sums")
+         "window_sums", "delayed_write")
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
 
@@ -222,6 +222,34 @@ def _dms_write():
                      EvictionChannel(heads, 5.0, 100.0)))
 
 
+def _delayed_write():
+    """The write of DMC with delayed merging (ring of 17) into a bf16 cache, windowed (window
+    12) and exact: the decode step's launch (the decision read from the key, the importance
+    from GQA queries, which it rotates), and with both decisions given."""
+    import torch
+
+    from dmc.inference.delayed_cache import DelayedMergeCache
+    from dmc.inference.kernels import DecisionChannel
+    from dmc.ops.algorithm1 import KeyDecision
+
+    heads, dim, batch = 2, 128, 2
+    for window in (12, None):
+        cache = DelayedMergeCache(1, heads, dim, 16, 16, page_size=16, max_seqs=batch,
+                                  window=window, dtype=torch.bfloat16)
+        seqs = [cache.add_sequence() for _ in range(batch)]
+        cache.begin_decode(seqs)
+        k = torch.zeros(batch, heads, dim, dtype=torch.bfloat16)
+        positions = torch.zeros(batch, dtype=torch.long)
+        tables = torch.zeros(batch, 1, dim)
+        query = (torch.zeros(batch, 2 * heads, dim, dtype=torch.bfloat16), tables, tables,
+                 DecisionChannel(heads, 5.0, 2.0 ** -7))
+        cache.write(0, seqs, positions, k, k.clone(), None, KeyDecision(5.0), use_triton=True,
+                    defer=True, query=query)
+        cache.begin_decode(seqs)
+        cache.write(0, seqs, positions + 1, k, k.clone(), torch.ones(batch, heads),
+                    torch.zeros(batch, heads), use_triton=True, defer=True)
+
+
 def _gumbel():
     """The Gumbel-max draw over bf16 logits."""
     import torch
@@ -263,7 +291,7 @@ def main(cases: list[str]) -> int:
     drivers = {"paged_decode": _paged_decode, "dmc_write": _dmc_write,
                "decode_rope": _decode_rope, "rope_append": _rope_append,
                "dms_write": _dms_write, "gumbel": _gumbel,
-               "window_sums": _window_sums}
+               "window_sums": _window_sums, "delayed_write": _delayed_write}
     failed = []
     for case in cases:
         launches = record_launches(drivers[case])

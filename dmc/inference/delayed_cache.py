@@ -15,7 +15,9 @@ Decode (:meth:`write`, batched over sequences and heads): token ``p - R`` leaves
 deferred DMC write), its pre-RoPE key recovered by rotating back (RoPE is orthogonal: rotating
 by ``-t`` undoes rotating by ``t``, exact up to rounding in the cache dtype). On the CPU a
 compiled kernel does the whole write, in static steps too (the positions are host memory there:
-:func:`~dmc.inference.kernels.native.native_delayed_write`, tested against the PyTorch path).
+:func:`~dmc.inference.kernels.native.native_delayed_write`), on CUDA a Triton kernel in one
+launch a layer (:mod:`~dmc.inference.kernels.delayed_write`, which also reads the importance
+from the step's queries and rotates them); both tested against the PyTorch path.
 Prefill is the KV write's (:class:`~dmc.inference.kv_write_delayed.DelayedDMCKV`) over
 :meth:`raw_window` and :meth:`keep_window_tail`, with :meth:`window_decisions`.
 
@@ -31,6 +33,7 @@ import torch
 from dmc.ops.algorithm1 import KeyDecision
 from dmc.ops.rope import rope_tables, rotate
 
+from .kernels import resolve_use_triton, run_delayed_write
 from .kernels.native import native_delayed_write
 from .ring_cache import WindowRingCache
 
@@ -71,23 +74,47 @@ class DelayedMergeCache(WindowRingCache):
         return out
 
     def write(self, layer: int, seq_slots, positions, k: torch.Tensor, v: torch.Tensor, omega,
-              alpha, *, use_triton: bool | None = None, defer: bool = False) -> None:
+              alpha, *, use_triton: bool | None = None, defer: bool = False,
+              query: tuple | None = None) -> torch.Tensor | None:
         """One token per sequence of ``seq_slots`` at positions p, in the decode step
         ``begin_decode`` opened (``defer`` must be True): token ``p - R`` leaves the ring
         through Algorithm 1 (:meth:`PagedKVCache.write`'s device path), token p takes its row.
+        On the Triton path (``use_triton``, see
+        :func:`~dmc.inference.kernels.resolve_use_triton`) one launch does it all
+        (:func:`~dmc.inference.kernels.run_delayed_write`).
 
         Args:
             positions: ``[batch]`` the positions p (device).
             k, v: ``[batch, kv_heads, head_dim]`` pre-RoPE key (decision channel zeroed) and
                 value; omega, alpha: ``[batch, kv_heads]`` the token's decisions (alpha a
                 :class:`~dmc.ops.algorithm1.KeyDecision`: still in ``k``, split off here).
+            query: Triton path only, as :meth:`PagedKVCache.write` takes it (``omega`` None):
+                the importance read from the step's queries, which are rotated and returned.
+
+        Returns:
+            with ``query``, the rotated queries (float32); None otherwise.
         """
         if not defer:
             raise ValueError("DelayedMergeCache.write: decode writes are deferred (defer=True)")
-        if isinstance(alpha, KeyDecision):
-            alpha, k = alpha.split(k)
         seqs, rows = self.allocator.rows(seq_slots)
         self.allocator.claim(seqs, layer)
+        if resolve_use_triton(self.device, use_triton):
+            rotated = run_delayed_write(
+                self.k_pages, self.v_pages, self.block_tables, self.lengths, self.open_k,
+                self.open_v, self.open_omega, self.open_count, self.ring_k, self.ring_v,
+                self.ring_alpha, self.ring_omega, self.inv_freq, self.window, layer, rows,
+                torch.as_tensor(positions, device=self.device), k, v,
+                None if omega is None else torch.as_tensor(omega, device=self.device),
+                alpha if isinstance(alpha, KeyDecision) else
+                torch.as_tensor(alpha, device=self.device), faults=self.allocator.faults,
+                query=query)
+            if not self.static_step:
+                self.written[seqs, layer] += 1
+            return rotated
+        if query is not None:
+            raise ValueError("DelayedMergeCache.write: query= needs the Triton path")
+        if isinstance(alpha, KeyDecision):
+            alpha, k = alpha.split(k)
         if (self.native_kernels and self.device.type == "cpu"
                 and native_delayed_write(self, layer, seqs,
                                          torch.as_tensor(positions) if self.static_step
@@ -95,7 +122,7 @@ class DelayedMergeCache(WindowRingCache):
                                          torch.as_tensor(alpha), torch.as_tensor(omega))):
             if not self.static_step:
                 self.written[seqs, layer] += 1
-            return
+            return None
         positions = torch.as_tensor(positions, device=self.device)
         leaving, at = self._leaving(layer, seqs, rows, positions)
         if leaving.numel():
@@ -113,6 +140,7 @@ class DelayedMergeCache(WindowRingCache):
         self.ring_omega[state] = torch.as_tensor(omega, device=self.device).float()
         if not self.static_step:
             self.written[seqs, layer] += 1
+        return None
 
     def window_decisions(self, layer: int, seq_slot: int, ring_rows: torch.Tensor,
                          alpha: torch.Tensor, omega: torch.Tensor) -> tuple:

@@ -32,8 +32,6 @@ class DelayedDMCKV(DMCKV):
     """:class:`DMCKV` with the decode writes and prefill of delayed merging (see the module
     docstring); ``config.merge_delay`` >= 1, the cache a ``DelayedMergeCache``."""
 
-    writes_read_queries = False  # the write moves the ring's oldest token, not the step's
-
     def static_ready(self, seqs: list[int]) -> bool:
         """A static (captured) decode step needs every sequence's ring full."""
         return self.cache.rings_full(seqs)

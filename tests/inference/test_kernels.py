@@ -540,7 +540,8 @@ def test_triton_kernels_compile_for_hopper():
     """The paged decode (split, its ring mode and reduce), the DMC write (windowed with a float32
     and a bf16 ring, exact; each also deciding from the key, and at 1 and 8 warps), the decode
     RoPE (plain, DMC, DMS), the vanilla write (MHA, GQA), the DMS write (also reading the
-    queries) and the Gumbel-max draw pass Triton's compiler for
+    queries), the Gumbel-max draw and the write of delayed merging (windowed and exact, each
+    reading the queries and given the decisions) pass Triton's compiler for
     sm_90 down to a cubin, as on an H100 (the interpreter never compiles); the decode and the
     write also under every setting a shipped tuning file holds."""
     from dmc.inference.kernels.tuning import shipped_tunings
@@ -549,7 +550,7 @@ def test_triton_kernels_compile_for_hopper():
     launches = len({row.launch for tuning in shipped for row in tuning.decode})
     write_warps = len({1, 8} | {tuning.write_warps for tuning in shipped})
     done = compile_in_subprocess("paged_decode", "dmc_write", "decode_rope", "rope_append",
-                                 "dms_write", "gumbel")
+                                 "dms_write", "gumbel", "delayed_write")
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = done.stdout.splitlines()
     assert sum("_decode_split_kernel: compiled" in line for line in compiled) == 4 + launches
@@ -559,6 +560,7 @@ def test_triton_kernels_compile_for_hopper():
     assert sum("_rope_append_kernel: compiled" in line for line in compiled) == 2
     assert sum("_dms_write_kernel: compiled" in line for line in compiled) == 2
     assert sum("_gumbel_argmax_kernel: compiled" in line for line in compiled) == 1
+    assert sum("_delayed_write_kernel: compiled" in line for line in compiled) == 4
 
 
 def _write_state(batch, kv_heads, dim, window, dtype, seed, device="cpu"):

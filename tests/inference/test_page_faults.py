@@ -9,6 +9,7 @@ import torch
 from dmc.inference import Engine, SamplingParams
 from dmc.inference.block_allocator import BlockAllocator, TableEntries
 from dmc.inference.kernels import paged_decode_reference
+from dmc.inference.kernels.delayed_write import delayed_write
 from dmc.inference.kernels.dmc_write import dmc_write
 from dmc.inference.kernels.dms_write import dms_write
 from dmc.inference.kernels.faults import UnreservedPageError, fault_counter, raise_faults
@@ -48,19 +49,27 @@ def assert_written_but_that_page(pools, valid, before, page):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def merge_state(gen):
+    """Random windowed open-slot state ``(open_k, open_v, open_omega, open_count)`` of every
+    head, one token in each open slot."""
+    return [torch.randn(SEQS, LAYERS, HEADS, WINDOW, DIM, generator=gen),
+            torch.randn(SEQS, LAYERS, HEADS, WINDOW, DIM, generator=gen),
+            torch.rand(SEQS, LAYERS, HEADS, WINDOW, generator=gen) + 0.1,
+            torch.ones(SEQS, LAYERS, HEADS, dtype=torch.int32)]
+
+
+INV_FREQ = 10000.0 ** (-torch.arange(0, DIM, 2).float() / DIM)
+
+
 def write_call(entry):
     """One Triton DMC write of sequence slots 3 and 0 in layer 1, each head appending at slot 0,
     where sequence 3's KV head 1 has the block-table entry ``entry``; returns the pools after
     it, the pools before, the page that head would hold and the fault counter."""
     gen, tables, page, pools, before = pools_and_entry(entry, seed=5)
-    merge_state = [torch.randn(SEQS, LAYERS, HEADS, WINDOW, DIM, generator=gen),
-                   torch.randn(SEQS, LAYERS, HEADS, WINDOW, DIM, generator=gen),
-                   torch.rand(SEQS, LAYERS, HEADS, WINDOW, generator=gen) + 0.1,
-                   torch.ones(SEQS, LAYERS, HEADS, dtype=torch.int32)]
-    inv_freq = 10000.0 ** (-torch.arange(0, DIM, 2).float() / DIM)
+    state = merge_state(gen)
     keys, values = (torch.randn(2, HEADS, DIM, generator=gen) for _ in range(2))
     faults = fault_counter("cpu")
-    dmc_write(*pools, tables, *merge_state, inv_freq, WINDOW, 1, torch.tensor([3, 0]),
+    dmc_write(*pools, tables, *state, INV_FREQ, WINDOW, 1, torch.tensor([3, 0]),
               torch.zeros(2, HEADS, dtype=torch.long), torch.ones(2, HEADS, dtype=torch.bool),
               keys, values, torch.ones(2, HEADS), torch.tensor([6, 5]), faults=faults)
     return pools, before, page, faults
@@ -101,6 +110,36 @@ def test_triton_dms_write_skips_and_counts_an_entry_outside_the_pool(entry):
     bytes, every other head's token lands as with a valid entry, the counter holds the head."""
     valid, before, page, valid_lengths, valid_faults = dms_write_call(None)
     pools, _, _, lengths, faults = dms_write_call(entry)
+    assert valid_faults.tolist() == [0, -1]
+    assert faults.tolist() == [1, (3 * LAYERS + 1) * HEADS + 1]
+    assert valid_lengths[[3, 0], 1].eq(1).all() and torch.equal(lengths, valid_lengths)
+    assert_written_but_that_page(pools, valid, before, page)
+
+
+def delayed_write_call(entry):
+    """One Triton write of DMC with delayed merging (ring of 3 rows, full) of sequence rows 3
+    and 0 in layer 1, every leaving token appended at slot 0, where row 3's KV head 1 has the
+    block-table entry ``entry``; returns the pools after it, the pools before, that head's
+    page, the lengths and the fault counter."""
+    gen, tables, page, pools, before = pools_and_entry(entry, seed=7)
+    lengths = torch.zeros(SEQS, LAYERS, HEADS, dtype=torch.int32)
+    rings = [torch.randn(SEQS, LAYERS, HEADS, 3, DIM, generator=gen) for _ in range(2)]
+    decisions = [torch.zeros(SEQS, LAYERS, HEADS, 3), torch.rand(SEQS, LAYERS, HEADS, 3) + 0.1]
+    keys, values = (torch.randn(2, HEADS, DIM, generator=gen) for _ in range(2))
+    faults = fault_counter("cpu")
+    delayed_write(*pools, tables, lengths, *merge_state(gen), *rings, *decisions, INV_FREQ,
+                  WINDOW, 1, torch.tensor([3, 0]), torch.tensor([4, 3]), keys, values,
+                  torch.ones(2, HEADS), torch.zeros(2, HEADS), faults)
+    return pools, before, page, lengths, faults
+
+
+@pytest.mark.parametrize("entry", [-1, PAGES], ids=["unreserved", "past-the-pool"])
+def test_triton_delayed_write_skips_and_counts_an_entry_outside_the_pool(entry):
+    """The same for the write of DMC with delayed merging (the token leaving a full ring
+    through Algorithm 1): that head's page keeps its bytes, every other head's token lands as
+    with a valid entry, the lengths grow, the counter holds the head."""
+    valid, before, page, valid_lengths, valid_faults = delayed_write_call(None)
+    pools, _, _, lengths, faults = delayed_write_call(entry)
     assert valid_faults.tolist() == [0, -1]
     assert faults.tolist() == [1, (3 * LAYERS + 1) * HEADS + 1]
     assert valid_lengths[[3, 0], 1].eq(1).all() and torch.equal(lengths, valid_lengths)

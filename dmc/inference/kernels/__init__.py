@@ -31,6 +31,7 @@ __all__ = [
     "resolve_use_triton",
     "rope_inv_freq",
     "run_decode_rope",
+    "run_delayed_write",
     "run_dmc_write",
     "run_paged_decode",
     "run_rope_append",
@@ -129,6 +130,15 @@ def run_rope_append(*tensors, faults=None) -> torch.Tensor:
     from .rope_append import rope_append
 
     return rope_append(*tensors, faults=faults)
+
+
+def run_delayed_write(*tensors, faults=None, query=None) -> torch.Tensor | None:
+    """Triton decode write of DMC with delayed merging (:func:`.delayed_write.delayed_write`:
+    the ring's leaving token through Algorithm 1, the step's token into the ring, one launch;
+    same arguments); returns the rotated queries with ``query``. Triton only."""
+    from .delayed_write import delayed_write
+
+    return delayed_write(*tensors, faults=faults, query=query)
 
 
 def run_decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

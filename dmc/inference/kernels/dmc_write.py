@@ -50,67 +50,25 @@ def _window_mean(buf, x, rows, ring, weights, total, append):
 
 
 @triton.jit
-def _dmc_write_kernel(
-    k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
-    seq_ptr, slot_ptr, append_ptr, k_ptr, v_ptr, omega_ptr, pos_ptr, inv_freq_ptr, faults,
-    lengths_ptr, alpha_ptr, key_c,
-    layer, num_layers, max_pages, num_pages,
-    stride_kb, stride_kh, stride_vb, stride_vh,
-    q_ptr, cos_ptr, sin_ptr, q_out, stride_qb, stride_qh, stride_cb, omega_c, omega_offset,
-    omega_min,
-    HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, DECIDE: tl.constexpr,
-    KEY_DECIDES: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-    QUERY: tl.constexpr,
+def _write_slot(
+    k_pages, v_pages, tables, open_k, open_v, open_omega, open_count, faults, head, k_lo, k_hi,
+    v_lo, v_hi, omega, append, slot, position, inv_freq, cols, col_mask, active, max_pages,
+    num_pages, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Every load first, then the arithmetic, then every store: a store ahead of a load keeps
+    """Algorithm 1's write (lines 4-10, Eq. 9 with hard alpha) of one token into the flat
+    (sequence, layer, KV head) ``head``: its pre-RoPE halves ``k_lo, k_hi, v_lo, v_hi``
+    (float32), importance ``omega``, ``append`` (opens slot ``slot``, else merges into it) and
+    ``position``; where ``active`` is false nothing is stored.
+
+    Every load first, then the arithmetic, then every store: a store ahead of a load keeps
     the load from being issued before it (the compiler cannot tell that they do not alias),
     and each address here is read before it is written, as Algorithm 1 orders them.
 
     Of the ring only the rows of the open slot's earlier tokens are read (none where the token
     opens a slot): at CR 4 about a quarter of the ring's bytes, which were most of the write's
-    traffic when every row was loaded and the unfilled ones selected away.
-
-    ``QUERY``: the program also rotates its KV group's decode queries (``q_ptr``, by the
-    step's tables ``cos_ptr, sin_ptr``, into ``q_out``) and reads the token's importance from
-    their decision channel, as :func:`~.decode_rope.decode_rope` does in its own launch."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq = tl.load(seq_ptr + b).to(tl.int64)
-    head = (seq * num_layers + layer) * HEADS + h  # flat (seq, layer, head) of the state tensors
-    bh = b * HEADS + h
-    k_row = k_ptr + b * stride_kb + h * stride_kh
-    v_row = v_ptr + b * stride_vb + h * stride_vh
-    key_col = DIM - 1 if KEY_DECIDES else -1  # the key's decision channel, zeroed when read
-    cols = tl.arange(0, HALF_BLOCK)
-    col_mask = cols < HALF
-    k_lo = _load_half(k_row, cols, col_mask, key_col)  # the token's halves
-    k_hi = _load_half(k_row, cols + HALF, col_mask, key_col)
-    v_lo = _load_half(v_row, cols, col_mask, -1)
-    v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
-    if QUERY:  # the group's queries: their importance, and rotated for the attention
-        q_lo, q_hi, q_cos, q_sin, q_rows, q_cols, q_mask = _load_group(
-            q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb, GROUP, GROUP_BLOCK,
-            HALF, HALF_BLOCK)
-        omega, q_lo, q_hi = _dmc_query_rope(q_lo, q_hi, q_cos, q_sin, q_mask, q_cols, omega_c,
-                                            omega_offset, omega_min, q_ptr, GROUP, HALF)
-    else:
-        omega = tl.load(omega_ptr + bh).to(tl.float32)
-    position = tl.load(pos_ptr + b).to(tl.float32)
-    inv_freq = tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
+    traffic when every row was loaded and the unfilled ones selected away."""
     open_tokens = tl.load(open_count + head)
-    if DECIDE:  # Algorithm 1's test on the device: append if alpha <= 0.5 or the head is empty
-        current = tl.load(lengths_ptr + head)
-        if KEY_DECIDES:  # alpha = [k[-1] - c > 0] (hard_decisions)
-            append = (tl.load(k_row + DIM - 1).to(tl.float32) - key_c > 0) == 0
-        else:
-            append = tl.load(alpha_ptr + bh).to(tl.float32) <= 0.5
-        append = append | (current == 0)
-        new_length = current + append.to(current.dtype)
-        slot = new_length - 1
-    else:
-        append = tl.load(append_ptr + bh) != 0
-        slot = tl.load(slot_ptr + bh)
     column = slot // PAGE_SIZE
     page = tl.load(tables + head * max_pages + column, mask=column < max_pages,
                    other=-1).to(tl.int64)
@@ -154,29 +112,26 @@ def _dmc_write_kernel(
     cos = tl.cos(angle)
     sin = tl.sin(angle)
 
-    if QUERY:
-        _store_group(q_out, q_lo, q_hi, b, h, q_rows, q_cols, q_mask, GROUP, HALF)
-    if DECIDE:
-        tl.store(lengths_ptr + head, new_length)
-    tl.store(open_count + head, count + 1)
+    stored = col_mask & ((tl.zeros([HALF_BLOCK], dtype=tl.int32) + active.to(tl.int32)) != 0)
+    tl.store(open_count + head, count + 1, mask=active)
     if WINDOW == 0:
-        tl.store(open_omega + head, z_new)
-        tl.store(mean_k + cols, mean_k_lo, mask=col_mask)
-        tl.store(mean_k + HALF + cols, mean_k_hi, mask=col_mask)
-        tl.store(mean_v + cols, mean_v_lo, mask=col_mask)
-        tl.store(mean_v + HALF + cols, mean_v_hi, mask=col_mask)
+        tl.store(open_omega + head, z_new, mask=active)
+        tl.store(mean_k + cols, mean_k_lo, mask=stored)
+        tl.store(mean_k + HALF + cols, mean_k_hi, mask=stored)
+        tl.store(mean_v + cols, mean_v_lo, mask=stored)
+        tl.store(mean_v + HALF + cols, mean_v_hi, mask=stored)
     else:  # the token into its ring row, in the ring's dtype (float32 or the token's own)
-        tl.store(open_omega + head * WINDOW + ring, omega)
+        tl.store(open_omega + head * WINDOW + ring, omega, mask=active)
         ring_ty = buf_k.dtype.element_ty
-        tl.store(buf_k + ring * DIM + cols, k_lo.to(ring_ty), mask=col_mask)
-        tl.store(buf_k + ring * DIM + HALF + cols, k_hi.to(ring_ty), mask=col_mask)
-        tl.store(buf_v + ring * DIM + cols, v_lo.to(ring_ty), mask=col_mask)
-        tl.store(buf_v + ring * DIM + HALF + cols, v_hi.to(ring_ty), mask=col_mask)
-    outside = (page < 0) | (page >= num_pages)  # not a page of the pool: not written, counted
+        tl.store(buf_k + ring * DIM + cols, k_lo.to(ring_ty), mask=stored)
+        tl.store(buf_k + ring * DIM + HALF + cols, k_hi.to(ring_ty), mask=stored)
+        tl.store(buf_v + ring * DIM + cols, v_lo.to(ring_ty), mask=stored)
+        tl.store(buf_v + ring * DIM + HALF + cols, v_hi.to(ring_ty), mask=stored)
+    outside = ((page < 0) | (page >= num_pages)) & active  # not a page of the pool: counted
     tl.atomic_add(faults, 1, mask=outside)
     tl.atomic_max(faults + 1, head, mask=outside)
     pages = page + tl.zeros([HALF_BLOCK], dtype=tl.int64)  # a vector (the interpreter's masks)
-    store = col_mask & (pages >= 0) & (pages < num_pages)
+    store = stored & (pages >= 0) & (pages < num_pages)
     dst = (page * PAGE_SIZE + slot % PAGE_SIZE) * DIM
     out_ty = k_pages.dtype.element_ty
     rotated_lo, rotated_hi = _rotate_half(mean_k_lo, mean_k_hi, cos, sin)
@@ -184,6 +139,71 @@ def _dmc_write_kernel(
     tl.store(k_pages + dst + HALF + cols, rotated_hi.to(out_ty), mask=store)
     tl.store(v_pages + dst + cols, mean_v_lo.to(out_ty), mask=store)
     tl.store(v_pages + dst + HALF + cols, mean_v_hi.to(out_ty), mask=store)
+
+
+@triton.jit
+def _dmc_write_kernel(
+    k_pages, v_pages, tables, open_k, open_v, open_omega, open_count,
+    seq_ptr, slot_ptr, append_ptr, k_ptr, v_ptr, omega_ptr, pos_ptr, inv_freq_ptr, faults,
+    lengths_ptr, alpha_ptr, key_c,
+    layer, num_layers, max_pages, num_pages,
+    stride_kb, stride_kh, stride_vb, stride_vh,
+    q_ptr, cos_ptr, sin_ptr, q_out, stride_qb, stride_qh, stride_cb, omega_c, omega_offset,
+    omega_min,
+    HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, DECIDE: tl.constexpr,
+    KEY_DECIDES: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+    QUERY: tl.constexpr,
+):
+    """The token's loads and Algorithm 1's decision, then :func:`_write_slot`.
+
+    ``QUERY``: the program also rotates its KV group's decode queries (``q_ptr``, by the
+    step's tables ``cos_ptr, sin_ptr``, into ``q_out``) and reads the token's importance from
+    their decision channel, as :func:`~.decode_rope.decode_rope` does in its own launch."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    head = (seq * num_layers + layer) * HEADS + h  # flat (seq, layer, head) of the state tensors
+    bh = b * HEADS + h
+    k_row = k_ptr + b * stride_kb + h * stride_kh
+    v_row = v_ptr + b * stride_vb + h * stride_vh
+    key_col = DIM - 1 if KEY_DECIDES else -1  # the key's decision channel, zeroed when read
+    cols = tl.arange(0, HALF_BLOCK)
+    col_mask = cols < HALF
+    k_lo = _load_half(k_row, cols, col_mask, key_col)  # the token's halves
+    k_hi = _load_half(k_row, cols + HALF, col_mask, key_col)
+    v_lo = _load_half(v_row, cols, col_mask, -1)
+    v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
+    if QUERY:  # the group's queries: their importance, and rotated for the attention
+        q_lo, q_hi, q_cos, q_sin, q_rows, q_cols, q_mask = _load_group(
+            q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb, GROUP, GROUP_BLOCK,
+            HALF, HALF_BLOCK)
+        omega, q_lo, q_hi = _dmc_query_rope(q_lo, q_hi, q_cos, q_sin, q_mask, q_cols, omega_c,
+                                            omega_offset, omega_min, q_ptr, GROUP, HALF)
+    else:
+        omega = tl.load(omega_ptr + bh).to(tl.float32)
+    position = tl.load(pos_ptr + b).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
+    if DECIDE:  # Algorithm 1's test on the device: append if alpha <= 0.5 or the head is empty
+        current = tl.load(lengths_ptr + head)
+        if KEY_DECIDES:  # alpha = [k[-1] - c > 0] (hard_decisions)
+            append = (tl.load(k_row + DIM - 1).to(tl.float32) - key_c > 0) == 0
+        else:
+            append = tl.load(alpha_ptr + bh).to(tl.float32) <= 0.5
+        append = append | (current == 0)
+        new_length = current + append.to(current.dtype)
+        slot = new_length - 1
+    else:
+        append = tl.load(append_ptr + bh) != 0
+        slot = tl.load(slot_ptr + bh)
+    _write_slot(k_pages, v_pages, tables, open_k, open_v, open_omega, open_count, faults, head,
+                k_lo, k_hi, v_lo, v_hi, omega, append, slot, position, inv_freq, cols, col_mask,
+                tl.full([], 1, tl.int1), max_pages, num_pages, DIM, HALF, HALF_BLOCK, PAGE_SIZE,
+                WINDOW, ROWS)
+    if QUERY:
+        _store_group(q_out, q_lo, q_hi, b, h, q_rows, q_cols, q_mask, GROUP, HALF)
+    if DECIDE:
+        tl.store(lengths_ptr + head, new_length)
 
 
 def dmc_write(k_pages, v_pages, block_tables, open_k, open_v, open_omega, open_count, inv_freq,
