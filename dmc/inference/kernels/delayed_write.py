@@ -28,8 +28,8 @@ import triton.language as tl
 from dmc.ops.algorithm1 import KeyDecision
 from dmc.ops.decisions import OMEGA_MIN
 
-from .decode_rope import _dmc_query_rope, _load_group, _rotate_half, _store_group, query_operands
-from .dmc_write import _load_half, _write_slot
+from .decode_rope import _rotate_half, _store_group, query_operands
+from .dmc_write import _load_half, _load_token, _write_slot
 from .faults import unread_counter
 from .tuning import tuning_for
 
@@ -64,19 +64,10 @@ def _delayed_write_kernel(
         alpha = (tl.load(k_row + DIM - 1).to(tl.float32) - key_c > 0).to(tl.float32)
     else:
         alpha = tl.load(alpha_ptr + b * HEADS + h).to(tl.float32)
-    key_col = DIM - 1 if KEY_DECIDES else -1
-    k_lo = _load_half(k_row, cols, col_mask, key_col)  # the step's token
-    k_hi = _load_half(k_row, cols + HALF, col_mask, key_col)
-    v_lo = _load_half(v_row, cols, col_mask, -1)
-    v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
-    if QUERY:  # the group's queries: their importance, and rotated for the attention
-        q_lo, q_hi, q_cos, q_sin, q_rows, q_cols, q_mask = _load_group(
-            q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb, GROUP, GROUP_BLOCK,
-            HALF, HALF_BLOCK)
-        omega, q_lo, q_hi = _dmc_query_rope(q_lo, q_hi, q_cos, q_sin, q_mask, q_cols, omega_c,
-                                            omega_offset, omega_min, q_ptr, GROUP, HALF)
-    else:
-        omega = tl.load(omega_ptr + b * HEADS + h).to(tl.float32)
+    k_lo, k_hi, v_lo, v_hi, omega, q_lo, q_hi, q_rows, q_cols, q_mask = _load_token(
+        k_row, v_row, omega_ptr, q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb,
+        omega_c, omega_offset, omega_min, cols, col_mask, DIM - 1 if KEY_DECIDES else -1, HEADS,
+        HALF, HALF_BLOCK, GROUP, GROUP_BLOCK, QUERY)
     leaving = p >= RING
     out_k_lo = _load_half(ring_k + ring_row * DIM, cols, col_mask, -1)  # token p - R
     out_k_hi = _load_half(ring_k + ring_row * DIM, cols + HALF, col_mask, -1)

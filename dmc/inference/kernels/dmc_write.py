@@ -50,6 +50,33 @@ def _window_mean(buf, x, rows, ring, weights, total, append):
 
 
 @triton.jit
+def _load_token(k_row, v_row, omega_ptr, q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh,
+                stride_cb, omega_c, omega_offset, omega_min, cols, col_mask, key_col,
+                HEADS: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, QUERY: tl.constexpr):
+    """A decode write's token of row ``b``, KV head ``h``: its key's and value's float32 halves
+    (column ``key_col`` of the key zeroed, -1: none) and importance, given (``omega_ptr``) or,
+    with ``QUERY``, read from its KV group's queries, which are rotated by the step's tables
+    (:func:`~.decode_rope._dmc_query_rope`): ``(k_lo, k_hi, v_lo, v_hi, omega, q_lo, q_hi,
+    q_rows, q_cols, q_mask)``, the last five for :func:`~.decode_rope._store_group` (the key's
+    halves in their place without ``QUERY``)."""
+    k_lo = _load_half(k_row, cols, col_mask, key_col)
+    k_hi = _load_half(k_row, cols + HALF, col_mask, key_col)
+    v_lo = _load_half(v_row, cols, col_mask, -1)
+    v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
+    if QUERY:
+        q_lo, q_hi, q_cos, q_sin, q_rows, q_cols, q_mask = _load_group(
+            q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb, GROUP, GROUP_BLOCK,
+            HALF, HALF_BLOCK)
+        omega, q_lo, q_hi = _dmc_query_rope(q_lo, q_hi, q_cos, q_sin, q_mask, q_cols, omega_c,
+                                            omega_offset, omega_min, q_ptr, GROUP, HALF)
+    else:
+        omega = tl.load(omega_ptr + b * HEADS + h).to(tl.float32)
+        q_lo, q_hi, q_rows, q_cols, q_mask = k_lo, k_hi, cols, cols, col_mask
+    return k_lo, k_hi, v_lo, v_hi, omega, q_lo, q_hi, q_rows, q_cols, q_mask
+
+
+@triton.jit
 def _write_slot(
     k_pages, v_pages, tables, open_k, open_v, open_omega, open_count, faults, head, k_lo, k_hi,
     v_lo, v_hi, omega, append, slot, position, inv_freq, cols, col_mask, active, max_pages,
@@ -170,18 +197,10 @@ def _dmc_write_kernel(
     key_col = DIM - 1 if KEY_DECIDES else -1  # the key's decision channel, zeroed when read
     cols = tl.arange(0, HALF_BLOCK)
     col_mask = cols < HALF
-    k_lo = _load_half(k_row, cols, col_mask, key_col)  # the token's halves
-    k_hi = _load_half(k_row, cols + HALF, col_mask, key_col)
-    v_lo = _load_half(v_row, cols, col_mask, -1)
-    v_hi = _load_half(v_row, cols + HALF, col_mask, -1)
-    if QUERY:  # the group's queries: their importance, and rotated for the attention
-        q_lo, q_hi, q_cos, q_sin, q_rows, q_cols, q_mask = _load_group(
-            q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb, GROUP, GROUP_BLOCK,
-            HALF, HALF_BLOCK)
-        omega, q_lo, q_hi = _dmc_query_rope(q_lo, q_hi, q_cos, q_sin, q_mask, q_cols, omega_c,
-                                            omega_offset, omega_min, q_ptr, GROUP, HALF)
-    else:
-        omega = tl.load(omega_ptr + bh).to(tl.float32)
+    k_lo, k_hi, v_lo, v_hi, omega, q_lo, q_hi, q_rows, q_cols, q_mask = _load_token(
+        k_row, v_row, omega_ptr, q_ptr, cos_ptr, sin_ptr, b, h, stride_qb, stride_qh, stride_cb,
+        omega_c, omega_offset, omega_min, cols, col_mask, key_col, HEADS, HALF, HALF_BLOCK,
+        GROUP, GROUP_BLOCK, QUERY)
     position = tl.load(pos_ptr + b).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + cols, mask=col_mask, other=0.0)
     if DECIDE:  # Algorithm 1's test on the device: append if alpha <= 0.5 or the head is empty
