@@ -13,7 +13,9 @@ comparison, on CUDA; PyTorch on the CPU):
 rows ``dmc-<backend>`` with the first, and ``dmc-<last backend>+<accumulate>-sums`` with each
 other one. ``--compile on`` runs the DMC rows with ``dmc.compile_elementwise`` (the
 decisions and the rotation through ``torch.compile``), ``--compile both`` adds a
-``<row>+compiled`` twin after each (the compilation happens in the warm-up steps).
+``<row>+compiled`` twin after each (the compilation happens in the warm-up steps);
+``--merge-delays 0,16`` runs every DMC row also with ``dmc.merge_delay`` 16 (DMC with delayed
+merging, ``<row>+delay16``).
 Step time is the median of ``--steps`` after
 ``--warmup``, "host" the median of the host's time to issue a step (before waiting for the
 device), "kernels" the summed device time of the profiled step's kernels and "idle" the time
@@ -262,18 +264,21 @@ def excess_ops(ops: list[dict], base: list[dict], count: int) -> list[dict]:
     return sorted((e for e in excess if e["ms"] > 0), key=lambda e: -e["ms"])[:count]
 
 
-def row_plan(backends: list[str], sums: list[str], compile_rows: str = "off") -> list[tuple]:
-    """``(mode, row name, attention backend, accumulate backend, compiled)`` of every row:
-    vanilla, each attention backend with the first accumulate backend, then the last attention
-    backend with each other accumulate backend (one comparison of the window sums is enough:
-    they do not depend on the attention); ``compile_rows`` "on": the DMC rows with
-    ``dmc.compile_elementwise``, "both": each DMC row then its ``+compiled`` twin."""
+def row_plan(backends: list[str], sums: list[str], compile_rows: str = "off",
+             delays: tuple[int, ...] = (0,)) -> list[tuple]:
+    """``(mode, row name, attention backend, accumulate backend, compiled, merge delay)`` of
+    every row: vanilla, each attention backend with the first accumulate backend, then the last
+    attention backend with each other accumulate backend (one comparison of the window sums is
+    enough: they do not depend on the attention); ``compile_rows`` "on": the DMC rows with
+    ``dmc.compile_elementwise``, "both": each DMC row then its ``+compiled`` twin; each of
+    those once per ``delays`` (``dmc.merge_delay``; a row of delay d > 0 named ``+delayD``)."""
     dmc = ([(f"dmc-{b}", b, sums[0]) for b in backends]
            + [(f"dmc-{backends[-1]}+{a}-sums", backends[-1], a) for a in sums[1:]])
     variants = {"off": (False,), "on": (True,), "both": (False, True)}[compile_rows]
-    return [("vanilla", "vanilla", None, None, False)] + [
-        ("train", name + ("+compiled" if compiled else ""), backend, accumulate, compiled)
-        for name, backend, accumulate in dmc for compiled in variants]
+    return [("vanilla", "vanilla", None, None, False, 0)] + [
+        ("train", name + ("+compiled" if compiled else "") + (f"+delay{delay}" if delay else ""),
+         backend, accumulate, compiled, delay)
+        for delay in delays for name, backend, accumulate in dmc for compiled in variants]
 
 
 def main(argv=None) -> int:
@@ -298,6 +303,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", choices=["off", "on", "both"], default="off",
                         help="DMC rows with dmc.compile_elementwise (torch.compile of the "
                              "decisions and the rotation): off, on, or both (a twin row each)")
+    parser.add_argument("--merge-delays", default="0",
+                        help="comma separated dmc.merge_delay of the DMC rows (DMC with delayed "
+                             "merging for d > 0, a row each: e.g. 0,16)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help="parameters' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--kept-only", action="store_true",
@@ -336,6 +344,13 @@ def main(argv=None) -> int:
     if not sums or set(sums) - {"torch", "triton"}:
         parser.error(f"--accumulate: accepted torch, triton (comma separated), got "
                      f"{args.accumulate!r}")
+    try:
+        delays = tuple(int(d) for d in args.merge_delays.split(","))
+    except ValueError:
+        delays = ()
+    if not delays or min(delays) < 0:
+        parser.error(f"--merge-delays: accepted integers >= 0 (comma separated), got "
+                     f"{args.merge_delays!r}")
     if "triton" in sums and not torch.cuda.is_available():
         parser.error("--accumulate: triton needs CUDA here (the Triton interpreter is for tests)")
 
@@ -354,11 +369,13 @@ def main(argv=None) -> int:
     positions = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows, ops = {}, {}
-    for mode, name, backend, accumulate, compiled in row_plan(backends, sums, args.compile):
+    for mode, name, backend, accumulate, compiled, delay in row_plan(backends, sums,
+                                                                       args.compile, delays):
         if backend:
             runtime.config.attention_backend = backend
             runtime.config.accumulate_backend = accumulate
             runtime.config.compile_elementwise = compiled
+            runtime.config.merge_delay = delay
         try:
             rows[name] = measure_row(args, model, runtime, mode, name, tokens, positions)
             ops[name] = rows[name].pop("ops", [])

@@ -51,9 +51,10 @@
 # which compile their FlexAttention and Triton kernels side by side; DMC_DECODE_MODES (e.g.
 # vanilla,dmc:2,dmc:8) replaces the decode step's modes; DMC_TEST_PATHS (default tests) the
 # test folders or files the GPU tests are collected from (e.g. tests/inference, for a call
-# that checks decode changes only); DMC_TRAIN_BACKENDS, DMC_TRAIN_ACCUMULATE and
-# DMC_TRAIN_COMPILE the train step's --backends, --accumulate and --compile (e.g.
-# flex-transposed, triton and off: one DMC row; both: a twin row with dmc.compile_elementwise).
+# that checks decode changes only); DMC_TRAIN_BACKENDS, DMC_TRAIN_ACCUMULATE,
+# DMC_TRAIN_COMPILE and DMC_TRAIN_DELAYS the train step's --backends, --accumulate, --compile
+# and --merge-delays (e.g. flex-transposed, triton, off and 0: one DMC row; both: a twin row
+# with dmc.compile_elementwise; 0,16: each DMC row also with delayed merging, d = 16).
 #
 # For one command under a hard time limit (a lease whose calls are killed at N seconds, taking
 # every file not yet copied out with them): DMC_CHECK_DEADLINE=SECONDS, counted from the script's
@@ -233,6 +234,9 @@ if [ -n "${DMC_TRAIN_ACCUMULATE:-}" ]; then
 fi
 if [ -n "${DMC_TRAIN_COMPILE:-}" ]; then
   TRAIN_ROWS+=(--compile "$DMC_TRAIN_COMPILE")
+fi
+if [ -n "${DMC_TRAIN_DELAYS:-}" ]; then
+  TRAIN_ROWS+=(--merge-delays "$DMC_TRAIN_DELAYS")
 fi
 # a test module that cannot be imported there (another extra missing) must not stop the GPU
 # tests: it is counted as an error in gpu_tests.xml and the summary

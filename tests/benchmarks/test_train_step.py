@@ -30,6 +30,16 @@ def test_kept_only_by_site_in_bf16(tmp_path, capsys):
     assert "call sites whose saved storages weigh most" in capsys.readouterr().out
 
 
+def test_a_delayed_merging_row_attends_over_the_raw_keys_too(tmp_path):
+    """``--merge-delays 0,4``: the DMC row again with delayed merging, whose attention keeps the
+    raw keys beside the accumulated ones for its backward (more than plain DMC keeps)."""
+    out = tmp_path / "delayed.json"
+    assert bench.main(TINY + ["--kept-only", "--merge-delays", "0,4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert list(rows) == ["vanilla", "dmc-dense", "dmc-dense+delay4"]
+    assert rows["dmc-dense+delay4"]["saved_bytes"] > rows["dmc-dense"]["saved_bytes"]
+
+
 def test_timed_steps_and_the_busiest_ops(tmp_path, capsys):
     out = tmp_path / "timed.json"
     assert bench.main(TINY + ["--steps", "1", "--warmup", "0", "--profile", "4",
@@ -120,12 +130,17 @@ def test_the_kits_rows():
     assert names == ["vanilla", "dmc-dense", "dmc-flex-transposed", "dmc-flex",
                      "dmc-flex+torch-sums"]
     assert bench.row_plan(["flex"], ["triton", "torch"])[-1] == ("train", "dmc-flex+torch-sums",
-                                                                 "flex", "torch", False)
+                                                                 "flex", "torch", False, 0)
     twins = bench.row_plan(["flex-channel"], ["triton"], "both")
     assert [row[1] for row in twins] == ["vanilla", "dmc-flex-channel",
                                          "dmc-flex-channel+compiled"]
     assert [row[4] for row in twins] == [False, False, True]
     assert [row[4] for row in bench.row_plan(["dense"], ["torch"], "on")] == [False, True]
+    delayed = bench.row_plan(["flex-channel"], ["triton"], "both", (0, 16))
+    assert [row[1] for row in delayed] == [
+        "vanilla", "dmc-flex-channel", "dmc-flex-channel+compiled", "dmc-flex-channel+delay16",
+        "dmc-flex-channel+compiled+delay16"]
+    assert [row[5] for row in delayed] == [0, 0, 0, 16, 16]
 
 
 @pytest.mark.parametrize("flags,named", [(["--by-site", "-1"], "--by-site"),
@@ -133,6 +148,8 @@ def test_the_kits_rows():
                                          (["--copy-sites", "-1"], "--copy-sites"),
                                          (["--dtype", "half"], "--dtype"),
                                          (["--accumulate", "cuda"], "--accumulate"),
+                                         (["--merge-delays", "0,x"], "--merge-delays"),
+                                         (["--merge-delays", "-1"], "--merge-delays"),
                                          (["--backends", "flash"], "--backends"),
                                          pytest.param(["--backends", "flex-transposed"],
                                                       "--backends", marks=pytest.mark.skipif(
