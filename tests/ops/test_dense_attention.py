@@ -50,13 +50,30 @@ def test_equals_float64_reference_over_several_blocks(masks, q_heads, kv_heads):
 
 @pytest.mark.parametrize("masks", MASKS, ids=list(MASKS))
 def test_gradcheck_with_small_blocks(masks):
+    """Blocks of 6 queries, any gap of 2 keys or more skipped (delayed merging's keys in two
+    ranges per block)."""
     weighted, visible = MASKS[masks](20)
     q, k, v, log_keep = _inputs(1, 4, 2, visible.shape[0], visible.shape[1], 4, seed=5)
     log_keep = log_keep.detach().clamp_min(-2.5).requires_grad_()  # finite for finite differences
-    layout = mask_layout(weighted, visible, query_block=6)
+    layout = mask_layout(weighted, visible, query_block=6, min_gap=2)
     assert len(layout.spans) >= 3  # several blocks
+    two_ranges = sum(span[5] < span[6] for span in layout.spans)
+    assert two_ranges >= 2 if masks.startswith("delayed") else two_ranges == 0
     assert torch.autograd.gradcheck(
         lambda *x: masked_bias_attention(*x, layout, 0.5), (q, k, v, log_keep))
+
+
+def test_a_block_of_delayed_merging_skips_the_keys_none_of_its_queries_sees():
+    """Delayed merging (delay 3) over 300 queries in blocks of 128: each block takes its
+    accumulated keys up to ``end - 4`` and its raw keys ``[start - 3, end)`` of the second half,
+    not the accumulated keys past its queries; DMC's causal blocks keep one range."""
+    seq, delay = 300, 3
+    layout = mask_layout(*delayed_merge_masks(seq, delay), query_block=128)
+    for a, e, lo, mid, hi, lo2, hi2 in layout.spans:
+        assert (lo, hi) == (0, e - delay - 1) and lo <= mid <= hi
+        assert (lo2, hi2) == (seq + max(a - delay, 0), seq + e)
+    causal = mask_layout(*bias_masks(seq), query_block=128)
+    assert all(span[5] == span[6] and span[4] == span[1] for span in causal.spans)
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
