@@ -13,6 +13,10 @@ def test_presets_load_and_merge():
     assert cfg.schedule.zero_out_steps == 250 and cfg.schedule.solidify_steps == 2000
     for name in ("tiny", "llama2-13b", "llama2-70b", "llama3-8b"):
         load_config([f"configs/models/{name}.yaml", "configs/retrofit/cr2.yaml"])
+    delayed = load_config(["configs/models/llama2-7b.yaml", "configs/retrofit/cr4.yaml",
+                           "configs/retrofit/delay16.yaml"])
+    assert delayed.dmc.merge_delay == 16 and delayed.dmc.target_cr == 4.0
+    assert delayed.optim == cfg.optim and delayed.schedule == cfg.schedule
 
 
 def test_overrides_are_typed():
