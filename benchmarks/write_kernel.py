@@ -16,7 +16,10 @@ such decisions leave it (a geometric draw; ``--full-rings``: every ring full, th
 most traffic). The default layout is DMC 4x's batch at the GPU decode preset (137 sequences,
 16 KV heads, head_dim 128, bf16, 653 slots a head after 2560 tokens). On CUDA a call's time is
 the kernel's own (profiled): launched from Python, a call takes longer on the host than the
-kernel on the device, so timing calls back to back would time the host.
+kernel on the device, so timing calls back to back would time the host. ``--merge-delay D``
+(default 16; 0: none) adds a row on CUDA: the write of DMC with delayed merging
+(:mod:`dmc.inference.kernels.delayed_write`) at the warps in use, every ring of ``D + 1`` raw
+tokens full, so each program also takes the token leaving it through the same write.
 
     python benchmarks/write_kernel.py --out write_kernel.json
 """
@@ -47,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--full-rings", action="store_true",
                    help="every open slot holds --window tokens or more (every ring row read); "
                         "default: as many as decisions with one in CR appending leave")
+    p.add_argument("--merge-delay", type=int, default=16,
+                   help="CUDA: also time delayed merging's write with rings of D + 1 (0: no)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--iters", type=int, default=50)
@@ -74,6 +79,8 @@ def parse_args(argv=None):
         p.error(f"--head-dim: accepted even values >= 2, got {args.head_dim}")
     if args.cr < 1:
         p.error(f"--cr: accepted values >= 1, got {args.cr}")
+    if args.merge_delay < 0:
+        p.error(f"--merge-delay: accepted values >= 0, got {args.merge_delay}")
     return args
 
 
@@ -166,6 +173,41 @@ def triton_rows(args, device: torch.device) -> dict:
     return rows
 
 
+def delayed_write_args(args, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """:func:`~dmc.inference.kernels.delayed_write.delayed_write`'s arguments for the same
+    layer with rings of ``--merge-delay + 1`` raw tokens, all full, whose decisions (one in CR
+    appending) the leaving tokens carry, and the heads' lengths it advances."""
+    from dmc.ops.algorithm1 import KeyDecision
+
+    call_args, lengths = deferred_write(args, device)
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    rows = (args.batch, 1, args.kv_heads, args.merge_delay + 1)
+    ring = [torch.randn(*rows, args.head_dim, generator=gen).to(device, getattr(torch, args.dtype))
+            for _ in range(2)]
+    ring_alpha = (torch.rand(rows, generator=gen) >= 1 / args.cr).float().to(device)
+    ring_omega = (0.5 + torch.rand(rows, generator=gen)).to(device)
+    names = ("k_pages", "v_pages", "block_tables", "open_k", "open_v", "open_omega",
+             "open_count", "inv_freq", "window", "layer", "positions", "k", "v", "query")
+    return dict({name: call_args[name] for name in names}, lengths=lengths, ring_k=ring[0],
+                ring_v=ring[1], ring_alpha=ring_alpha, ring_omega=ring_omega,
+                rows=call_args["seq_slots"], omega=None, alpha=KeyDecision(0.0)), lengths
+
+
+def delayed_seconds(args, device: torch.device, warps: int) -> float:
+    """Seconds a call of delayed merging's write at ``warps`` (CUDA: the kernel's device time;
+    a CPU device: the interpreter, the tests)."""
+    from dmc.inference.kernels.delayed_write import delayed_write
+
+    call_args, lengths = delayed_write_args(args, device)
+    lengths.fill_(args.length)
+
+    def call():
+        delayed_write(**call_args, num_warps=warps)
+
+    return (kernel_time_cuda(call, args.iters, "_delayed_write_kernel")
+            if device.type == "cuda" else time_cpu(call, args.iters))
+
+
 def kernel_time_cuda(fn, iters: int, kernel: str) -> float:
     """Seconds of device time per call of ``fn`` in kernels whose name holds ``kernel``,
     over ``iters`` profiled calls after :data:`WARMUPS` others."""
@@ -238,8 +280,12 @@ def main(argv=None) -> int:
     if cuda:
         from dmc.inference.kernels.tuning import tuning_for
 
+        in_use = tuning_for(torch.device("cuda")).write_warps
         by_warps = triton_rows(args, torch.device("cuda"))
-        rows = row_names(by_warps, tuning_for(torch.device("cuda")).write_warps)
+        rows = row_names(by_warps, in_use)
+        if args.merge_delay:
+            rows[f"delayed d{args.merge_delay} w{in_use}"] = delayed_seconds(
+                args, torch.device("cuda"), in_use)
     else:
         rows = cpu_rows(args)
     device = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"

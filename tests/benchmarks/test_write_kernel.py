@@ -27,6 +27,24 @@ def test_the_deferred_write_appends_one_decision_in_cr():
     torch.testing.assert_close(lengths[:, 0], 20 + 2 * appends.int())
 
 
+def test_the_delayed_write_takes_each_leaving_token_through_algorithm1():
+    """Delayed merging's write at the benchmark's layout, through the interpreter: every ring
+    is full, so each head's leaving token appends where its stored decision says so (one in
+    CR), and the step's token takes its ring row with the decision read from its key."""
+    from dmc.inference.kernels.delayed_write import delayed_write
+
+    args = bench.parse_args(SMALL + ["--cr", "2", "--merge-delay", "3"])
+    call_args, lengths = bench.delayed_write_args(args, torch.device("cpu"))
+    row = int(call_args["positions"][0]) % 4  # token p - 4's row, token p's after the write
+    leaving = call_args["ring_alpha"][:, 0, :, row].clone()
+    delayed_write(**call_args)
+    assert 0 < int((leaving <= 0.5).sum()) < leaving.numel()
+    torch.testing.assert_close(lengths[:, 0], 20 + (leaving <= 0.5).int())
+    assert torch.equal(call_args["ring_alpha"][:, 0, :, row],
+                       (call_args["k"][..., -1] > 0).float())
+    assert bench.delayed_seconds(args, torch.device("cpu"), 1) > 0
+
+
 def test_the_triton_rows_time_each_warp_count():
     args = bench.parse_args(SMALL + ["--warps", "1,4"])
     rows = bench.triton_rows(args, torch.device("cpu"))
@@ -99,6 +117,7 @@ def test_a_cpu_run_writes_its_rows(tmp_path, capsys):
     (["--head-dim", "15"], "--head-dim: accepted even values >= 2"),
     (["--window", "0"], "--window: accepted values >= 1"),
     (["--cr", "0.5"], "--cr: accepted values >= 1"),
+    (["--merge-delay", "-1"], "--merge-delay: accepted values >= 0"),
     (["--write-tuning", "t.json"], "--write-tuning: needs a CUDA device"),
 ])
 def test_bad_flags_exit_2_naming_them(flags, message, capsys):
