@@ -90,7 +90,11 @@ def _write_slot(
 
     Every load first, then the arithmetic, then every store: a store ahead of a load keeps
     the load from being issued before it (the compiler cannot tell that they do not alias),
-    and each address here is read before it is written, as Algorithm 1 orders them.
+    and each address here is read before it is written, as Algorithm 1 orders them. A barrier
+    between the two makes that hold across lanes too: with several warps a scalar (the token
+    count), an element two lanes hold or a value another lane loaded for a layout conversion
+    (the caller's loads included: the ring row delayed merging overwrites) is stored by one
+    lane while another may not have read it yet (one warp, the H100's tuning: free).
 
     Of the ring only the rows of the open slot's earlier tokens are read (none where the token
     opens a slot): at CR 4 about a quarter of the ring's bytes, which were most of the write's
@@ -140,6 +144,7 @@ def _write_slot(
     sin = tl.sin(angle)
 
     stored = col_mask & ((tl.zeros([HALF_BLOCK], dtype=tl.int32) + active.to(tl.int32)) != 0)
+    tl.debug_barrier()  # every lane's loads done before any lane stores (see the docstring)
     tl.store(open_count + head, count + 1, mask=active)
     if WINDOW == 0:
         tl.store(open_omega + head, z_new, mask=active)

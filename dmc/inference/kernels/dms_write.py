@@ -53,7 +53,10 @@ def _dms_write_kernel(
     """Every load first, then every store (a store ahead of a load keeps it from being issued
     before it: the compiler cannot tell that they do not alias); the one address read after
     it is written, the flag of ring row ``p mod R`` when ``R = 1``, is read from the register
-    that holds the value written."""
+    that holds the value written. A barrier between loads and stores: the leaving token's row
+    is loaded in one layout and the new token stored into it in another (and a scalar is
+    stored by one lane of several that read it), so without it a lane could overwrite what
+    another lane of another warp has not read yet."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(row_ptr + b).to(tl.int64)
@@ -100,6 +103,7 @@ def _dms_write_kernel(
     dst = (page * PAGE_SIZE + length % PAGE_SIZE) * DIM + cols
     ring_ty = ring_k.dtype.element_ty
 
+    tl.debug_barrier()  # every lane's loads done before any lane stores (the docstring)
     tl.store(ring_flags + head * RING + previous, evict.to(tl.uint8))
     tl.atomic_add(faults, 1, mask=outside)
     tl.atomic_max(faults + 1, head, mask=outside)
