@@ -1,7 +1,7 @@
 """Triton decode write of DMC with delayed merging (``dmc.merge_delay`` = d, ring of ``R = d + 1``
 raw tokens; not in the paper), one launch per layer: the semantics of
 :meth:`dmc.inference.delayed_cache.DelayedMergeCache.write`'s PyTorch path (which stays the
-oracle), where that path runs some forty small ops per layer (the decision split off the key,
+oracle), where that path runs some fifty small ops per layer (the decision split off the key,
 ring indices, gathers of the leaving token, its rotation back, Algorithm 1's write, the new
 token's rotation, four indexed stores) that a CUDA graph replays as as many launches.
 
@@ -15,9 +15,9 @@ One program per (sequence, KV head), the step's token at position ``p``:
    (:func:`~.dmc_write._write_slot`: appended or merged, the length advanced on the device);
 3. token ``p`` (key rotated at ``p``, value, decisions) into ring row ``p mod R``.
 
-The leaving row is loaded by the same lanes, over the same columns, that store the new token
-into it, so each lane reads its elements before it overwrites them. Import this module only
-after ``TRITON_INTERPRET`` is settled (the cache imports it lazily).
+The leaving row is read, by every lane that holds a part of it, before any lane overwrites it
+with the new token (the barrier of :func:`~.dmc_write._write_slot`, after every load). Import
+this module only after ``TRITON_INTERPRET`` is settled (the cache imports it lazily).
 """
 from __future__ import annotations
 
