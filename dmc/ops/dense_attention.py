@@ -105,8 +105,8 @@ def _key_spans(weighted: torch.Tensor, visible: torch.Tensor, block: int,
 def _block_scores(q, key, log_keep, weighted, visible, span):
     """Scaled scores plus bias of one query block, ``[batch, kv_heads, group * rows, cols]``
     (``q [batch, kv_heads, group, queries, dim]``, ``cols`` the span's keys, in
-    :func:`_span_part`'s order): ``log_keep``
-    added over the block's weighted columns, the masks applied to the rest only."""
+    :func:`_span_part`'s order): ``log_keep`` added over the block's weighted columns, the
+    masks applied to the rest only."""
     a, e, lo, mid = span[:4]
     batch, kv_heads, group = q.shape[:3]
     scores = torch.matmul(_blocks(q, span), _span_part(key, span, 2).transpose(-1, -2))
