@@ -33,7 +33,7 @@ def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups, de
 def test_greedy_generation_with_the_triton_kernels(parallel_1x1):
     """``use_triton=True`` (the interpreter on the CPU): the Triton paged kernel with the raw
     ring folded into its reduce step and the Triton write, CUDA's default path."""
-    check_greedy(build_delayed(2, 8, 3), 8, use_triton=True)
+    check_greedy(build_delayed(2, 8, 3), 8, use_triton=True, new_tokens=14)
 
 
 @pytest.mark.gpu
@@ -45,13 +45,13 @@ def test_greedy_generation_on_cuda_equals_the_eval_mode_forward(parallel_1x1):
     check_greedy(model, 5)
 
 
-def check_greedy(model, delay, use_triton=None):
-    """Greedy generation of three batched requests (chunked prefill across the ring's edge) gives
-    the eval-mode forward's tokens, logprobs and slots."""
+def check_greedy(model, delay, use_triton=None, new_tokens=24):
+    """Greedy generation of three batched requests (chunked prefill across the ring's edge,
+    ``new_tokens`` each) gives the eval-mode forward's tokens, logprobs and slots."""
     prompt_list = prompts((13, 21, 7))
     engine = Engine(model, page_size=4, max_batch=3, chunk_size=5, use_triton=use_triton)
     assert isinstance(engine.cache, DelayedMergeCache) and engine.cache.ring_size == delay + 1
-    results = engine.generate(prompt_list, SamplingParams(max_new_tokens=24))
+    results = engine.generate(prompt_list, SamplingParams(max_new_tokens=new_tokens))
     check_against_model(model, results, prompt_list, dmc=True, delay=delay)
     assert min(r.compression.overall for r in results) > 1.3, "decisions should merge"
     assert engine.cache.pages_in_use == 0 and not engine.has_unfinished()
