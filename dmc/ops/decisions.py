@@ -68,10 +68,17 @@ def gumbel_sigmoid(
         raise ValueError(f"gumbel_sigmoid: tau must be > 0, got {tau}")
     if noise is None:
         noise = logistic_noise(logits.shape, generator=generator, device=logits.device)
-    alpha = torch.sigmoid((logits.float() + noise.float()) / tau)
+    alpha = torch.sigmoid(relaxed_logits(logits, noise, tau))
     if hard:
         alpha = straight_through_round(alpha)
     return alpha.to(logits.dtype)
+
+
+def relaxed_logits(logits: torch.Tensor, noise: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. 8's argument ``(logits + g1 - g2) / tau`` in float32, ``noise = g1 - g2`` drawn
+    Logistic(0, 1): its sigmoid is the relaxed decision, its ``logsigmoid(-.)`` the stable
+    ``log(1 - alpha)`` of App. H."""
+    return (logits.float() + noise.float()) / tau
 
 
 def relaxed_decisions(alpha_logit: torch.Tensor, noise: torch.Tensor, tau: float,
@@ -84,8 +91,9 @@ def relaxed_decisions(alpha_logit: torch.Tensor, noise: torch.Tensor, tau: float
     stably from the same sample (App. H, :func:`dmc.ops.mask.log_keep_next_from_logits`), both
     computed in float32. ``hard``: both rounded straight-through (forward ``alpha > 0.5``,
     gradient the soft one's). :func:`gumbel_sigmoid` and :func:`log_one_minus_gumbel_sigmoid`
-    are the same sample's two halves, for one tensor and without ``alpha_0 = 0``."""
-    scaled = (alpha_logit.float() + noise.float()) / tau
+    are the same sample's two halves, for one tensor and without ``alpha_0 = 0``; all three
+    take Eq. 8's argument from :func:`relaxed_logits`."""
+    scaled = relaxed_logits(alpha_logit, noise, tau)
     soft = torch.sigmoid(scaled)
     log_keep = log_keep_next_from_logits(scaled)
     if hard:
@@ -120,7 +128,7 @@ def log_one_minus_gumbel_sigmoid(
 ) -> torch.Tensor:
     """``log(1 - alpha)`` for the same sample as :func:`gumbel_sigmoid`, computed stably as
     ``logsigmoid(-(logits + noise) / tau)`` (App. H)."""
-    return F.logsigmoid(-(logits.float() + noise.float()) / tau)
+    return F.logsigmoid(-relaxed_logits(logits, noise, tau))
 
 
 def split_decision_channels(
