@@ -260,7 +260,6 @@ class DMCKV(KVWrite):
 
     keeps_merge_state = True
     defers_writes = True
-    writes_read_queries = True  # the Triton write reads the importance from the queries
 
     def __init__(self, config: DMCConfig, *args):
         super().__init__(*args)
@@ -273,15 +272,11 @@ class DMCKV(KVWrite):
 
     def write_token(self, layer, step, query, key, value):
         if resolve_use_triton(query.device, self.use_triton):
+            # one launch: the write reads the importance from the queries and rotates them
             channel = DecisionChannel(key.shape[1], self.config.c, self.config.omega_offset)
-            if self.writes_read_queries:  # one launch: the importance and rotated queries too
-                return self.cache.write(layer, step.seqs, step.positions, key, value, None,
-                                        KeyDecision(self.config.c), use_triton=True,
-                                        defer=True, query=(query, step.cos, step.sin, channel))
-            q_rot, omega = run_decode_rope(query, step.cos, step.sin, channel)
-            self.cache.write(layer, step.seqs, step.positions, key, value, omega,
-                             KeyDecision(self.config.c), use_triton=True, defer=True)
-            return q_rot
+            return self.cache.write(layer, step.seqs, step.positions, key, value, None,
+                                    KeyDecision(self.config.c), use_triton=True, defer=True,
+                                    query=(query, step.cos, step.sin, channel))
         decided = self._decide(query[:, :, None], key[:, :, None])
         self.cache.write(layer, step.seqs, step.positions, decided.key[:, :, 0], value,
                          decided.omega[..., 0], decided.alpha[..., 0], use_triton=self.use_triton,
