@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -117,6 +117,38 @@ class CompressedCache(Cache):
         has one, else its ``lengths``)."""
         return torch.stack([layer.held() if hasattr(layer, "held") else layer.lengths
                             for layer in self.layers])
+
+
+class CompressedLlamaConfig(PretrainedConfig):
+    """The Llama hyper-parameters both methods' configs share (a method's config subclasses it
+    and adds its own settings).
+
+    rope_llama3_scaling: None or {factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings} (Llama 3.x frequency scaling).
+    head_dim: channels per head (None = hidden_size / num_attention_heads). qk_norm: Qwen3's
+    per-head RMSNorm of queries and keys before RoPE (and before a decision is read).
+    """
+
+    def __init__(self, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, rope_llama3_scaling=None,
+                 max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
+                 use_cache=True, head_dim=None, qk_norm=False, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.rope_llama3_scaling = rope_llama3_scaling
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        self.head_dim = head_dim
+        self.qk_norm = bool(qk_norm)
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
 def head_dim_of(config) -> int:

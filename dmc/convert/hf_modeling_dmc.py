@@ -37,11 +37,10 @@ export (:mod:`.hf_modeling_common`).
 from __future__ import annotations
 
 import torch
-from torch import nn
-from transformers import PretrainedConfig
 
 from .hf_modeling_common import (CompressedAttention, CompressedCache, CompressedCacheLayer,
-                                  CompressedLlamaForCausalLM, CompressedLlamaModel)
+                                  CompressedLlamaConfig, CompressedLlamaForCausalLM,
+                                  CompressedLlamaModel)
 
 try:  # the exported folder: the dmc/ops files shipped next to modeling_dmc.py
     from .algorithm1 import CompressedChunk, OpenSlot, compress_chunk, empty_prefix, pack_slots
@@ -56,8 +55,8 @@ except ImportError:  # imported from the dmc package
     from dmc.ops.rope import apply_rope
 
 
-class DMCLlamaConfig(PretrainedConfig):
-    """Llama hyper-parameters plus the DMC settings.
+class DMCLlamaConfig(CompressedLlamaConfig):
+    """Llama hyper-parameters (:class:`CompressedLlamaConfig`) plus the DMC settings.
 
     dmc_window: accumulation window w (None = exact running mean). dmc_c: decision offset c.
     dmc_omega_offset: added to omega (2^-7 in NVIDIA's models, 0 in the paper's).
@@ -65,38 +64,18 @@ class DMCLlamaConfig(PretrainedConfig):
     dmc_target_cr, dmc_measured_cr: the training target and the CR measured at export (or None).
     dmc_merge_delay: d, the raw tokens a query sees besides itself before they merge (0 = the
     paper's DMC).
-    rope_llama3_scaling: None or {factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings} (Llama 3.x frequency scaling).
-    head_dim: channels per head (None = hidden_size / num_attention_heads). qk_norm: Qwen3's
-    per-head RMSNorm of queries and keys before RoPE (and before the decision channel is read).
     """
 
     model_type = "dmc_llama"
 
-    def __init__(self, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
-                 rms_norm_eps=1e-5, rope_theta=10000.0, rope_llama3_scaling=None,
-                 max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
-                 dmc_window=12, dmc_c=5.0, dmc_omega_offset=0.0, dmc_channel="last",
-                 dmc_target_cr=None, dmc_measured_cr=None, use_cache=True, head_dim=None,
-                 qk_norm=False, dmc_merge_delay=0, **kwargs):
+    def __init__(self, dmc_window=12, dmc_c=5.0, dmc_omega_offset=0.0, dmc_channel="last",
+                 dmc_target_cr=None, dmc_measured_cr=None, dmc_merge_delay=0, **kwargs):
         if dmc_channel != "last":
             raise ValueError(f"dmc_channel must be 'last', got {dmc_channel!r}")
         if dmc_window is not None and int(dmc_window) < 1:
             raise ValueError(f"dmc_window must be null or >= 1, got {dmc_window!r}")
         if int(dmc_merge_delay) < 0:
             raise ValueError(f"dmc_merge_delay must be >= 0, got {dmc_merge_delay!r}")
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads or num_attention_heads
-        self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
-        self.rope_llama3_scaling = rope_llama3_scaling
-        self.max_position_embeddings = max_position_embeddings
-        self.initializer_range = initializer_range
         self.dmc_window = dmc_window
         self.dmc_c = dmc_c
         self.dmc_omega_offset = dmc_omega_offset
@@ -104,10 +83,7 @@ class DMCLlamaConfig(PretrainedConfig):
         self.dmc_target_cr = dmc_target_cr
         self.dmc_measured_cr = dmc_measured_cr
         self.dmc_merge_delay = int(dmc_merge_delay)
-        self.use_cache = use_cache
-        self.head_dim = head_dim
-        self.qk_norm = bool(qk_norm)
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        super().__init__(**kwargs)
 
 
 # ----------------------------------------------------------------------------- cache

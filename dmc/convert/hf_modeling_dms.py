@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from .hf_modeling_common import (CompressedAttention, CompressedCache, CompressedCacheLayer,
-                                  CompressedLlamaForCausalLM, CompressedLlamaModel)
+                                  CompressedLlamaConfig, CompressedLlamaForCausalLM,
+                                  CompressedLlamaModel)
 
 try:  # the exported folder: the dmc/ops files shipped next to modeling_dms.py
     from .decisions import split_dms_channels, zero_dms_channel
@@ -46,8 +46,8 @@ except ImportError:  # imported from the dmc package
     from dmc.ops.rope import apply_rope
 
 
-class DMSLlamaConfig(PretrainedConfig):
-    """Llama hyper-parameters plus the DMS settings.
+class DMSLlamaConfig(CompressedLlamaConfig):
+    """Llama hyper-parameters (:class:`CompressedLlamaConfig`) plus the DMS settings.
 
     dms_window: w, the queries after a key that still see it whatever its decision.
     dms_c, dms_logit_scale: the eviction logit is ``q[..., -1] * dms_logit_scale - dms_c``
@@ -55,48 +55,28 @@ class DMSLlamaConfig(PretrainedConfig):
     dms_channel: which channel carries the logit (only "last", of the first query head of each
     KV group). dms_decision: "query" (that channel) or "adapter" (``dms_decision_proj``, a
     linear map of the attention input to one logit per KV head). dms_target_cr, dms_measured_cr:
-    the training target and the CR measured at export (or None). rope_llama3_scaling, head_dim,
-    qk_norm: as in :class:`DMCLlamaConfig` (with ``qk_norm`` the logit is read from
-    ``q_norm(q)``, as NVIDIA's Qwen3 DMS models do).
+    the training target and the CR measured at export (or None). With ``qk_norm`` the logit is
+    read from ``q_norm(q)``, as NVIDIA's Qwen3 DMS models do.
     """
 
     model_type = "dms_llama"
 
-    def __init__(self, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
-                 rms_norm_eps=1e-5, rope_theta=10000.0, rope_llama3_scaling=None,
-                 max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
-                 dms_window=512, dms_c=5.0, dms_logit_scale=100.0, dms_channel="last",
-                 dms_target_cr=None, dms_measured_cr=None, use_cache=True, head_dim=None,
-                 qk_norm=False, dms_decision="query", **kwargs):
+    def __init__(self, dms_window=512, dms_c=5.0, dms_logit_scale=100.0, dms_channel="last",
+                 dms_target_cr=None, dms_measured_cr=None, dms_decision="query", **kwargs):
         if dms_channel != "last":
             raise ValueError(f"dms_channel must be 'last', got {dms_channel!r}")
         if dms_decision not in ("query", "adapter"):
             raise ValueError(f"dms_decision must be 'query' or 'adapter', got {dms_decision!r}")
-        self.dms_decision = dms_decision
         if int(dms_window) < 0:
             raise ValueError(f"dms_window must be >= 0, got {dms_window!r}")
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads or num_attention_heads
-        self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
-        self.rope_llama3_scaling = rope_llama3_scaling
-        self.max_position_embeddings = max_position_embeddings
-        self.initializer_range = initializer_range
+        self.dms_decision = dms_decision
         self.dms_window = int(dms_window)
         self.dms_c = dms_c
         self.dms_logit_scale = dms_logit_scale
         self.dms_channel = dms_channel
         self.dms_target_cr = dms_target_cr
         self.dms_measured_cr = dms_measured_cr
-        self.use_cache = use_cache
-        self.head_dim = head_dim
-        self.qk_norm = bool(qk_norm)
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        super().__init__(**kwargs)
 
 
 # ----------------------------------------------------------------------------- cache

@@ -43,11 +43,10 @@ from dmc.ops import (
     relaxed_decisions,
     scale_decision_channel,
     straight_through_round,
-    without_decision_channel,
     zero_decision_channel,
 )
 from dmc.ops.mask import log_keep_next
-from dmc.ops.rope import rotate, rotation_tables
+from dmc.ops.rope import rotate
 
 
 def to_bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -295,11 +294,9 @@ class DMCSelfAttention(SelfAttention):
             query, key = self._rotate(zero_decision_channel(query), zero_decision_channel(key),
                                       rotary_pos_emb)
             return query, zero_decision_channel(key)
-        q_tables = without_decision_channel(*rotation_tables(q_freqs, query.dtype))
-        k_tables = q_tables if k_freqs is q_freqs and key.dtype == query.dtype else \
-            without_decision_channel(*rotation_tables(k_freqs, key.dtype))
         rotated = self._fused(rotate)
-        return rotated(query, *q_tables), rotated(key, *k_tables)
+        return (rotated(query, *self.dmc.decision_free_tables(q_freqs, query.dtype)),
+                rotated(key, *self.dmc.decision_free_tables(k_freqs, key.dtype)))
 
     def _rotate(self, query, key, rotary_pos_emb):
         """RoPE at each token's own position on ``[seq, batch, heads, dim]`` tensors."""

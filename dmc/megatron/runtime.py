@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dmc.megatron.config import DMCConfig
+from dmc.ops.decisions import without_decision_channel
+from dmc.ops.rope import rotation_tables
 
 MODES = ("vanilla", "zero_out", "train", "eval")
 
@@ -40,6 +42,7 @@ class DMCRuntime:
     layers: list = field(default_factory=list, repr=False)
     stage_kept: list = field(default_factory=list, repr=False)
     cr_losses: list = field(default_factory=list, repr=False)
+    _rope_tables: dict = field(default_factory=dict, repr=False)
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
@@ -58,6 +61,25 @@ class DMCRuntime:
         key = f"{self.seed}:{layer_number}:{self.step}:{self.microbatch}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         return torch.Generator(device=device).manual_seed(seed)
+
+    def decision_free_tables(self, angles: torch.Tensor,
+                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`dmc.ops.rope.rotation_tables` of megatron's RoPE ``angles [seq, 1, 1,
+        head_dim]`` in ``dtype``, without the decision channel
+        (:func:`dmc.ops.without_decision_channel`), built once per angles tensor: megatron-core
+        computes the angles once per forward for every layer and caches them across forwards
+        (an ``lru_cache`` on ``RotaryEmbedding.forward``), so the layers share one pair of
+        tables instead of building it each (eight small ops a layer). An entry holds its angles,
+        so their ``id`` is not reused while it lives; tables built in inference mode are kept
+        apart (autograd cannot save them)."""
+        key = (id(angles), dtype, torch.is_inference_mode_enabled())
+        entry = self._rope_tables.get(key)
+        if entry is None:
+            if len(self._rope_tables) >= 8:  # angles of other lengths: megatron's cache is 32
+                self._rope_tables.clear()
+            entry = self._rope_tables[key] = (
+                angles, without_decision_channel(*rotation_tables(angles, dtype)))
+        return entry[1]
 
     def pop_cr_losses(self) -> list[torch.Tensor]:
         """Detached CR-loss values attached since the last call: one per forward of the last

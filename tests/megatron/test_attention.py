@@ -379,6 +379,34 @@ def test_rotation_without_decision_channels(parallel_1x1, dtype, rotated):
     assert results[0][0].abs().sum() > 0 and results[0][2][..., :-1].abs().sum() > 0
 
 
+def test_layers_share_the_rotation_tables_of_one_angles_tensor(parallel_1x1, monkeypatch):
+    """The tables are built once per angles tensor, dtype and inference mode, not once per
+    layer or forward, and equal freshly built ones; a train step after an inference-mode
+    forward does not reuse that forward's tables (autograd could not save them)."""
+    from dmc.megatron import runtime as runtime_module
+    from dmc.ops import without_decision_channel
+    from dmc.ops.rope import rotation_tables
+
+    built = []
+    monkeypatch.setattr(runtime_module, "rotation_tables",
+                        lambda *args: built.append(args) or rotation_tables(*args))
+    _, model, runtime = _pair(2, DMCConfig(window=4))
+    runtime.start_step(0, "train", target_cr=2.0)
+    tokens, positions = _batch()
+    with torch.inference_mode():
+        model(tokens, positions, None)
+    assert len(built) == 1 and len(dmc_layers(model)) > 1
+    for _ in range(2):
+        model(tokens, positions, None, labels=tokens).float().mean().backward()
+    assert len(built) == 2
+    model(*_batch(seq=SEQ - 4), None)
+    assert len(built) == 3
+    for (angles_id, dtype, _), entry in runtime._rope_tables.items():
+        fresh = without_decision_channel(*rotation_tables(entry[0], dtype))
+        assert id(entry[0]) == angles_id
+        assert all(torch.equal(a, b) for a, b in zip(entry[1], fresh))
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.parametrize("hard, delay", [(False, 0), (True, 3)], ids=["dmc", "hard-delay"])
