@@ -381,8 +381,8 @@ def probe(mode, model, dmc, policy, args, params) -> dict:
         worst = sum(worst_new_pages(engine.cache, [s.slot for s in decoding], 1))  # settles
         held = engine.cache.pages_in_use
         if last is not None:  # the last step decoded only: reserved `need`, took held - before
-            count, need, before = last
-            reserve = max(reserve, math.ceil((need - (held - before)) / count))
+            decoded, need, before = last
+            reserve = max(reserve, math.ceil((need - (held - before)) / decoded))
         prefilled = engine.stats.prefill_tokens
         ended = engine.step()
         results += ended

@@ -435,6 +435,33 @@ def test_profile_names_where_a_mode_spends_more_than_vanilla(tmp_path, capsys):
     assert lines and all(float(line.split()[0]) > 0 for line in lines)
 
 
+def test_the_peak_per_sequence_divides_by_every_probed_sequence(monkeypatch):
+    """The probe's peak pages per sequence is the engine's peak over all the probed sequences,
+    also where they end at different steps (here each asks for twice the tokens of the one
+    before, so the last decodes alone at the end): the peak was once divided by the sequences
+    of the last decode-only step, which halved a CPU preset's DMC 4x batch."""
+    from dmc.inference import SamplingParams
+
+    engines, engine_for = [], bench.engine_for
+
+    def staggered(*args):
+        engine = engine_for(*args)
+        add_request = engine.add_request
+        engine.add_request = lambda prompt, params: add_request(prompt, SamplingParams(
+            max_new_tokens=2 ** (len(engine.scheduler.waiting) + 1), temperature=1.0))
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(bench, "engine_for", staggered)
+    args = bench.parse_args([*TINY, "--gen-len", "8", "--steady", "4", "--modes", "dmc:4",
+                             "--probe", "3"])
+    (mode, built), = bench.build_models(args).items()
+    row = bench.probe(mode, *built, args, SamplingParams(max_new_tokens=8, temperature=1.0))
+    engine, = engines
+    assert engine.stats.generated_tokens == 2 + 4 + 8
+    assert row["peak_pages_per_seq"] == math.ceil(engine.stats.peak_pages / 3)
+
+
 def test_many_probed_sequences_size_the_batch_by_the_bound_of_their_spread(tmp_path,
                                                                           monkeypatch):
     """``--probe 12``: each sequence's pages recorded (4 for vanilla, whose pages do not
