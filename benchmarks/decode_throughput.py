@@ -101,7 +101,8 @@ import warnings
 
 import torch
 
-from dmc.eval.decode_modes import FORCED, MODE_SYNTAX, Mode, build_models, parse_mode
+from dmc.eval.decode_modes import (FORCED, MODE_SYNTAX, Mode, build_models, model_config,
+                                   parse_mode)
 from dmc.eval.device_activity import device_activity
 from dmc.eval.kv_budget import batch_pages_bound, cache_allocation, fit_batch
 from dmc.eval.roofline import attention_flops, measure_machine, roofline, weight_bytes_and_flops
@@ -202,6 +203,10 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.steady >= args.gen_len:
         p.error(f"--steady: must be < --gen-len ({args.gen_len}), got {args.steady}")
+    try:  # the random model's shape (a --model checkpoint brings its own)
+        model_config(args, args.groups)
+    except ValueError as err:
+        p.error(str(err))
     if args.budget_mib <= 0:
         p.error(f"--budget-mib: must be > 0, got {args.budget_mib}")
     if args.prefill_tokens is not None and args.prefill_tokens < 1:

@@ -66,6 +66,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
+    for flag in ("batch", "q_heads", "kv_heads", "head_dim", "length", "page_size", "iters"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: accepted values >= 1, got {getattr(args, flag)}")
+    if args.q_heads % args.kv_heads:
+        p.error(f"--q-heads: accepted multiples of --kv-heads ({args.kv_heads}), got "
+                f"{args.q_heads}")
+    if args.num_splits is not None and args.num_splits < 1:
+        p.error(f"--num-splits: accepted values >= 1, got {args.num_splits}")
     if args.write_tuning and not (args.sweep and torch.cuda.is_available()):
         p.error("--write-tuning: needs --sweep on a CUDA device (the tuning file is per GPU)")
     for flag, value in (("--spread", args.spread), ("--compare-spread", args.compare_spread)):

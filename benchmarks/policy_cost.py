@@ -74,6 +74,11 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.cr < 1:
         p.error(f"--cr: must be >= 1, got {args.cr}")
+    try:  # the model's shape and the policies named, checked before anything is built
+        model_config(args)
+        mode_names(args)
+    except ValueError as err:
+        p.error(str(err))
     return args
 
 
@@ -92,16 +97,22 @@ def mode_names(args) -> list[str]:
     return modes
 
 
-def build_model(args):
+def model_config(args):
+    """The random model's :class:`~dmc.megatron.config.ModelConfig` (ConfigError naming a bad
+    field)."""
     from dmc.megatron.config import ModelConfig
+
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                       num_attention_heads=args.heads, num_query_groups=args.groups,
+                       ffn_hidden_size=args.ffn, vocab_size=args.vocab,
+                       max_seq_length=args.prompt_len + args.gen_len)
+
+
+def build_model(args):
     from dmc.megatron.model import build_model_from_config
 
-    config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
-                         num_attention_heads=args.heads, num_query_groups=args.groups,
-                         ffn_hidden_size=args.ffn, vocab_size=args.vocab,
-                         max_seq_length=args.prompt_len + args.gen_len)
     torch.manual_seed(args.seed)
-    model = build_model_from_config(config, None)
+    model = build_model_from_config(model_config(args), None)
     return model.cuda() if torch.cuda.is_available() else model
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 
@@ -30,6 +31,7 @@ def run_bench(args: argparse.Namespace) -> int:
     path = benchmarks_dir() / f"{args.name}.py"
     spec = importlib.util.spec_from_file_location(f"dmc_benchmarks.{args.name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does: a dataclass looks its module up there
     spec.loader.exec_module(module)
     return int(module.main(args.args) or 0)
 

@@ -169,6 +169,8 @@ def test_fit_batch_is_the_largest_batch_within_the_budget():
     (["--prefill-tokens", "0"], "--prefill-tokens"),
     (["--overlap", "on"], "--overlap: on needs --cuda-graphs"),
     (["--overlap", "maybe", "--cuda-graphs"], "--overlap"),
+    (["--groups", "0"], "model.num_query_groups: must be > 0"),
+    (["--vocab", "0"], "model.vocab_size: must be > 0"),
 ])
 def test_bad_flags_exit_2_naming_them(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:

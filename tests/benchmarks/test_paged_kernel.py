@@ -58,6 +58,12 @@ def test_a_cpu_run_times_both_layouts(tmp_path, capsys):
     (["--compare-cr", "0.5"], "--cr / --compare-cr: accepted values >= 1"),
     (["--write-tuning", "t.json"], "--write-tuning: needs --sweep on a CUDA device"),
     (["--sweep", "--write-tuning", "t.json"], "--write-tuning: needs --sweep on a CUDA device"),
+    (["--page-size", "0"], "--page-size: accepted values >= 1, got 0"),
+    (["--batch", "0"], "--batch: accepted values >= 1, got 0"),
+    (["--head-dim", "0"], "--head-dim: accepted values >= 1, got 0"),
+    (["--iters", "0"], "--iters: accepted values >= 1, got 0"),
+    (["--q-heads", "6", "--kv-heads", "4"], "--q-heads: accepted multiples of --kv-heads (4)"),
+    (["--num-splits", "0"], "--num-splits: accepted values >= 1, got 0"),
 ])
 def test_bad_layout_flags_exit_2_naming_them(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

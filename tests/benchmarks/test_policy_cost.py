@@ -39,5 +39,16 @@ def test_policies_flag_picks_the_modes():
     args = bench.parse_args(["--preset", "tiny", "--policies", "h2o,snapkv@streaming,omnikv"])
     assert bench.mode_names(args) == ["vanilla", "h2o", "snapkv@streaming", "omnikv",
                                       bench.RESIDENT]
-    with pytest.raises(ValueError, match="unknown policy"):
-        bench.mode_names(bench.parse_args(["--policies", "lru"]))
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--policies", "lru"], "unknown policy 'lru'; valid names"),
+    (["--ffn", "0"], "model.ffn_hidden_size: must be > 0"),
+    (["--heads", "-1"], "model.num_attention_heads: must be > 0"),
+    (["--layers", "0"], "--layers: must be >= 1"),
+])
+def test_bad_flags_exit_2_naming_them(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--preset", "tiny"] + flags)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err

@@ -1,7 +1,10 @@
 """``dmc bench`` runs the repository's benchmark scripts with their own arguments."""
 import json
 
+import pytest
+
 from dmc.cli import main
+from dmc.eval.bench import available
 
 
 def test_bench_runs_a_benchmark_and_writes_json(tmp_path, capsys):
@@ -20,3 +23,13 @@ def test_unknown_benchmark_lists_the_valid_ones(capsys):
     assert main(["bench", "nope"]) == 2
     err = capsys.readouterr().err
     assert "decode_throughput" in err and "paged_kernel" in err
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_benchmark_loads_and_prints_its_help(name, capsys):
+    """Each benchmark imports under ``dmc bench`` and answers ``--help`` (exit 0): a module
+    that fails at import (a dataclass once did, its module not registered) is caught here."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", name, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
