@@ -1,7 +1,8 @@
-"""The parts of the exported DMC and DMS models for Hugging Face transformers that do not depend
-on the method: the Llama blocks (RMSNorm, SwiGLU MLP, pre-norm decoder layer), the
-``[batch, n]`` real-token mask of a left-padded batch, the model body that runs a prefill at once
-and a continued cache token by token, and the causal-LM head.
+"""The parts of the exported DMC and DMS models for Hugging Face transformers that do not depend on
+the method: the Llama hyper-parameters of the config (:class:`CompressedLlamaConfig`), the Llama
+blocks (RMSNorm, SwiGLU MLP, pre-norm decoder layer), the ``[batch, n]`` real-token mask of a
+left-padded batch, the model body that runs a prefill at once and a continued cache token by
+token, and the causal-LM head.
 
 Shipped as ``hf_modeling_common.py`` next to ``modeling_dmc.py`` / ``modeling_dms.py`` (which
 import it relatively) by ``dmc convert mcore-to-hf``. A method module subclasses
