@@ -132,6 +132,13 @@ class KVPolicy:
         self.shape: PolicyShape | None = None
 
     @property
+    def reads_attention(self) -> bool:
+        """Whether :meth:`observe` reads the new queries' attention: a policy that keeps this
+        base's :meth:`observe`, which reads nothing (StreamingLLM, Random, KNorm, KeyDiff), is
+        handed none, and the runner skips computing it."""
+        return type(self).observe is not KVPolicy.observe
+
+    @property
     def plan(self) -> Schedule:
         """The compression schedule (:class:`~dmc.policies.schedule.Schedule`)."""
         return Schedule(self.schedule, self.recompress_every)
@@ -176,13 +183,14 @@ class KVPolicy:
 
     # ----------------------------------------------------------------- the policy
     def observe(self, view: LayerView, queries: torch.Tensor, q_positions: torch.Tensor,
-                probs: torch.Tensor, prefill: bool) -> None:
+                probs: torch.Tensor | None, prefill: bool) -> None:
         """Take in the newest queries of ``view.layer``, already written to the cache.
 
         queries: ``[batch, q_heads, n, head_dim]`` post-RoPE; q_positions: ``[batch, n]``
         (``-1`` = padding); probs: ``[batch, kv_heads, group, n, L]`` their causal attention
-        over the cached slots (0 on padding and invalid slots); prefill: a prompt chunk
-        (False: one decode step)."""
+        over the cached slots (0 on padding and invalid slots; None for a policy that does not
+        override this method, :attr:`reads_attention`); prefill: a prompt chunk (False: one
+        decode step)."""
 
     def scores(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         """Importance of every slot ``[batch, kv_heads, L]`` (higher = keep)."""
@@ -250,6 +258,10 @@ class PolicyWrapper(KVPolicy):
     @property
     def needs_prompt_end(self) -> bool:
         return self.base.needs_prompt_end
+
+    @property
+    def reads_attention(self) -> bool:
+        return self.base.reads_attention
 
     def bind(self, shape: PolicyShape) -> None:
         super().bind(shape)

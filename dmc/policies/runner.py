@@ -107,7 +107,8 @@ class PolicyRunner:
             new = torch.zeros_like(view.valid)
             new[b, h, slot] = True
             self.rerotation.record(view, new)
-        probs = causal_probs(queries.float(), view, q_positions, self.policy.shape.scale)
+        probs = (causal_probs(queries.float(), view, q_positions, self.policy.shape.scale)
+                 if self.policy.reads_attention else None)
         self.policy.observe(view, queries.float(), q_positions, probs, prefill)
         if self.bank is not None and not prefill:
             self.bank.step(layer, seqs, view)

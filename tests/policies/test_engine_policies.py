@@ -97,6 +97,28 @@ def test_batched_equals_batch_one_and_cr_is_the_requested_one(model, name):
             assert together.kv_pages <= pages_of(torch.full((2, 2), math.ceil(fed / 2))) + 2
 
 
+def test_only_the_policies_that_read_the_attention_are_handed_it(model, monkeypatch):
+    """The runner computes the new queries' attention only for a policy whose ``observe``
+    reads it (a wrapper: its base's); the others (no ``observe`` of their own) generate the same
+    tokens without it as with it, and the runner computes it for them not once."""
+    from dmc.policies import base, runner
+
+    readers = {n for n in POLICY_NAMES if get_policy(n, 2.0, **SMALL_WINDOW.get(n, {}))
+               .reads_attention}
+    assert set(POLICY_NAMES) - readers == {"streamingllm", "random", "knorm", "keydiff"}
+    calls, causal_probs = [], runner.causal_probs
+    monkeypatch.setattr(runner, "causal_probs", lambda *a: calls.append(1) or causal_probs(*a))
+    prompts, params = [tokens(37, 2), tokens(22, 3)], SamplingParams(max_new_tokens=6)
+    for name in sorted(set(POLICY_NAMES) - readers):
+        skipped = engine(model, name).generate(prompts, params)
+        assert not calls, name
+        with monkeypatch.context() as forced:
+            forced.setattr(base.KVPolicy, "reads_attention", property(lambda self: True))
+            computed = engine(model, name).generate(prompts, params)
+        assert calls and [r.tokens for r in skipped] == [r.tokens for r in computed], name
+        calls.clear()
+
+
 @pytest.mark.parametrize("name", EVICTING)
 def test_no_policy_keeps_more_slots_than_its_budget(model, name):
     """After the prefill and every decode step each layer holds at most its budget per head
