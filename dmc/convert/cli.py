@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 
 def _clear_errors(handler):
@@ -36,8 +37,15 @@ def run_hf_to_mcore(args) -> int:
 def run_mcore_to_hf(args) -> int:
     from dmc.convert import mcore_to_hf
 
+    if not 0 < args.max_shard_gb < float("inf"):
+        raise ValueError(f"--max-shard-gb must be a number > 0, got {args.max_shard_gb}")
+    if args.cr_max_tokens < 2:
+        raise ValueError(f"--cr-max-tokens must be >= 2, got {args.cr_max_tokens}")
     cr_tokens = None
     if args.cr_text:
+        if not os.path.isfile(args.cr_text):
+            raise ValueError(f"--cr-text {args.cr_text}: no such file (a text file to measure "
+                             f"the compression ratio on)")
         from dmc.data import load_tokenizer
         from dmc.inference.loading import model_tokenizer
 

@@ -235,6 +235,9 @@ def run_ppl(args: argparse.Namespace) -> int:
     """Run ``dmc eval ppl`` from parsed arguments; prints a summary (or JSON); returns 0."""
     from dmc.inference.engine import Engine
 
+    if args.num_sequences is not None and args.num_sequences < 1:
+        raise ValueError(f"--num-sequences must be >= 1 (or left out: all), got "
+                         f"{args.num_sequences}")
     sequences = load_token_sequences(args.data, args.seq_len, args.num_sequences)
     if not sequences:
         raise ValueError(f"--data {args.data}: fewer than --seq-len={args.seq_len} tokens")

@@ -136,6 +136,8 @@ def run_generate(args: argparse.Namespace) -> int:
         cuda_graphs=args.cuda_graphs, overlap=args.overlap,
     )
     check_tokens_fit(engine, prompts, "prompt + --max-new-tokens", args.max_new_tokens)
+    if args.stop_token:
+        check_tokens_fit(engine, [args.stop_token], "--stop-token")
     if args.stream:
         results = _print_stream(engine, prompts, params, tokenizer)
     else:

@@ -336,6 +336,9 @@ def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_d
     window = None if dms or dmc is None else dmc.window
     ring_dtype = (model_dtype if window and not delay and model_dtype in RING_DTYPES
                   else torch.float32)
+    if num_pages is not None and num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1 (or None: as many as kv_cache_bytes holds), "
+                         f"got {num_pages}")
     if num_pages is None:
         shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      page_size=page_size, window=window, dtype=dtype, max_seq_len=max_seq_len,

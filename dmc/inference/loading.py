@@ -169,7 +169,13 @@ def save_inference_state(path, model: torch.nn.Module, model_config: ModelConfig
 
 def load_inference_state(path) -> dict:
     """Read and check a file written by :func:`save_inference_state`."""
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # not a torch file, or one holding more than tensors and dicts
+        raise ValueError(f"{path}: not a dmc inference state ({type(err).__name__} from "
+                         f"torch.load); accepted: a .pt file written by "
+                         f"dmc.inference.loading.save_inference_state, a checkpoint folder or a "
+                         f"run folder") from err
     if not isinstance(saved, dict) or not {"model_config", "state_dict"} <= saved.keys():
         raise ValueError(
             f"{path}: not a dmc inference state (a dict with 'model_config', 'dmc_config' and "

@@ -12,6 +12,8 @@ readable one-row reference of the distribution that :func:`filtered_scores` comp
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -44,8 +46,8 @@ class SamplingParams:
         self.stop_tokens = tuple(int(t) for t in self.stop_tokens)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -175,5 +175,8 @@ def load_sweep(path) -> SweepSpec:
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"{path}: no such sweep file")
-    tree = yaml.safe_load(path.read_text())
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SweepError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from err
     return parse_sweep(tree if tree is not None else {})

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dmc.ops import CRSchedule
-from dmc.training.config import RunConfig
+from dmc.training.config import ConfigError, RunConfig
 
 RETROFIT_PHASES = ("zero_out", "retrofit", "solidify")
 
@@ -48,6 +48,10 @@ class PhasePlan:
                 "solidify": (z + r, z + r + s.solidify_steps),
             }
         self.total_steps = max(end for _, end in self.ranges.values())
+        if not self.total_steps:
+            fields = ("schedule.pretrain_steps" if kind == "pretrain" else
+                      "schedule.zero_out_steps + retrofit_steps + solidify_steps")
+            raise ConfigError(f"the {kind} run has no steps: {fields} is 0; set it >= 1")
         start, end = self.ranges.get("retrofit", (0, 0))
         self.cr_schedule = CRSchedule(cfg.dmc.target_cr, end - start, start_step=start)
 

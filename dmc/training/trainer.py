@@ -77,11 +77,11 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, kind: str, allow_config_change: bool = False):
         self.cfg, self.kind = cfg, kind
+        self.plan = PhasePlan(cfg, kind)
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # unwritable: fail before megatron
         initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.seed)
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.run_dir)
-        self.plan = PhasePlan(cfg, kind)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         per_step = cfg.data.micro_batch_size * self.dp_size

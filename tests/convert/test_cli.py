@@ -32,6 +32,13 @@ def test_convert_cli_and_model_yaml(tmp_path, capsys):
 
     assert main(["convert", "mcore-to-hf", str(tmp_path / "mc"), str(tmp_path / "back")]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+    for flags, message in [(["--max-shard-gb", "0"], "--max-shard-gb must be a number > 0"),
+                           (["--cr-max-tokens", "1"], "--cr-max-tokens must be >= 2"),
+                           (["--cr-text", str(tmp_path / "none.txt")], "none.txt: no such file")]:
+        assert main(["convert", "mcore-to-hf", str(tmp_path / "mc"), str(tmp_path / "x"),
+                     *flags]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "x").exists()
     assert main(["convert", "nvidia-dmc", str(tmp_path / "hf"), str(tmp_path / "nv")]) == 2
     assert "latest_checkpointed_iteration.txt" in capsys.readouterr().err
     cfg_json = json.loads((tmp_path / "hf" / "config.json").read_text())

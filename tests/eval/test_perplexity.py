@@ -100,6 +100,9 @@ def test_ppl_cli_json(parallel_1x1, tmp_path, capsys):
     assert out["sequences"] == 2 and out["tokens"] == 78
     assert out["nll"] == pytest.approx(out["full_forward"]["nll"], abs=1e-4)
     assert math.isfinite(out["perplexity"]) and out["compression"]["cr"] > 1.5
+    with pytest.raises(ValueError, match="--num-sequences must be >= 1"):
+        run_ppl(parser.parse_args(["--state-dict", str(tmp_path / "model.pt"), "--data",
+                                   str(tmp_path / "tokens.pt"), "--num-sequences", "0"]))
 
 
 def full_forward_logprobs(model, tokens):

@@ -382,6 +382,17 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     vocab = loaded.model.vocab_size
     with pytest.raises(ValueError, match=f"token id {vocab} is outside the model's vocabulary"):
         run_generate(parser.parse_args(["--state-dict", str(path), "--prompt-ids", f"1 {vocab}"]))
+    one = ["--state-dict", str(path), "--prompt-ids", "1 2", "--max-new-tokens", "2"]
+    with pytest.raises(ValueError, match="--stop-token: token id -5 is outside"):
+        run_generate(parser.parse_args([*one, "--stop-token", "-5"]))
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        run_generate(parser.parse_args([*one, "--temperature", "nan"]))
+    with pytest.raises(ValueError, match="num_pages must be >= 1"):
+        run_generate(parser.parse_args([*one, "--num-pages", "0"]))
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="notes.txt: not a dmc inference state"):
+        run_generate(parser.parse_args(["--state-dict", str(tmp_path / "notes.txt"),
+                                        "--prompt-ids", "1"]))
 
 
 def test_files_without_newer_dmc_fields_load_with_the_paper_defaults(parallel_1x1, tmp_path):

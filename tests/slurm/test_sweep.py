@@ -174,6 +174,13 @@ def test_bad_sweep_files_name_the_field(change, message):
         parse_sweep(tree)
 
 
+def test_a_file_that_is_not_yaml_is_refused(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: [t\n")
+    assert main(["sweep", str(path)]) == 2
+    assert f"{path}: not valid YAML" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("change, message", [
     ({"overrides": ["parallel.tensor=2"]},
      "job tiny-cr2-s1: .*slurm.nodes x slurm.gpus_per_node = 1 GPUs"),
