@@ -41,6 +41,8 @@ from dmc.megatron.compat import cuda_rewrite_suspended
 from dmc.megatron.config import DMCConfig, ModelConfig
 from dmc.megatron.runtime import DMCRuntime
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # of the K/V pages
+
 
 class Engine:
     """Chunked-prefill, batched-decode generation with a paged (DMC-compressed) KV cache.
@@ -118,6 +120,12 @@ class Engine:
             raise ValueError("Engine needs a whole model (pre_process and post_process)")
         if chunk_size < 1 or max_batch < 1 or page_size < 1:
             raise ValueError("chunk_size, max_batch and page_size must be >= 1")
+        for name, value in (("max_seq_len", max_seq_len), ("step_tokens", step_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"Engine: {name} must be None or >= 1, got {value}")
+        if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"Engine: cache_dtype must be one of {CACHE_DTYPES} (or None: the "
+                             f"model's), got {cache_dtype}")
         if model.config.apply_residual_connection_post_layernorm:
             raise ValueError("Engine supports pre-norm residuals only")
         self.model = model.eval()

@@ -384,6 +384,9 @@ def make_policy(policy, dmc: DMCConfig | None, cache: PagedKVCache, num_heads: i
         raise ValueError(f"Engine: policy is not supported on a {dmc.method.upper()} model "
                          f"(dmc.method={dmc.method!r}; dmc must be None for a vanilla or GQA "
                          f"model)")
-    from dmc.policies import PolicyRunner
+    from dmc.policies import KVPolicy, PolicyRunner
 
+    if not isinstance(policy, KVPolicy):
+        raise ValueError(f"Engine: policy must be a dmc.policies.KVPolicy (e.g. "
+                         f"dmc.policies.get_policy('h2o', 4)) or None, got {policy!r}")
     return PolicyRunner(policy, cache, num_heads, scale)

@@ -43,6 +43,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("max_new_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or int(value) != value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            setattr(self, name, None if value is None else int(value))
+        if any(isinstance(t, bool) or int(t) != t for t in self.stop_tokens):
+            raise ValueError(f"stop_tokens must be integer token ids, got {self.stop_tokens!r}")
         self.stop_tokens = tuple(int(t) for t in self.stop_tokens)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

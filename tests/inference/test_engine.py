@@ -395,6 +395,19 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
                                         "--prompt-ids", "1"]))
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_seq_len=0), "max_seq_len must be None or >= 1"),
+    (dict(step_tokens=0), "step_tokens must be None or >= 1"),
+    (dict(cache_dtype=torch.int8), "cache_dtype must be one of"),
+    (dict(num_pages=0), "num_pages must be >= 1"),
+    (dict(policy="h2o"), "policy must be a dmc.policies.KVPolicy"),
+])
+def test_bad_engine_arguments_name_the_field(parallel_1x1, kwargs, message):
+    model, _ = build(2)
+    with pytest.raises(ValueError, match=message):
+        Engine(model, dmc=None, max_batch=2, **kwargs)
+
+
 def test_files_without_newer_dmc_fields_load_with_the_paper_defaults(parallel_1x1, tmp_path):
     model, runtime = build(2, 3)
     old_fields = {"window": 3, "tau": 0.1, "c": -1.0, "hard": False}  # before omega_offset

@@ -21,6 +21,29 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 U64 = (1 << 64) - 1
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),
+    (dict(top_k=True), "top_k must be an integer"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(stop_tokens=[3, 1.5]), "stop_tokens must be integer token ids"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+    (dict(top_p=float("nan")), "top_p must be in"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_integral_sampling_params_become_ints():
+    params = SamplingParams(max_new_tokens=4.0, top_k=2.0, seed=torch.tensor(7).item(),
+                            stop_tokens=[3.0])
+    assert (params.max_new_tokens, params.top_k, params.seed, params.stop_tokens) == (4, 2, 7, (3,))
+    assert all(type(v) is int for v in (params.max_new_tokens, params.top_k, params.seed))
+
+
 def mix64_reference(x: int) -> int:
     """splitmix64's finalizer on Python ints (unsigned 64-bit)."""
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & U64
