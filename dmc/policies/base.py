@@ -23,7 +23,9 @@ them along with the cache on every eviction and zeroes what lies past a head's l
 from __future__ import annotations
 
 import math
-from dataclasses import KW_ONLY, dataclass
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -51,18 +53,35 @@ class LayerView:
     """One layer of the cache for a batch of sequences, as the runner reads it.
 
     seqs: ``[batch]`` host sequence slots. keys, values: ``[batch, kv_heads, L, head_dim]``
-    float32 (post-RoPE keys, as cached). positions: ``[batch, kv_heads, L]`` original token
-    position of each slot, ``-1`` past a head's length. lengths: ``[batch, kv_heads]``.
-    tokens: ``[batch]`` tokens the sequence has seen so far (long, on the device).
+    float32 (post-RoPE keys, as cached), gathered from the pages by ``read`` when first used
+    (a policy that selects from its own statistics, e.g. H2O, TOVA or StreamingLLM, reads no
+    page until the runner compacts). positions: ``[batch, kv_heads, L]`` original token position
+    of each slot, ``-1`` past a head's length. lengths: ``[batch, kv_heads]``. tokens:
+    ``[batch]`` tokens the sequence has seen so far (long, on the device).
     """
 
     layer: int
     seqs: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
+    read: Callable[[], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     positions: torch.Tensor
     lengths: torch.Tensor
     tokens: torch.Tensor
+
+    @cached_property
+    def _pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read()
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._pages[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._pages[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
 
     @property
     def valid(self) -> torch.Tensor:

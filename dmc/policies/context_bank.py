@@ -91,8 +91,8 @@ class ContextBank:
         :class:`~dmc.policies.base.LayerView`): a filter layer's selection is loaded into the
         sparse layers it feeds; a sparse layer's new token goes to the pool."""
         if layer in self.row:
-            last = (view.lengths[:, 0] - 1).to(view.keys.device)  # the new token's slot
-            rows = torch.arange(len(seqs), device=view.keys.device)
+            last = (view.lengths[:, 0] - 1).to(view.device)  # the new token's slot
+            rows = torch.arange(len(seqs), device=view.device)
             keys, values = view.keys[rows, :, last], view.values[rows, :, last]  # [batch, kv, d]
             where = view.positions[rows, 0, last].tolist()
             for b, seq in enumerate(seqs.tolist()):

@@ -142,7 +142,7 @@ class D2O(H2O):
         similarity = torch.where(evicted, similarity, 0.0)
         count = evicted.sum(-1)
         mean = similarity.sum(-1) / count.clamp(min=1)
-        rows = view.seqs.to(view.keys.device)
+        rows = view.seqs.to(view.device)
         previous = self.threshold[rows, view.layer]
         known = self.has_threshold[rows, view.layer]
         tau = torch.where(known, self.beta * mean + (1 - self.beta) * previous, mean)
@@ -162,7 +162,7 @@ class D2O(H2O):
 
     def _fold(self, view: LayerView, evicted: torch.Tensor) -> None:
         """Add the column sums of the evicted prompt tokens to ``folded`` (their slots go)."""
-        rows = view.seqs.to(view.keys.device)
+        rows = view.seqs.to(view.device)
         width = evicted.shape[-1]
         gone = evicted & self.prompt_slot[rows, view.layer, :, :width]
         columns = self.prompt_columns[rows, view.layer, :, :width].double()

@@ -36,7 +36,7 @@ class H2O(KVPolicy):
 
     def scores(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         width = view.positions.shape[-1]
-        return self.accumulated[view.seqs.to(view.keys.device), view.layer, :, :width]
+        return self.accumulated[view.seqs.to(view.device), view.layer, :, :width]
 
     def protected(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         return recent_mask(view, budget - budget // 2)

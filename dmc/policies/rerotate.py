@@ -49,9 +49,9 @@ class Rerotation:
         """Copy the keys of the new slots ``new [batch, kv, L]`` (written at their original
         positions) that fall within ``width``."""
         width = min(self.width, new.shape[-1])
-        if width == 0:
+        if width == 0 or not bool(new[..., :width].any()):  # e.g. a decode step past the sinks
             return
-        rows = view.seqs.to(view.keys.device)
+        rows = view.seqs.to(view.device)
         held = self.anchors[rows, view.layer, :, :width]
         self.anchors[rows, view.layer, :, :width] = torch.where(
             new[..., :width, None], view.keys[:, :, :width], held)
@@ -67,7 +67,7 @@ class Rerotation:
         source = apply_rope(written, view.positions - current, self.inv_freq)  # original position
         width = min(self.width, keep.shape[-1])
         if width:
-            rows = view.seqs.to(view.keys.device)
+            rows = view.seqs.to(view.device)
             anchors = self.anchors[rows, view.layer, :, :width]
             if keys is not None:
                 merged = (keys[:, :, :width] != view.keys[:, :, :width]).any(-1, keepdim=True)
@@ -85,5 +85,5 @@ class Rerotation:
         order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :width]
         moved = source.gather(2, order[..., None].expand(-1, -1, -1, source.shape[-1]))
         lands = torch.arange(width, device=keep.device) < keep.sum(-1, keepdim=True)
-        rows = view.seqs.to(view.keys.device)
+        rows = view.seqs.to(view.device)
         self.anchors[rows, view.layer, :, :width] = torch.where(lands[..., None], moved, 0.0)

@@ -80,12 +80,18 @@ class PolicyRunner:
         if self.bank is not None:
             self.bank.reset(seq)
 
-    def view(self, layer: int, seqs: torch.Tensor, tokens: torch.Tensor) -> LayerView:
-        keys, values, lengths = self.cache.read(layer, seqs)
+    def view(self, layer: int, seqs: torch.Tensor, tokens: torch.Tensor,
+             lengths: torch.Tensor | None = None) -> LayerView:
+        """``layer`` of ``seqs`` (at ``tokens [batch]``; ``lengths``: its host slot counts
+        ``[batch, kv_heads]`` if known); its keys and values are read from the pages when a
+        policy or the runner first uses them."""
+        if lengths is None:
+            lengths = self.cache.layer_lengths(layer, seqs)
+        longest = int(lengths.max()) if lengths.numel() else 0
         rows = seqs.to(self.cache.device)
-        positions = self.positions[rows, layer, :, :keys.shape[2]]
-        return LayerView(layer, seqs, keys, values, positions, lengths,
-                         tokens.to(self.cache.device))
+        positions = self.positions[rows, layer, :, :longest]
+        return LayerView(layer, seqs, lambda: self.cache.read(layer, seqs)[:2], positions,
+                         lengths, tokens.to(self.cache.device))
 
     # ------------------------------------------------------------------ hooks
     def observe(self, layer: int, seq_slots, queries: torch.Tensor, q_positions: torch.Tensor,
@@ -96,13 +102,14 @@ class PolicyRunner:
         device = self.cache.device
         q_positions = q_positions.to(device).long()
         n = q_positions.shape[1]
-        lengths = self.cache.layer_lengths(layer, seqs).to(device)  # [batch, kv]
+        host_lengths = self.cache.layer_lengths(layer, seqs)  # [batch, kv]
+        lengths = host_lengths.to(device)
         rows = seqs.to(device)
         slot = lengths[..., None] - n + torch.arange(n, device=device)  # [batch, kv, n]
         b = torch.arange(len(seqs), device=device)[:, None, None].expand_as(slot)
         h = torch.arange(lengths.shape[1], device=device)[None, :, None].expand_as(slot)
         self.positions[rows[b], layer, h, slot] = q_positions[:, None, :].expand_as(slot)
-        view = self.view(layer, seqs, q_positions[:, -1] + 1)
+        view = self.view(layer, seqs, q_positions[:, -1] + 1, host_lengths)
         if self.rerotation is not None:
             new = torch.zeros_like(view.valid)
             new[b, h, slot] = True
@@ -143,7 +150,8 @@ class PolicyRunner:
             keys, values = merged if merged is not None else (None, None)
             if self.rerotation is not None:
                 keys = self.rerotation.rotate(view, keep, keys)
-            self.cache.compact(layer, seqs, keep, keys, values)
+            self.cache.compact(layer, seqs, keep, view.keys if keys is None else keys,
+                               view.values if values is None else values)  # no second read
             self._compact_state(layer, seqs, keep)
 
     def _warn_early_eviction(self) -> None:

@@ -89,7 +89,7 @@ class SnapKV(KVPolicy):
         """Eq. 1: window attention summed over the window, ``[batch, kv, L]`` (group mean)."""
         from .runner import causal_probs
 
-        rows = view.seqs.to(view.keys.device)
+        rows = view.seqs.to(view.device)
         positions = self.window_positions[rows, view.layer]  # [batch, window]
         used = torch.arange(self.window, device=rows.device) >= (self.window
                                                                  - self._window(budget))[:, None]

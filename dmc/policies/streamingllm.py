@@ -47,7 +47,7 @@ class StreamingLLM(KVPolicy):
         return self.sinks
 
     def scores(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(view.keys[..., 0])
+        return torch.zeros_like(view.positions, dtype=torch.float32)
 
     def protected(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         sinks = budget.clamp(max=self.sinks)

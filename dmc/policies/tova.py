@@ -34,4 +34,4 @@ class TOVA(KVPolicy):
 
     def scores(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         width = view.positions.shape[-1]
-        return self.last[view.seqs.to(view.keys.device), view.layer, :, :width]
+        return self.last[view.seqs.to(view.device), view.layer, :, :width]

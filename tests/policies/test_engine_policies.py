@@ -119,6 +119,20 @@ def test_only_the_policies_that_read_the_attention_are_handed_it(model, monkeypa
         calls.clear()
 
 
+@pytest.mark.parametrize("name, reads", [("streamingllm", 1), ("h2o", 2), ("tova", 2)])
+def test_a_decode_step_reads_each_layer_only_for_what_it_uses(model, name, reads):
+    """The runner reads a layer's pages when they are used: for compaction, plus for the
+    attention a reading policy observes (H2O, TOVA), not for selection from the policy's own
+    statistics nor for StreamingLLM's sink copies past the prompt."""
+    e = engine(model, name, cr=3.0)
+    e.add_request(tokens(30, seed=4), SamplingParams(max_new_tokens=4))
+    e.step()  # the prompt
+    calls, read = [], e.cache.read
+    e.cache.read = lambda *a: calls.append(a[0]) or read(*a)
+    e.step()  # a decode step: every layer evicts one slot per head
+    assert sorted(calls) == sorted(list(range(2)) * reads)
+
+
 @pytest.mark.parametrize("name", EVICTING)
 def test_no_policy_keeps_more_slots_than_its_budget(model, name):
     """After the prefill and every decode step each layer holds at most its budget per head
