@@ -19,7 +19,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from dmc.inference.paging import pages_for
+from dmc.inference.paging import check_engine_sizes, pages_for
 from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.inference.device_span import DeviceSpan
 from dmc.inference.generation import TokenDelta, generate, stream
@@ -40,8 +40,6 @@ from dmc.inference.sequence import (
 from dmc.megatron.compat import cuda_rewrite_suspended
 from dmc.megatron.config import DMCConfig, ModelConfig
 from dmc.megatron.runtime import DMCRuntime
-
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # of the K/V pages
 
 
 class Engine:
@@ -118,14 +116,8 @@ class Engine:
             raise ValueError("Engine supports tensor_parallel = pipeline_parallel = 1 only")
         if not (getattr(model, "pre_process", False) and getattr(model, "post_process", False)):
             raise ValueError("Engine needs a whole model (pre_process and post_process)")
-        if chunk_size < 1 or max_batch < 1 or page_size < 1:
-            raise ValueError("chunk_size, max_batch and page_size must be >= 1")
-        for name, value in (("max_seq_len", max_seq_len), ("step_tokens", step_tokens)):
-            if value is not None and value < 1:
-                raise ValueError(f"Engine: {name} must be None or >= 1, got {value}")
-        if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"Engine: cache_dtype must be one of {CACHE_DTYPES} (or None: the "
-                             f"model's), got {cache_dtype}")
+        check_engine_sizes(chunk_size, max_batch, page_size, max_seq_len, step_tokens,
+                           cache_dtype)
         if model.config.apply_residual_connection_post_layernorm:
             raise ValueError("Engine supports pre-norm residuals only")
         self.model = model.eval()
