@@ -151,7 +151,8 @@ class Engine:
         self.graphs = DecodeGraphs(self.runner) if cuda_graphs else None
         self.pipeline = DecodePipeline(self) if overlap else None
         self.scheduler = Scheduler(self.cache, max_batch, chunk_size,
-                                   step_tokens or max_batch + chunk_size)
+                                   step_tokens or max_batch + chunk_size,
+                                   whole_chunks=self.policy.evicts_after_chunks)
         self.batch_prefill = batch_prefill
         self.seed = seed
         self._next_id = 0

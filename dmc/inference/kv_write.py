@@ -39,6 +39,7 @@ class NoPolicy:
     """The policy hooks of an engine without a KV policy: every slot is kept."""
 
     compacts_in_forward = False
+    evicts_after_chunks = False
 
     def __init__(self, cache: PagedKVCache):
         self.cache = cache

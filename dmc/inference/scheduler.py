@@ -14,8 +14,9 @@ need at most, per head of length ``L`` gaining at most ``g <= n`` slots,
 ``ceil((L + g) / page_size) - ceil(L / page_size)`` new pages. Sequences are served oldest first;
 when the worst case of one does not fit in the pages left, the youngest running sequence is
 preempted (its pages freed, re-queued; it restarts by prefilling its prompt and the tokens it
-generated); a prefill chunk is first shortened to what fits. A sequence that does not fit even
-alone ends with ``finish_reason="cache_full"``.
+generated); a prefill chunk is first shortened to what fits, unless a policy evicts after every
+chunk (``whole_chunks``: where it evicts would then depend on the pages other sequences hold).
+A sequence that does not fit even alone ends with ``finish_reason="cache_full"``.
 """
 from __future__ import annotations
 
@@ -75,14 +76,18 @@ class Scheduler:
         chunk_size: most prefill tokens of one sequence per step.
         step_tokens: token budget of a step (decode tokens plus prefill chunks), at least
             ``max_batch + chunk_size``.
+        whole_chunks: never shorten a prefill chunk to the pages left (a KV policy evicts
+            after every chunk: its choices must not depend on the memory the batch holds).
     """
 
-    def __init__(self, cache: PagedKVCache, max_batch: int, chunk_size: int, step_tokens: int):
+    def __init__(self, cache: PagedKVCache, max_batch: int, chunk_size: int, step_tokens: int,
+                 whole_chunks: bool = False):
         if step_tokens < max_batch + chunk_size:
             raise ValueError(f"step_tokens ({step_tokens}) must hold max_batch + chunk_size "
                              f"({max_batch + chunk_size}) tokens: every decode token and a chunk")
         self.cache, self.max_batch = cache, max_batch
         self.chunk_size, self.step_tokens = chunk_size, step_tokens
+        self.whole_chunks = whole_chunks
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.seen = SeenCompression()
@@ -198,7 +203,9 @@ class Scheduler:
 
     def _largest_fit(self, seq: Sequence, n: int, free: int) -> int:
         """The longest chunk of at most ``n`` tokens whose worst case fits in ``free`` pages (1
-        when none does)."""
+        when none does); ``n`` itself under ``whole_chunks``."""
+        if self.whole_chunks:
+            return n
         low, high = 1, n
         while low < high:
             middle = (low + high + 1) // 2
@@ -218,6 +225,10 @@ class Scheduler:
         if seq.decoding:
             return (f"request {seq.request_id} alone needs more than the whole pool {pool} "
                     f"after {seq.num_tokens} tokens")
+        if self.whole_chunks:
+            return (f"request {seq.request_id}: its prefill chunk of {self._chunk(seq)} tokens "
+                    f"after {seq.cached} does not fit in the whole pool {pool} (the KV policy "
+                    f"evicts after whole chunks: lower chunk_size or add pages)")
         return (f"request {seq.request_id}: {seq.num_tokens} tokens do not fit in the whole "
                 f"pool {pool}")
 

@@ -73,6 +73,12 @@ class PolicyRunner:
         vanilla decode step cannot reserve every layer's next slot before its first layer."""
         return self.bank is not None
 
+    @property
+    def evicts_after_chunks(self) -> bool:
+        """Whether the policy evicts after every prefill chunk (``"streaming"``): its chunks
+        must then be whole, whatever memory the batch holds (:class:`Scheduler`)."""
+        return self.policy.evicts and self.plan.kind == "streaming"
+
     def reset(self, seq: int) -> None:
         self.positions[seq] = -1
         self.compressed_at[seq] = 0

@@ -38,8 +38,8 @@ def tokens(n, seed=1):
 def engine(model, name=None, cr=2.0, schedule="streaming", **kw):
     policy = None if name is None else get_policy(name, cr, schedule=schedule,
                                                   **SMALL_WINDOW.get(name, {}))
-    return Engine(model, dmc=None, page_size=PAGE, max_batch=3, chunk_size=kw.pop("chunk", 16),
-                  policy=policy, **kw)
+    return Engine(model, dmc=None, page_size=PAGE, max_batch=kw.pop("max_batch_", 3),
+                  chunk_size=kw.pop("chunk", 16), policy=policy, **kw)
 
 
 def pages_of(lengths):
@@ -95,6 +95,20 @@ def test_batched_equals_batch_one_and_cr_is_the_requested_one(model, name):
             assert together.compression.overall == pytest.approx(fed / math.ceil(fed / 2))
         if name != "omnikv":
             assert together.kv_pages <= pages_of(torch.full((2, 2), math.ceil(fed / 2))) + 2
+
+
+@pytest.mark.parametrize("name", ["pyramidkv", "adakv"])
+def test_a_tight_pool_changes_no_token(model, name):
+    """A policy evicting after every chunk sees whole chunks whatever the pages the batch
+    holds: a pool that makes the scheduler wait or preempt gives the tokens an ample one does
+    (a chunk shortened to fit moved PyramidKV's and Ada-KV's evictions, and their tokens)."""
+    prompt_list = [tokens(n, seed) for n, seed in ((30, 5), (45, 6), (22, 7), (60, 8))]
+    params = SamplingParams(max_new_tokens=12)
+    ample = engine(model, name, cr=3.0, max_batch_=4).generate(prompt_list, params)
+    tight = engine(model, name, cr=3.0, max_batch_=4, num_pages=40)
+    assert [r.tokens for r in tight.generate(prompt_list, params)] == [r.tokens for r in ample]
+    assert tight.stats.preemptions > 0 and tight.scheduler.whole_chunks
+    assert not engine(model, name, schedule="prefill").scheduler.whole_chunks
 
 
 def test_only_the_policies_that_read_the_attention_are_handed_it(model, monkeypatch):
