@@ -13,7 +13,6 @@ readable one-row reference of the distribution that :func:`filtered_scores` comp
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
