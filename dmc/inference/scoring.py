@@ -83,14 +83,16 @@ def score_batch(engine: Engine, sequences, return_logits: bool = False,
                                   prompt_end=start + len(chunk) == scorer.prefilled)
                 logits = engine.runner.forward([segment])
                 scorer.consume(start, logits)
-        position = min(s.prefilled for s in scorers)
-        while active := [(s, slot) for s, slot in zip(scorers, slots)
-                         if s.prefilled <= position < len(s.tokens)]:
+        for position in range(min(s.prefilled for s in scorers),
+                              max(len(s.tokens) for s in scorers)):
+            active = [(s, slot) for s, slot in zip(scorers, slots)
+                      if s.prefilled <= position < len(s.tokens)]
+            if not active:  # the shorter sequences ended before the longer prefills did
+                continue
             logits = engine.runner.forward([Segment(slot, [s.tokens[position]], position,
                                                     decode=True) for s, slot in active])
             for (scorer, _), row in zip(active, logits.split(1)):
                 scorer.consume(position, row)
-            position += 1
         return [scorer.result(engine.compression(slot, len(scorer.tokens)),
                               held_bytes(engine, slot))
                 for scorer, slot in zip(scorers, slots)]

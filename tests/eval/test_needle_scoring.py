@@ -77,3 +77,22 @@ def test_exact_match_is_greedy_generation(parallel_1x1, window):
         full = engine.score(ex.tokens)  # all prefilled: DMC and vanilla give the same numbers
         nll -= float(full.token_logprobs[ex.prompt_len - 1:].sum())
     assert result["answer_nll"] == pytest.approx(nll / 12, rel=1e-5)
+
+
+@pytest.mark.parametrize("window", ["vanilla", 3])
+def test_a_batch_of_two_lengths_scores_like_one_example_at_a_time(parallel_1x1, window):
+    """A batch holding the last needles of one length and the first of a longer one (as
+    ``dmc eval compare`` batches them, length after length): each example's answer is scored
+    as alone. The engine's batch used to stop when the short examples ended, so the long ones'
+    answers were read off their last prompt position and counted as misses."""
+    model, _ = build_tiny(2, window, seed=4)
+    exs = examples(2, seq_len=24) + examples(2, seq_len=64)
+    batched = evaluate_needle(Engine(model, max_batch=4, max_seq_len=64), exs)
+    alone = Engine(model, max_batch=1, max_seq_len=64)
+    per_example = [evaluate_needle(alone, [ex]) for ex in exs]
+    assert batched["token_accuracy"] == pytest.approx(
+        sum(r["token_accuracy"] for r in per_example) / len(exs))
+    assert batched["accuracy"] == pytest.approx(
+        sum(r["accuracy"] for r in per_example) / len(exs))
+    assert batched["answer_nll"] == pytest.approx(
+        sum(r["answer_nll"] for r in per_example) / len(exs), rel=1e-5)

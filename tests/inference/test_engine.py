@@ -449,25 +449,31 @@ def test_default_pool_respects_the_byte_budget(parallel_1x1):
 @pytest.mark.parametrize("window,policy", [(3, None), ("vanilla", None), ("vanilla", "h2o")])
 def test_score_batch_equals_scoring_one_at_a_time(parallel_1x1, window, policy):
     """Different lengths and prefill lengths in one batch give each sequence's own scores,
-    compression and bytes; every page is back in the pool afterwards."""
+    compression and bytes; every page is back in the pool afterwards. The second batch has a
+    gap: the shortest sequence ends (token 19) before the others' prefills do (25 and 35), so
+    no sequence decodes at positions 19-24 (the batch used to stop there, leaving the others'
+    teacher-forced tokens unscored)."""
     from dmc.policies import get_policy
 
     model, _ = build(2, window)
     sequences = prompts((30, 41, 19), seed=3)
-    prefill = [12, 30, 5]
 
     def engine(batch):
         return Engine(model, page_size=4, max_batch=batch, chunk_size=8,
                       policy=get_policy(policy, compression_ratio=2.0) if policy else None)
 
-    batched = engine(3).score_batch(sequences, prefill_tokens=prefill, return_logits=True)
     single = engine(1)
-    for tokens, p, got in zip(sequences, prefill, batched):
-        want = single.score(tokens, prefill_tokens=p, return_logits=True)
-        torch.testing.assert_close(got.token_logprobs, want.token_logprobs, atol=1e-5, rtol=0)
-        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
-        assert torch.equal(got.compression.slots, want.compression.slots)
-        assert got.cache_bytes == want.cache_bytes and got.cache_bytes["total"] > 0
+    for prefill in ([12, 30, 5], [25, 35, 5]):
+        batched = engine(3).score_batch(sequences, prefill_tokens=prefill, return_logits=True)
+        for tokens, p, got in zip(sequences, prefill, batched):
+            want = single.score(tokens, prefill_tokens=p, return_logits=True)
+            assert got.token_logprobs.shape == (len(tokens) - 1,)
+            assert got.logits.shape[0] == len(tokens)
+            torch.testing.assert_close(got.token_logprobs, want.token_logprobs, atol=1e-5,
+                                       rtol=0)
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+            assert torch.equal(got.compression.slots, want.compression.slots)
+            assert got.cache_bytes == want.cache_bytes and got.cache_bytes["total"] > 0
     with pytest.raises(ValueError, match="max_batch"):
         single.score_batch(sequences)
     assert single.cache.pages_in_use == 0
