@@ -23,8 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from dmc.inference.paging import pages_for, rows_or_zeros
 from dmc.inference.cache import PagedKVCache
 from dmc.inference.model_runner import Segment
