@@ -38,8 +38,8 @@
 # step). decode_tuned runs where kernel_tuning.json exists (from this call or an earlier one into
 # the same RESULTS_DIR); decode_model where DMC_CHECK_MODEL names a trained checkpoint (a run or
 # checkpoint folder or an inference .pt, e.g. the quickstart's DMC 2x as runs/quickstart/dmc2.pt,
-# README "GPU validation kit"): the decode benchmark of vanilla against the model's own
-# decisions on its shape (--prompt-len 128 --gen-len 64 --steady 32 --budget-mib 64;
+# docs/gpu_validation.md "GPU validation kit"): the decode benchmark of vanilla against the model's
+# own decisions on its shape (--prompt-len 128 --gen-len 64 --steady 32 --budget-mib 64;
 # DMC_MODEL_ARGS appends flags).
 #
 # For a leased machine whose minutes are counted: DMC_TIMEOUT_<step> (e.g. DMC_TIMEOUT_gpu_tests

@@ -23,8 +23,8 @@ documents, cut from the corpus's own tokens, make retrieval worth learning:
 * ``decoy``: ``needle`` documents whose haystack also holds, per needle, a *decoy*: the last 1
   to 3 tokens of its key followed by another value. A key of corpus text shares its last tokens
   with some haystack text by chance (the needle probe's misses at 512 tokens are mostly values
-  copied from such partial matches, README "How the base recipe was found"); the decoys make
-  matching the whole key, not its tail, what the queries reward.
+  copied from such partial matches, docs/results/base_recipe.md "How the base recipe was found");
+  the decoys make matching the whole key, not its tail, what the queries reward.
 
 Every document records where its queries start (:attr:`RetrievalDocument.query_start`: the
 ``kv``, ``needle`` and ``decoy`` documents' second part; 0 for ``repeat`` and ``copy``, where

@@ -19,8 +19,8 @@ def batch_pages_bound(per_seq: list[int], z: float = 3.0) -> Callable[[int], int
     ``n`` probed sequences held (``per_seq``).
 
     DMC's and DMS's decisions depend on the text, so one sequence's pages vary (at the GPU
-    decode preset's layout, forced DMC 4x: 9791 to 10889 pages over 4 sequences, README
-    "Performance"). The batch's total is a sum of ``batch`` such draws: with ``n`` >=
+    decode preset's layout, forced DMC 4x: 9791 to 10889 pages over 4 sequences,
+    docs/performance.md). The batch's total is a sum of ``batch`` such draws: with ``n`` >=
     :data:`MIN_SAMPLES` the one-sided prediction bound of that sum, ``batch * m + t * s *
     sqrt(batch + batch^2 / n)`` (``m``, ``s``: the sample mean and standard deviation; the
     ``batch^2 / n`` term is the uncertainty of ``m`` itself; ``t``: Student's quantile, for

@@ -156,15 +156,15 @@ class DMCConfig:
     head_balance_weight: 0 (DMC) or the weight of DMC-C's balance term (App. E, Eq. 13 with the
         mean over heads: :func:`dmc.ops.head_balance_loss`), added to Eq. 10 so that the heads
         of a layer compress alike (the paper's "constrained" variant, which lets a cache store
-        a layer's heads as padded tensors). Measured on the 4-layer benchmark model (README
-        "Ablations of DMC 4x"): at 1 no head merges, 0.05-0.25 track the target. A training
-        setting (``to_dict`` leaves it out).
+        a layer's heads as padded tensors). Measured on the 4-layer benchmark model
+        (docs/results/ablations.md "Ablations of DMC 4x"): at 1 no head merges, 0.05-0.25 track the
+        target. A training setting (``to_dict`` leaves it out).
     cr_loss_grad: where the CR loss's gradient goes. "model" (the paper and NVIDIA's code): through
         k[..., -1] into every weight below it. "decisions" (not in the paper): only into the
         decision rows of ``linear_qkv`` (the layer input is detached on the loss's path; forward
         values unchanged), so the hinge cannot bend the rest of the model while the decisions
-        lag the target (README "Ablations of DMC 4x"); DMC with the local layer spec and no
-        q/k norm only. A training setting (``to_dict`` leaves it out).
+        lag the target (docs/results/ablations.md "Ablations of DMC 4x"); DMC with the local layer
+        spec and no q/k norm only. A training setting (``to_dict`` leaves it out).
     omega_offset: added to omega = sigmoid(q[..., -1] + c); 2^-7 reproduces NVIDIA's models
         (see :func:`dmc.ops.importance`), 0 is the paper's.
     attention_backend: "auto" (on CUDA flex-channel for DMC, flex-transposed for DMS; dense on
@@ -188,11 +188,11 @@ class DMCConfig:
         compiler is needed on the CPU. Not part of the model (``to_dict`` leaves it out); off
         by default until a GPU run measures it (``benchmarks/train_step.py --compile``).
     merge_delay: 0 (the paper's DMC) or d >= 1: DMC with delayed merging, not in the paper
-        (DMS's delayed eviction carried over to DMC; README "DMC with delayed merging"): a
-        query sees its last d + 1 tokens as they are and the earlier ones through the merged
-        slots (:func:`dmc.ops.delayed_merge_bias`). The paged engine serves it
-        (:class:`dmc.inference.delayed_cache.DelayedMergeCache`) and the Hugging Face export
-        carries it (``dmc_merge_delay``). ``to_dict`` leaves out 0.
+        (DMS's delayed eviction carried over to DMC; docs/results/merge_delay.md "DMC with delayed
+        merging"): a query sees its last d + 1 tokens as they are and the earlier ones through the
+        merged slots (:func:`dmc.ops.delayed_merge_bias`). The paged engine serves it
+        (:class:`dmc.inference.delayed_cache.DelayedMergeCache`) and the Hugging Face export carries
+        it (``dmc_merge_delay``). ``to_dict`` leaves out 0.
     """
 
     window: int | None = 12
