@@ -28,17 +28,21 @@ class SlotEviction:
         return (self.k_pages[pages, offsets].float().masked_fill(hidden, 0.0),
                 self.v_pages[pages, offsets].float().masked_fill(hidden, 0.0), lengths)
 
-    def compact(self, layer: int, seq_slots, keep: torch.Tensor, keys: torch.Tensor | None = None,
+    def compact(self, layer, seq_slots, keep: torch.Tensor, keys: torch.Tensor | None = None,
                 values: torch.Tensor | None = None) -> torch.Tensor:
         """Evict slots for real: each head of ``(seq_slots, layer)`` keeps the slots marked in
         ``keep``, moved to the front in their order, and returns the pages it no longer needs
-        (beyond ``ceil(new_length / page_size)``) to the free list.
+        (beyond ``ceil(new_length / page_size)``) to the free list. Unchanged contents move
+        page to page in the cache's dtype, only the slots whose place changes (a decode step's
+        single eviction moves the slots after it, nothing else is read or written).
 
         Args:
+            layer: a layer index, or a slice of layers (then every tensor below has a
+                ``layers`` dimension after ``batch``: all layers compact in one go).
             keep: ``[batch, kv_heads, n]`` bool, ``n >=`` the longest head; slots past a head's
                 length are ignored.
             keys, values: optional ``[batch, kv_heads, n, head_dim]`` new contents of the slots
-                (a merge or a re-rotation); default: the cached ones.
+                (a merge or a re-rotation), written to every kept slot; default: the cached ones.
 
         Returns the new host lengths ``[batch, kv_heads]`` (long).
         """
@@ -46,21 +50,37 @@ class SlotEviction:
         seqs = self.allocator.seq_index(seq_slots)
         lengths = self.allocator.lengths[seqs, layer].long()
         n = keep.shape[-1]
-        if keep.shape[:2] != lengths.shape or (lengths > n).any():
-            raise ValueError(f"compact: keep must be [batch, kv_heads, >= {int(lengths.max())}]"
-                             f" for lengths {tuple(lengths.shape)}, got {tuple(keep.shape)}")
-        if keys is None or values is None:
-            cached_k, cached_v, _ = self.read(layer, seqs)
-            keys = cached_k if keys is None else keys
-            values = cached_v if values is None else values
+        if keep.shape[:-1] != lengths.shape or (lengths > n).any():
+            raise ValueError(f"compact: keep must be [{', '.join(map(str, lengths.shape))}, >= "
+                             f"{int(lengths.max())}], got {tuple(keep.shape)}")
         slots = torch.arange(n, device=self.device)
         keep = keep.to(self.device, torch.bool) & (slots < lengths.to(self.device)[..., None])
-        new_lengths = keep.sum(-1).cpu()
         order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept first, in order
-        index = order[..., None].expand(-1, -1, -1, self.head_dim)
-        moved_k, moved_v = keys[..., :n, :].gather(2, index), values[..., :n, :].gather(2, index)
-        b, h, s = (torch.arange(n) < new_lengths[..., None]).nonzero(as_tuple=True)
-        picked = (b.to(self.device), h.to(self.device), s.to(self.device))
-        self._scatter(seqs[b], layer, h, s, moved_k[picked], moved_v[picked])
+        new_lengths = keep.sum(-1)
+        table = self.block_tables[seqs.to(self.device), layer].long()
+        for pool, contents in ((self.k_pages, keys), (self.v_pages, values)):
+            self._place(pool, table, order, new_lengths, contents)
+        new_lengths = new_lengths.cpu()
         self.allocator.shrink(seqs, layer, new_lengths)
         return new_lengths
+
+    def _place(self, pool: torch.Tensor, table: torch.Tensor, order: torch.Tensor,
+               new_lengths: torch.Tensor, contents: torch.Tensor | None) -> None:
+        """Slot ``d < new_length`` of every head takes slot ``order[d]``'s contents: from
+        ``contents [..., n, head_dim]`` when given (every kept slot written), else from ``pool``
+        itself (only the slots that move; all read before any is written). ``table``: the
+        heads' page ids ``[..., max_pages_per_head]``, ``order`` ``[..., n]``."""
+        slots = torch.arange(order.shape[-1], device=self.device)
+        written = slots < new_lengths[..., None]
+        if contents is None:
+            written &= order != slots
+        *head, slot = written.nonzero(as_tuple=True)
+        source = order[(*head, slot)]
+        pages = table[tuple(head)]  # [moved, max_pages_per_head]
+        target = pages.gather(1, (slot // self.page_size)[:, None])[:, 0]
+        if contents is None:
+            origin = pages.gather(1, (source // self.page_size)[:, None])[:, 0]
+            moved = pool[origin, source % self.page_size]
+        else:
+            moved = contents[(*head, source)].to(pool.dtype)
+        pool[target, slot % self.page_size] = moved

@@ -158,6 +158,12 @@ class KVPolicy:
         return type(self).observe is not KVPolicy.observe
 
     @property
+    def merges(self) -> bool:
+        """Whether :meth:`merge` may rewrite kept slots (D2O): the runner then compacts layer by
+        layer with the new contents, else all layers at once, moving slots page to page."""
+        return type(self).merge is not KVPolicy.merge
+
+    @property
     def plan(self) -> Schedule:
         """The compression schedule (:class:`~dmc.policies.schedule.Schedule`)."""
         return Schedule(self.schedule, self.recompress_every)
@@ -281,6 +287,10 @@ class PolicyWrapper(KVPolicy):
     @property
     def reads_attention(self) -> bool:
         return self.base.reads_attention
+
+    @property
+    def merges(self) -> bool:
+        return self.base.merges
 
     def bind(self, shape: PolicyShape) -> None:
         super().bind(shape)

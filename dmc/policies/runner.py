@@ -24,6 +24,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from dmc.inference.cache import PagedKVCache
 
@@ -145,20 +146,28 @@ class PolicyRunner:
             self._compress(seqs[due], tokens[due])
 
     def _compress(self, seqs: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Per layer, the policy selects what each head keeps (and may merge or re-rotate the
+        kept slots); then every layer compacts at once: slots whose contents stay move page to
+        page, new contents are written where a layer has them."""
         budgets = self.policy.budgets(seqs, tokens.to(self.cache.device))
+        rewrites = self.policy.merges or self.rerotation is not None
+        layers = []  # (keep [batch, kv_heads, L], keys, values or None, view) per layer
         for layer in range(self.cache.num_layers):
             view = self.view(layer, seqs, tokens)
-            budget = budgets[:, layer].to(self.cache.device)
-            keep = self.policy.select(view, budget)
-            if bool((keep == view.valid).all()):
-                continue
-            merged = self.policy.merge(view, keep)
-            keys, values = merged if merged is not None else (None, None)
-            if self.rerotation is not None:
-                keys = self.rerotation.rotate(view, keep, keys)
-            self.cache.compact(layer, seqs, keep, view.keys if keys is None else keys,
-                               view.values if values is None else values)  # no second read
-            self._compact_state(layer, seqs, keep)
+            keep = self.policy.select(view, budgets[:, layer].to(self.cache.device))
+            keys = values = None
+            if rewrites and not bool((keep == view.valid).all()):
+                merged = self.policy.merge(view, keep)
+                keys, values = merged if merged is not None else (None, None)
+                if self.rerotation is not None:
+                    keys = self.rerotation.rotate(view, keep, keys)
+            layers.append((keep, keys, values, view))
+        width = max(keep.shape[-1] for keep, *_ in layers)
+        keep = torch.stack([F.pad(k, (0, width - k.shape[-1])) for k, *_ in layers], dim=1)
+        keys = _stacked([(keys, view) for _, keys, _, view in layers], "keys", width)
+        values = _stacked([(values, view) for _, _, values, view in layers], "values", width)
+        self.cache.compact(slice(None), seqs, keep, keys, values)
+        self._compact_state(slice(None), seqs, keep)
 
     def _warn_early_eviction(self) -> None:
         """Once: a policy that reads the end of the prompt evicts after a chunk that does not end
@@ -210,18 +219,30 @@ class PolicyRunner:
         return self.cache.head_lengths(seq).long()
 
     # ------------------------------------------------------------------ helpers
-    def _compact_state(self, layer: int, seqs: torch.Tensor, keep: torch.Tensor) -> None:
-        """Move the positions and the policy's per-slot state like the cache moved the slots."""
+    def _compact_state(self, layer, seqs: torch.Tensor, keep: torch.Tensor) -> None:
+        """Move the positions and the policy's per-slot state like the cache moved the slots
+        (``layer`` an index, or a slice of layers with ``keep [batch, layers, kv_heads, n]``)."""
         n = keep.shape[-1]
         rows = seqs.to(self.cache.device)
         order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
         kept = torch.arange(n, device=keep.device) < keep.sum(-1, keepdim=True)
         for state, blank in [(self.positions, -1)] + [(s, 0) for s in self.policy.slot_states()]:
             current = state[rows, layer, :, :n]
-            index = order.reshape(order.shape + (1,) * (current.dim() - 3)).expand_as(current)
-            moved = current.gather(2, index)
-            mask = kept.reshape(kept.shape + (1,) * (current.dim() - 3))
+            extra = (1,) * (current.dim() - keep.dim())
+            index = order.reshape(order.shape + extra).expand_as(current)
+            moved = current.gather(keep.dim() - 1, index)
+            mask = kept.reshape(kept.shape + extra)
             state[rows, layer, :, :n] = torch.where(mask, moved, torch.full_like(moved, blank))
+
+
+def _stacked(contents, name: str, width: int) -> torch.Tensor | None:
+    """New ``name`` (keys or values) of every layer ``[batch, layers, kv_heads, width,
+    head_dim]`` from ``(given or None, the layer's view)`` per layer: a layer without new ones
+    gives its cached ones, read from its view. None when no layer has new ones."""
+    if all(given is None for given, _ in contents):
+        return None
+    tensors = [getattr(view, name) if given is None else given for given, view in contents]
+    return torch.stack([F.pad(t, (0, 0, 0, width - t.shape[-2])) for t in tensors], dim=1)
 
 
 def causal_probs(queries: torch.Tensor, view: LayerView, q_positions: torch.Tensor,
