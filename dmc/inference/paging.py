@@ -40,20 +40,22 @@ def page_and_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, 
     return torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
 
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # of the K/V pages
+PAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # of the K/V pages
 
 
 def check_engine_sizes(chunk_size: int, max_batch: int, page_size: int, max_seq_len: int | None,
                        step_tokens: int | None, cache_dtype: torch.dtype | None) -> None:
     """Raises ValueError naming the first of :class:`~dmc.inference.Engine`'s sizes out of range
     or a cache dtype it does not take."""
-    if chunk_size < 1 or max_batch < 1 or page_size < 1:
-        raise ValueError("chunk_size, max_batch and page_size must be >= 1")
+    for name, value in (("chunk_size", chunk_size), ("max_batch", max_batch),
+                        ("page_size", page_size)):
+        if value < 1:
+            raise ValueError(f"Engine: {name} must be >= 1, got {value}")
     for name, value in (("max_seq_len", max_seq_len), ("step_tokens", step_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"Engine: {name} must be None or >= 1, got {value}")
-    if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
-        raise ValueError(f"Engine: cache_dtype must be one of {CACHE_DTYPES} (or None: the "
+    if cache_dtype is not None and cache_dtype not in PAGE_DTYPES:
+        raise ValueError(f"Engine: cache_dtype must be one of {PAGE_DTYPES} (or None: the "
                          f"model's), got {cache_dtype}")
 
 

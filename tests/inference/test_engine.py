@@ -396,6 +396,9 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(chunk_size=0), "chunk_size must be >= 1, got 0"),
+    (dict(max_batch=-1), "max_batch must be >= 1, got -1"),
+    (dict(page_size=0), "page_size must be >= 1, got 0"),
     (dict(max_seq_len=0), "max_seq_len must be None or >= 1"),
     (dict(step_tokens=0), "step_tokens must be None or >= 1"),
     (dict(cache_dtype=torch.int8), "cache_dtype must be one of"),
@@ -405,7 +408,7 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
 def test_bad_engine_arguments_name_the_field(parallel_1x1, kwargs, message):
     model, _ = build(2)
     with pytest.raises(ValueError, match=message):
-        Engine(model, dmc=None, max_batch=2, **kwargs)
+        Engine(model, dmc=None, **{"max_batch": 2, **kwargs})
 
 
 def test_files_without_newer_dmc_fields_load_with_the_paper_defaults(parallel_1x1, tmp_path):
