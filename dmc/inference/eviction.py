@@ -41,8 +41,9 @@ class SlotEviction:
                 ``layers`` dimension after ``batch``: all layers compact in one go).
             keep: ``[batch, kv_heads, n]`` bool, ``n >=`` the longest head; slots past a head's
                 length are ignored.
-            keys, values: optional ``[batch, kv_heads, n, head_dim]`` new contents of the slots
-                (a merge or a re-rotation), written to every kept slot; default: the cached ones.
+            keys, values: optional ``[batch, kv_heads, m, head_dim]`` new contents of the first
+                ``m <= n`` slots of each head (a merge, a re-rotation): a kept slot among them is
+                written with them wherever it lands, the others keep the cached ones.
 
         Returns the new host lengths ``[batch, kv_heads]`` (long).
         """
@@ -67,20 +68,26 @@ class SlotEviction:
     def _place(self, pool: torch.Tensor, table: torch.Tensor, order: torch.Tensor,
                new_lengths: torch.Tensor, contents: torch.Tensor | None) -> None:
         """Slot ``d < new_length`` of every head takes slot ``order[d]``'s contents: from
-        ``contents [..., n, head_dim]`` when given (every kept slot written), else from ``pool``
-        itself (only the slots that move; all read before any is written). ``table``: the
-        heads' page ids ``[..., max_pages_per_head]``, ``order`` ``[..., n]``."""
+        ``contents [..., m, head_dim]`` for a slot below ``m`` (written wherever it lands), else
+        from ``pool`` itself, where its place changes (all read before any is written).
+        ``table``: the heads' page ids ``[..., max_pages_per_head]``, ``order`` ``[..., n]``."""
         slots = torch.arange(order.shape[-1], device=self.device)
         written = slots < new_lengths[..., None]
-        if contents is None:
-            written &= order != slots
-        *head, slot = written.nonzero(as_tuple=True)
-        source = order[(*head, slot)]
-        pages = table[tuple(head)]  # [moved, max_pages_per_head]
-        target = pages.gather(1, (slot // self.page_size)[:, None])[:, 0]
-        if contents is None:
-            origin = pages.gather(1, (source // self.page_size)[:, None])[:, 0]
-            moved = pool[origin, source % self.page_size]
-        else:
-            moved = contents[(*head, source)].to(pool.dtype)
-        pool[target, slot % self.page_size] = moved
+        given = 0 if contents is None else contents.shape[-2]
+        moves = [(written & (order >= given) & (order != slots), None)]
+        if given:
+            moves.append((written & (order < given), contents))
+        picked = []
+        for chosen, new in moves:  # read every source first
+            *head, slot = chosen.nonzero(as_tuple=True)
+            source = order[(*head, slot)]
+            pages = table[tuple(head)]  # [slots, max_pages_per_head]
+            if new is None:
+                origin = pages.gather(1, (source // self.page_size)[:, None])[:, 0]
+                values = pool[origin, source % self.page_size]
+            else:
+                values = new[(*head, source)].to(pool.dtype)
+            picked.append((pages.gather(1, (slot // self.page_size)[:, None])[:, 0],
+                           slot % self.page_size, values))
+        for page, offset, values in picked:
+            pool[page, offset] = values

@@ -58,25 +58,46 @@ class Rerotation:
 
     def rotate(self, view: LayerView, keep: torch.Tensor, keys: torch.Tensor | None
                ) -> torch.Tensor:
-        """New keys ``[batch, kv, L, dim]`` of ``view``'s slots (before they move to the front):
-        kept slot ``j``, which becomes slot ``i`` (its rank among the kept), is rotated to
-        ``i + n - kept``. ``keys``: a merge's keys at the slots' current positions, or None."""
+        """New keys ``[batch, kv, m, dim]`` of ``view``'s first ``m`` slots (before they move to
+        the front): kept slot ``j``, which becomes slot ``i`` (its rank among the kept), is
+        rotated to ``i + n - kept``. ``keys``: a merge's keys at the slots' current positions,
+        or None. ``m`` is every slot, or only the ``width`` with a copy when no other kept slot
+        changes (each sits at its original position before and after, as StreamingLLM's recent
+        window does) and the copied slots keep the first ranks: the others then keep their
+        cached keys, and no page is read."""
         slot = view.slot_index
         current = slot + (view.tokens[:, None] - view.lengths.to(slot.device))[..., None]
+        kept = keep.sum(-1, keepdim=True)
+        target = keep.long().cumsum(-1) - 1 + view.tokens[:, None, None] - kept
+        shift = torch.where(keep, target - view.positions, 0)  # from the original position
+        width = min(self.width, keep.shape[-1])
+        rows = view.seqs.to(view.device)
+        anchors = self.anchors[rows, view.layer, :, :width]
+        if keys is None and self._copies_suffice(keep, shift, current - view.positions, width):
+            self._move(view, keep, anchors, width)
+            return apply_rope(anchors, shift[..., :width], self.inv_freq)
         written = view.keys if keys is None else keys
         source = apply_rope(written, view.positions - current, self.inv_freq)  # original position
-        width = min(self.width, keep.shape[-1])
         if width:
-            rows = view.seqs.to(view.device)
-            anchors = self.anchors[rows, view.layer, :, :width]
             if keys is not None:
                 merged = (keys[:, :, :width] != view.keys[:, :, :width]).any(-1, keepdim=True)
                 anchors = torch.where(merged, source[:, :, :width], anchors)
             source = torch.cat([anchors, source[:, :, width:]], dim=2)
             self._move(view, keep, source, width)
-        kept = keep.sum(-1, keepdim=True)
-        target = keep.long().cumsum(-1) - 1 + view.tokens[:, None, None] - kept
-        return apply_rope(source, torch.where(keep, target - view.positions, 0), self.inv_freq)
+        return apply_rope(source, shift, self.inv_freq)
+
+    @staticmethod
+    def _copies_suffice(keep: torch.Tensor, shift: torch.Tensor, away: torch.Tensor,
+                        width: int) -> bool:
+        """Whether the kept slots past ``width`` are neither rotated now (``shift``) nor away
+        from their original positions (``away``), and the kept slots below ``width`` take the
+        first ranks (no slot past it lands among the copies)."""
+        if width >= keep.shape[-1]:
+            return False
+        past = keep[..., width:]
+        still = ~past | ((shift[..., width:] == 0) & (away[..., width:] == 0))
+        first = keep[..., :width].sum(-1) == keep.sum(-1).clamp(max=width)
+        return bool(still.all() & first.all())
 
     def _move(self, view: LayerView, keep: torch.Tensor, source: torch.Tensor,
               width: int) -> None:

@@ -164,8 +164,8 @@ class PolicyRunner:
             layers.append((keep, keys, values, view))
         width = max(keep.shape[-1] for keep, *_ in layers)
         keep = torch.stack([F.pad(k, (0, width - k.shape[-1])) for k, *_ in layers], dim=1)
-        keys = _stacked([(keys, view) for _, keys, _, view in layers], "keys", width)
-        values = _stacked([(values, view) for _, _, values, view in layers], "values", width)
+        keys = _stacked([(keys, view) for _, keys, _, view in layers], "keys")
+        values = _stacked([(values, view) for _, _, values, view in layers], "values")
         self.cache.compact(slice(None), seqs, keep, keys, values)
         self._compact_state(slice(None), seqs, keep)
 
@@ -235,14 +235,25 @@ class PolicyRunner:
             state[rows, layer, :, :n] = torch.where(mask, moved, torch.full_like(moved, blank))
 
 
-def _stacked(contents, name: str, width: int) -> torch.Tensor | None:
-    """New ``name`` (keys or values) of every layer ``[batch, layers, kv_heads, width,
-    head_dim]`` from ``(given or None, the layer's view)`` per layer: a layer without new ones
-    gives its cached ones, read from its view. None when no layer has new ones."""
-    if all(given is None for given, _ in contents):
+def _stacked(contents, name: str) -> torch.Tensor | None:
+    """New ``name`` (keys or values) of every layer's first ``m`` slots ``[batch, layers,
+    kv_heads, m, head_dim]`` from ``(given or None, the layer's view)`` per layer, ``m`` the
+    most any layer gives: what a layer does not give of them is its cached ones, read from its
+    view. None when no layer gives any."""
+    given = [new.shape[-2] for new, _ in contents if new is not None]
+    if not given:
         return None
-    tensors = [getattr(view, name) if given is None else given for given, view in contents]
-    return torch.stack([F.pad(t, (0, 0, 0, width - t.shape[-2])) for t in tensors], dim=1)
+    m = max(given)
+
+    def first(new, view):
+        if new is not None and new.shape[-2] == m:
+            return new
+        cached = getattr(view, name)[..., :m, :]
+        if new is not None:
+            cached = torch.cat([new, cached[..., new.shape[-2]:, :]], dim=-2)
+        return F.pad(cached, (0, 0, 0, m - cached.shape[-2]))
+
+    return torch.stack([first(new, view) for new, view in contents], dim=1)
 
 
 def causal_probs(queries: torch.Tensor, view: LayerView, q_positions: torch.Tensor,

@@ -133,13 +133,14 @@ def test_only_the_policies_that_read_the_attention_are_handed_it(model, monkeypa
         calls.clear()
 
 
-@pytest.mark.parametrize("name, reads", [("streamingllm", 1), ("h2o", 1), ("tova", 1),
+@pytest.mark.parametrize("name, reads", [("streamingllm", 0), ("h2o", 1), ("tova", 1),
                                          ("keydiff", 1)])
 def test_a_decode_step_reads_each_layer_only_for_what_it_uses(model, name, reads):
     """The runner reads a layer's pages once, when they are used: for the attention a reading
-    policy observes (H2O, TOVA), for KeyDiff's key scores, for StreamingLLM's re-rotation; not
-    for selection from the policy's own statistics, nor for StreamingLLM's sink copies past the
-    prompt, nor to compact (slots move page to page)."""
+    policy observes (H2O, TOVA), for KeyDiff's key scores; not for selection from the policy's
+    own statistics, nor for StreamingLLM's re-rotation (its sinks rotate from their float32
+    copies, its recent window stays where it was written) or sink copies past the prompt, nor
+    to compact (slots move page to page)."""
     e = engine(model, name, cr=3.0)
     e.add_request(tokens(30, seed=4), SamplingParams(max_new_tokens=4))
     e.step()  # the prompt
