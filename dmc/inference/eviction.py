@@ -45,7 +45,7 @@ class SlotEviction:
                 ``m <= n`` slots of each head (a merge, a re-rotation): a kept slot among them is
                 written with them wherever it lands, the others keep the cached ones.
 
-        Returns the new host lengths ``[batch, kv_heads]`` (long).
+        Returns the new host lengths ``[batch, (layers,) kv_heads]`` (long).
         """
         self._settle_for(seq_slots)
         seqs = self.allocator.seq_index(seq_slots)

@@ -159,8 +159,8 @@ class KVPolicy:
 
     @property
     def merges(self) -> bool:
-        """Whether :meth:`merge` may rewrite kept slots (D2O): the runner then compacts layer by
-        layer with the new contents, else all layers at once, moving slots page to page."""
+        """Whether :meth:`merge` may rewrite kept slots (D2O): the runner then calls it for
+        each layer that evicts and hands the new contents to the compaction."""
         return type(self).merge is not KVPolicy.merge
 
     @property
