@@ -309,30 +309,32 @@ def test_d2o_layer_shares_follow_eq4_and_differ_with_attention_entropy():
         assert all(h <= b for h, b in zip(held, budgets))
 
 
-def _filled_cache(layers: int, tokens: int):
+def _filled_cache(layers: int, tokens: int, device: str = "cpu"):
     cache = PagedKVCache(layers, 2, DIM, num_pages=40, page_size=4, max_seqs=2, window=None,
-                         dtype=torch.float64, max_seq_len=32)
+                         dtype=torch.float64, max_seq_len=32, device=device)
     seqs = [cache.add_sequence(), cache.add_sequence()]
-    keys = torch.randn(2, layers, 2, tokens, DIM, dtype=torch.float64)
-    values = torch.randn_like(keys)
+    keys = torch.randn(2, layers, 2, tokens, DIM, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(layers))
+    values = torch.randn(keys.shape, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(layers + 1))
     for layer in range(layers):
         for t in range(tokens):
-            cache.append(layer, seqs, keys[:, layer, :, t], values[:, layer, :, t])
+            cache.append(layer, seqs, keys[:, layer, :, t].to(device),
+                         values[:, layer, :, t].to(device))
     return cache, seqs, keys, values
 
 
-def test_compacting_every_layer_at_once_equals_one_layer_at_a_time():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compacting_every_layer_at_once_equals_one_layer_at_a_time(device):
     """``compact(slice(None), ...)`` moves every layer's kept slots like a compaction per
-    layer; new keys are written to every kept slot while the values still move page to
-    page."""
+    layer (on CUDA through the device block tables); new keys are written to the kept slots
+    of a prefix while the values still move page to page."""
     keep = torch.rand(2, 3, 2, 10, generator=torch.Generator().manual_seed(0)) < 0.4
     keep[0, 1, 0] = False  # a head that keeps nothing
     keep[1, 2] = True  # heads that evict nothing
-    whole, seqs, keys, values = _filled_cache(3, 10)
-    by_layer, _, _, _ = _filled_cache(3, 10)
-    by_layer.k_pages.copy_(whole.k_pages)
-    by_layer.v_pages.copy_(whole.v_pages)
-    new = whole.compact(slice(None), seqs, keep)
+    whole, seqs, keys, values = _filled_cache(3, 10, device)
+    by_layer, _, _, _ = _filled_cache(3, 10, device)
+    new = whole.compact(slice(None), seqs, keep.to(device))
     assert new.tolist() == keep.sum(-1).tolist()
     for layer in range(3):
         assert by_layer.compact(layer, seqs, keep[:, layer]).tolist() == new[:, layer].tolist()
@@ -340,20 +342,22 @@ def test_compacting_every_layer_at_once_equals_one_layer_at_a_time():
         for b in range(2):
             for h in range(2):
                 kept = keep[b, layer, h].nonzero()[:, 0]
-                torch.testing.assert_close(got[0][b, h, :len(kept)].double(), keys[b, layer, h, kept])
-                torch.testing.assert_close(got[1][b, h, :len(kept)].double(), values[b, layer, h, kept])
+                for read, cached in zip(got, (keys, values)):
+                    torch.testing.assert_close(read[b, h, :len(kept)].double().cpu(),
+                                               cached[b, layer, h, kept])
         for a, b in zip(got, by_layer.read(layer, seqs)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert whole.pages_in_use == by_layer.pages_in_use == int(
         sum(-(-n // 4) for n in new.reshape(-1).tolist()))
-    cache, seqs, keys, values = _filled_cache(1, 10)
-    fresh = torch.randn(2, 2, 10, DIM, dtype=torch.float64)
+    cache, seqs, keys, values = _filled_cache(1, 10, device)
+    fresh = torch.randn(2, 2, 6, DIM, dtype=torch.float64)  # new keys of slots 0-5
     keep = torch.ones(2, 2, 10, dtype=torch.bool)
     keep[:, :, 3] = False
-    cache.compact(0, seqs, keep, keys=fresh)
+    cache.compact(0, seqs, keep.to(device), keys=fresh.to(device))
     got_k, got_v, _ = cache.read(0, seqs)
-    torch.testing.assert_close(got_k.double(), fresh[:, :, keep[0, 0]])
-    torch.testing.assert_close(got_v.double(), values[:, 0][:, :, keep[0, 0]])
+    want_k = torch.cat([fresh, keys[:, 0, :, 6:]], dim=2)[:, :, keep[0, 0]]
+    torch.testing.assert_close(got_k.double().cpu(), want_k)
+    torch.testing.assert_close(got_v.double().cpu(), values[:, 0][:, :, keep[0, 0]])
 
 
 def test_split_budget():
