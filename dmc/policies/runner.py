@@ -11,9 +11,10 @@ The engine calls, for a sequence batch:
   ``offload`` moves its sparse layers' KV to a host pool after the prompt and loads the selected
   tokens at every decode step (:mod:`.context_bank`, driven from these hooks). When the policy's
   schedule (:mod:`.schedule`) says the sequence compresses now, per layer the policy picks what
-  each head keeps under its budget, the cache moves the kept slots to the front and frees the
-  pages past them (:meth:`PagedKVCache.compact`), the per-slot state follows and, with
-  ``rerotate``, the kept keys move to their cache positions (:mod:`.rerotate`).
+  each head keeps under its budget (and may merge; with ``rerotate`` the kept keys get their
+  cache positions, :mod:`.rerotate`), then the cache moves every layer's kept slots to the front
+  at once and frees the pages past them (:meth:`PagedKVCache.compact`), and the per-slot state
+  follows.
 
 Evicting after the last layer instead of after each one gives the same result (a layer's cache
 is read again only by the next chunk or step) and lets per-layer budgets (PyramidKV, D2O) see
