@@ -15,6 +15,20 @@ class SlotEviction:
         """The cached slots of ``layer`` for ``seq_slots``, gathered through the block tables:
         keys, values ``[batch, kv_heads, max_len, head_dim]`` float32 (zeros past a head's
         length) and the host lengths ``[batch, kv_heads]`` (long)."""
+        where, lengths = self._slot_places(layer, seq_slots)
+        return self._gather(self.k_pages, where), self._gather(self.v_pages, where), lengths
+
+    def read_part(self, layer: int, seq_slots, part: str) -> torch.Tensor:
+        """The keys or the values (``part``) alone of :meth:`read`: a policy that scores with
+        the keys reads no value."""
+        pools = {"keys": self.k_pages, "values": self.v_pages}
+        if part not in pools:
+            raise ValueError(f"read_part: part must be one of {sorted(pools)}, got {part!r}")
+        return self._gather(pools[part], self._slot_places(layer, seq_slots)[0])
+
+    def _slot_places(self, layer: int, seq_slots):
+        """Page, offset and emptiness ``[batch, kv_heads, max_len]`` of every slot of
+        ``layer`` for ``seq_slots``, and the host lengths ``[batch, kv_heads]``."""
         self._settle_for(seq_slots)
         seqs = self.allocator.seq_index(seq_slots)
         lengths = self.allocator.lengths[seqs, layer].long()
@@ -24,9 +38,12 @@ class SlotEviction:
         table = self.block_tables[seqs.to(self.device), layer].long()
         pages = torch.where(valid, table[..., slots // self.page_size], 0)
         offsets = (slots % self.page_size).expand_as(pages)
-        hidden = ~valid.unsqueeze(-1)
-        return (self.k_pages[pages, offsets].float().masked_fill(hidden, 0.0),
-                self.v_pages[pages, offsets].float().masked_fill(hidden, 0.0), lengths)
+        return (pages, offsets, ~valid.unsqueeze(-1)), lengths
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, where) -> torch.Tensor:
+        pages, offsets, hidden = where
+        return pool[pages, offsets].float().masked_fill(hidden, 0.0)
 
     def compact(self, layer, seq_slots, keep: torch.Tensor, keys: torch.Tensor | None = None,
                 values: torch.Tensor | None = None) -> torch.Tensor:

@@ -53,31 +53,28 @@ class LayerView:
     """One layer of the cache for a batch of sequences, as the runner reads it.
 
     seqs: ``[batch]`` host sequence slots. keys, values: ``[batch, kv_heads, L, head_dim]``
-    float32 (post-RoPE keys, as cached), gathered from the pages by ``read`` when first used
-    (a policy that selects from its own statistics, e.g. H2O, TOVA or StreamingLLM, reads no
-    page until the runner compacts). positions: ``[batch, kv_heads, L]`` original token position
+    float32 (post-RoPE keys, as cached), each gathered from the pages by ``read("keys")`` or
+    ``read("values")`` when first used (a policy that selects from its own statistics, e.g. H2O,
+    TOVA or StreamingLLM, reads no page to select; one that scores the observed attention reads
+    the keys, not the values). positions: ``[batch, kv_heads, L]`` original token position
     of each slot, ``-1`` past a head's length. lengths: ``[batch, kv_heads]``. tokens:
     ``[batch]`` tokens the sequence has seen so far (long, on the device).
     """
 
     layer: int
     seqs: torch.Tensor
-    read: Callable[[], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    read: Callable[[str], torch.Tensor] = field(repr=False)
     positions: torch.Tensor
     lengths: torch.Tensor
     tokens: torch.Tensor
 
     @cached_property
-    def _pages(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.read()
-
-    @property
     def keys(self) -> torch.Tensor:
-        return self._pages[0]
+        return self.read("keys")
 
-    @property
+    @cached_property
     def values(self) -> torch.Tensor:
-        return self._pages[1]
+        return self.read("values")
 
     @property
     def device(self) -> torch.device:

@@ -135,12 +135,18 @@ class D2O(H2O):
     def merge(self, view: LayerView, keep: torch.Tensor):
         evicted = view.valid & ~keep
         self._fold(view, evicted)
+        count = evicted.sum(-1)  # [batch, kv]
+        width = int(count.max())
+        # the evicted slots of each head first (in slot order), E = the most of any head
+        gone = torch.argsort((~evicted).to(torch.int8), dim=-1, stable=True)[..., :width]
+        present = torch.arange(width, device=view.device) < count[..., None]  # [batch, kv, E]
         unit = F.normalize(view.keys, dim=-1)
-        cosine = torch.einsum("bhid,bhjd->bhij", unit, unit)
+        dim = unit.shape[-1]
+        cosine = torch.einsum("bhed,bhjd->bhej",
+                              unit.gather(2, gone[..., None].expand(-1, -1, -1, dim)), unit)
         cosine = cosine.masked_fill(~keep[:, :, None, :], float("-inf"))
-        similarity, target = cosine.max(dim=-1)  # [batch, kv, L]
-        similarity = torch.where(evicted, similarity, 0.0)
-        count = evicted.sum(-1)
+        similarity, target = cosine.max(dim=-1)  # [batch, kv, E]
+        similarity = torch.where(present, similarity, 0.0)
         mean = similarity.sum(-1) / count.clamp(min=1)
         rows = view.seqs.to(view.device)
         previous = self.threshold[rows, view.layer]
@@ -149,14 +155,15 @@ class D2O(H2O):
         tau = torch.where(count > 0, tau, previous)
         self.threshold[rows, view.layer] = tau
         self.has_threshold[rows, view.layer] = known | (count > 0)
-        merged = evicted & (similarity >= tau[..., None])
-        weight = torch.where(merged, similarity.exp(), 0.0)
-        index = target[..., None].expand_as(view.keys)
+        merged = present & (similarity >= tau[..., None])
+        weight = torch.where(merged, similarity.exp(), 0.0)  # [batch, kv, E]
         own = torch.where(keep, math.e, 0.0)
         total = own.scatter_add(2, target, weight)
+        into = target[..., None].expand(-1, -1, -1, dim)
         out = []
         for x in (view.keys, view.values):
-            summed = (own[..., None] * x).scatter_add(2, index, weight[..., None] * x)
+            moved = weight[..., None] * x.gather(2, gone[..., None].expand(-1, -1, -1, dim))
+            summed = (own[..., None] * x).scatter_add(2, into, moved)
             out.append(torch.where(keep[..., None], summed / total.clamp(min=1e-30)[..., None], x))
         return out[0], out[1]
 

@@ -98,8 +98,8 @@ class PolicyRunner:
         longest = int(lengths.max()) if lengths.numel() else 0
         rows = seqs.to(self.cache.device)
         positions = self.positions[rows, layer, :, :longest]
-        return LayerView(layer, seqs, lambda: self.cache.read(layer, seqs)[:2], positions,
-                         lengths, tokens.to(self.cache.device))
+        return LayerView(layer, seqs, lambda part: self.cache.read_part(layer, seqs, part),
+                         positions, lengths, tokens.to(self.cache.device))
 
     # ------------------------------------------------------------------ hooks
     def observe(self, layer: int, seq_slots, queries: torch.Tensor, q_positions: torch.Tensor,

@@ -133,21 +133,24 @@ def test_only_the_policies_that_read_the_attention_are_handed_it(model, monkeypa
         calls.clear()
 
 
-@pytest.mark.parametrize("name, reads", [("streamingllm", 0), ("h2o", 1), ("tova", 1),
-                                         ("keydiff", 1)])
+@pytest.mark.parametrize("name, reads", [("streamingllm", []), ("h2o", ["keys"]),
+                                         ("tova", ["keys"]), ("keydiff", ["keys"]),
+                                         ("d2o", ["keys", "keys", "values"])])
 def test_a_decode_step_reads_each_layer_only_for_what_it_uses(model, name, reads):
-    """The runner reads a layer's pages once, when they are used: for the attention a reading
-    policy observes (H2O, TOVA), for KeyDiff's key scores; not for selection from the policy's
-    own statistics, nor for StreamingLLM's re-rotation (its sinks rotate from their float32
-    copies, its recent window stays where it was written) or sink copies past the prompt, nor
-    to compact (slots move page to page)."""
+    """The runner reads a layer's keys or values once each, when they are used: the keys for
+    the attention a reading policy observes (H2O, TOVA) or for KeyDiff's key scores, no values
+    for either; not for selection from the policy's own statistics, nor for StreamingLLM's
+    re-rotation (its sinks rotate from their float32 copies, its recent window stays where it
+    was written) or sink copies past the prompt, nor to compact (slots move page to page).
+    D2O's merge reads the keys and values again after the step's last layer."""
     e = engine(model, name, cr=3.0)
     e.add_request(tokens(30, seed=4), SamplingParams(max_new_tokens=4))
     e.step()  # the prompt
-    calls, read = [], e.cache.read
-    e.cache.read = lambda *a: calls.append(a[0]) or read(*a)
+    calls, read, read_part = [], e.cache.read, e.cache.read_part
+    e.cache.read = lambda *a: calls.append((a[0], "both")) or read(*a)
+    e.cache.read_part = lambda *a: calls.append(a[::2]) or read_part(*a)
     e.step()  # a decode step: every layer evicts one slot per head
-    assert sorted(calls) == sorted(list(range(2)) * reads)
+    assert sorted(calls) == sorted((layer, part) for layer in range(2) for part in reads)
 
 
 @pytest.mark.parametrize("name", EVICTING)

@@ -347,6 +347,8 @@ def test_compacting_every_layer_at_once_equals_one_layer_at_a_time(device):
                                                cached[b, layer, h, kept])
         for a, b in zip(got, by_layer.read(layer, seqs)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for part, read in zip(("keys", "values"), got):
+            torch.testing.assert_close(whole.read_part(layer, seqs, part), read, rtol=0, atol=0)
     assert whole.pages_in_use == by_layer.pages_in_use == int(
         sum(-(-n // 4) for n in new.reshape(-1).tolist()))
     cache, seqs, keys, values = _filled_cache(1, 10, device)
@@ -358,6 +360,12 @@ def test_compacting_every_layer_at_once_equals_one_layer_at_a_time(device):
     want_k = torch.cat([fresh, keys[:, 0, :, 6:]], dim=2)[:, :, keep[0, 0]]
     torch.testing.assert_close(got_k.double().cpu(), want_k)
     torch.testing.assert_close(got_v.double().cpu(), values[:, 0][:, :, keep[0, 0]])
+
+
+def test_reading_a_part_names_the_accepted_ones():
+    cache, seqs, _, _ = _filled_cache(1, 4, "cpu")
+    with pytest.raises(ValueError, match=r"part must be one of \['keys', 'values'\], got 'k'"):
+        cache.read_part(0, seqs, "k")
 
 
 def test_split_budget():
