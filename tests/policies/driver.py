@@ -23,14 +23,16 @@ def inputs(seed, layers=1, total=TOTAL):
     return q, k, v
 
 
-def drive(policy, q, k, v, prompt=PROMPT, chunk=None, dtype=torch.float64):
+def drive(policy, q, k, v, prompt=PROMPT, chunk=None, dtype=torch.float64, device="cpu"):
     """The prompt in chunks of ``chunk`` tokens (None: one chunk), then single tokens; returns
     (kept positions per layer and head, scores per layer, cache) after the prompt's last chunk
     and after each decode step, the scores taken just before the runner's eviction hook (none
-    for a policy that does not evict)."""
+    for a policy that does not evict). ``device``: where the cache, the runner and the policy
+    work (the scores come back on it)."""
     layers, total = q.shape[0], q.shape[2]
+    q, k, v = q.to(device), k.to(device), v.to(device)
     cache = PagedKVCache(layers, KV, DIM, num_pages=4 * total, page_size=4, max_seqs=4,
-                         window=None, dtype=dtype, max_seq_len=total + 4)
+                         window=None, dtype=dtype, max_seq_len=total + 4, device=device)
     runner = PolicyRunner(policy, cache, KV * GROUP, SCALE)
     seq = cache.add_sequence()
     runner.reset(seq)
@@ -43,11 +45,12 @@ def drive(policy, q, k, v, prompt=PROMPT, chunk=None, dtype=torch.float64):
         for layer in range(layers):
             n = end - start
             cache.pack_prefill(layer, seq, k[layer, :, start:end], v[layer, :, start:end],
-                               torch.full((KV,), n), torch.zeros(KV, 1, DIM),
-                               torch.zeros(KV, 1, DIM), torch.zeros(KV, 1), torch.zeros(KV))
+                               torch.full((KV,), n), torch.zeros(KV, 1, DIM, device=device),
+                               torch.zeros(KV, 1, DIM, device=device),
+                               torch.zeros(KV, 1, device=device), torch.zeros(KV))
             runner.observe(layer, [seq], q[layer, :, start:end][None],
                            torch.arange(start, end)[None], prefill=prefill)
-        budgets = policy.budgets(torch.tensor([seq]), torch.tensor([end]))
+        budgets = policy.budgets(torch.tensor([seq]), torch.tensor([end], device=device))
         scores = []
         for layer in range(layers if policy.evicts else 0):
             view = runner.view(layer, torch.tensor([seq]), torch.tensor([end]))

@@ -162,12 +162,30 @@ def test_no_policy_keeps_more_slots_than_its_budget(model, name):
     while e.has_unfinished():
         e.step()
         for seq in e.scheduler.running:
-            held = e.cache.head_lengths(seq.slot).long()  # [layers, kv]
-            seen = int(e.policy.positions[seq.slot].max()) + 1
-            budgets = e.policy.policy.budgets(torch.tensor([seq.slot]), torch.tensor([seen]))[0]
+            held = e.cache.head_lengths(seq.slot).long().cpu()  # [layers, kv]
+            seen = torch.tensor([int(e.policy.positions[seq.slot].max()) + 1],
+                                device=e.cache.device)
+            budgets = e.policy.policy.budgets(torch.tensor([seq.slot]), seen)[0].cpu()
             assert (held.sum(-1) <= held.shape[1] * budgets).all()
             if name != "adakv":
                 assert (held <= budgets[:, None]).all()
+    assert e.cache.pages_in_use == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_serves_on_cuda(model, name):
+    """On CUDA (the hooks, the selection, the compaction through the device block tables, the
+    paged attention): every policy keeps within its budget, as above, and a batch of prompts
+    of mixed lengths generates what each prompt generates alone, greedy."""
+    assert next(model.parameters()).is_cuda
+    if name != "omnikv":
+        test_no_policy_keeps_more_slots_than_its_budget(model, name)
+    prompts, params = [tokens(37, 2), tokens(22, 3), tokens(9, 4)], SamplingParams(max_new_tokens=8)
+    batched = engine(model, name).generate(prompts, params)
+    for prompt, together in zip(prompts, batched):
+        alone = engine(model, name).generate([prompt], params)[0]
+        assert together.tokens == alone.tokens, name
 
 
 def test_score_prefill_tokens_is_exact_for_vanilla_and_dmc(model):

@@ -22,12 +22,12 @@ PAPER = {"d2o": {"sinks": 4, "beta": 0.7}, "pyramidkv": {"window": 8, "kernel_si
          "adakv": {"window": 32, "kernel_size": 5, "safeguard": 0.2}}
 
 
-def check(name, ref_name, seed=0, **kw):
+def check(name, ref_name, seed=0, device="cpu", **kw):
     ref_kw = dict(PAPER.get(name, {}))
     ref_kw.update({key: val for key, val in kw.items() if key in ("window", "kernel_size",
                                                                   "sinks", "beta", "safeguard")})
     q, k, v = inputs(seed)
-    got = drive(get_policy(name, 2.0, schedule="streaming", **kw), q, k, v)
+    got = drive(get_policy(name, 2.0, schedule="streaming", **kw), q, k, v, device=device)
     want = reference.run(ref_name, q[0], k[0], v[0], PROMPT, 2.0, SCALE,
                          fast=name == "fastcaote", **ref_kw)
     evicted_somewhere = False
@@ -38,7 +38,7 @@ def check(name, ref_name, seed=0, **kw):
             evicted_somewhere |= len(positions) < PROMPT + step
             if name != "streamingllm":
                 held = sorted(ref_scores[h])
-                ours = scores[0][h, :len(held)].double()
+                ours = scores[0][h, :len(held)].double().cpu()
                 torch.testing.assert_close(ours, torch.tensor([ref_scores[h][j] for j in held],
                                                               dtype=torch.float64),
                                            atol=1e-5, rtol=1e-4)
@@ -62,6 +62,18 @@ def test_snapkv_matches_reference(window):
 @pytest.mark.parametrize("name", ["caote", "fastcaote"])
 def test_caote_on_h2o_matches_reference(name):
     check(name, "caote-h2o", base="h2o")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, ref_name, kw", [
+    ("h2o", "h2o", {}), ("tova", "tova", {}), ("snapkv", "snapkv", {"window": 3, "kernel_size": 5}),
+    ("caote", "caote-h2o", {"base": "h2o"}), ("fastcaote", "caote-h2o", {"base": "h2o"}),
+    ("knorm", "knorm", {}), ("keydiff", "keydiff", {}), ("adakv", "snapkv", {"window": 3}),
+    ("d2o", "d2o", {"sinks": 2, "beta": 0.5})])
+def test_every_policy_on_cuda_matches_reference(name, ref_name, kw):
+    """The same step-by-step check with the cache, the runner and the policy on CUDA: the
+    selection, the merges and the compaction through the device block tables."""
+    check(name, ref_name, device="cuda", **kw)
 
 
 def test_caote_changes_the_kept_set():
