@@ -93,8 +93,9 @@ def prepare_data(
     (a kind listed twice gets twice the documents); the valid split stays plain text.
     ``retrieval_loss="queries"`` also writes the train split's loss mask (``OUT/
     train_loss_mask_document``, read by :func:`dmc.data.build_gpt_dataset`): 0 on the tokens of
-    a ``kv``, ``needle`` or ``decoy`` document before its queries (the lines, the haystack and
-    its needles), 1 everywhere else, so their language-model loss falls on the lookups only.
+    a ``kv``, ``needle``, ``decoy`` or ``spaced`` document before its queries (the lines, the
+    haystack and its needles), 1 everywhere else, so their language-model loss falls on the
+    lookups only (and on a ``spaced`` document's text between them).
     """
     if not 0.0 <= retrieval_fraction < 1.0:
         raise ValueError(f"retrieval_fraction must be in [0, 1), got {retrieval_fraction!r}")

@@ -14,7 +14,10 @@ from dmc.data.retrieval import (
     NEEDLE_KEY_TOKENS,
     NEEDLE_VALUE_TOKENS,
     PASSAGE_TOKENS,
+    QUERY_GAP_TOKENS,
+    SPACED_NEEDLE_EVERY,
     _Stream,
+    _text_without,
     copy_document,
     kv_document,
     make_retrieval_documents,
@@ -154,6 +157,41 @@ def test_decoy_documents_repeat_each_keys_tail_with_another_value():
             for tail, end in others:  # a partial match of the key, followed by another value
                 assert body[end:end + len(value)] != value
     assert decoys >= 0.9 * 4 * (1024 // NEEDLE_EVERY)
+
+
+def test_spaced_documents_put_text_without_any_key_before_every_query():
+    """Runs of consecutive ids: the queries read text, key, value, text, key, value, ...; each
+    needle is queried once, after its drawn 16-48 tokens of text, which hold no key."""
+    docs = [list(range(i * 10_000, i * 10_000 + 3000)) for i in range(6)]
+    rng = random.Random(9)
+    stream = _Stream(docs, rng)
+    count = 1024 // SPACED_NEEDLE_EVERY
+    for _ in range(4):
+        state = rng.getstate()
+        document = needle_document(stream, 1024, rng, spaced=True)
+        doc, body = document.tokens, document.tokens[:document.query_start]
+        rng.setstate(state)  # replay the first draws: the needles' sizes, then the gaps
+        lengths = [(rng.randint(*NEEDLE_KEY_TOKENS), rng.randint(*NEEDLE_VALUE_TOKENS))
+                   for _ in range(count)]
+        gaps = [rng.randint(*QUERY_GAP_TOKENS) for _ in range(count)]
+        assert len(doc) == 1024
+        pieces = runs(doc[document.query_start:])  # text, key, value, text, key, value, ...
+        assert len(pieces) == 3 * count
+        triples = [pieces[i:i + 3] for i in range(0, len(pieces), 3)]
+        assert [len(text) for text, _, _ in triples] == gaps
+        assert sorted((len(k), len(v)) for _, k, v in triples) == sorted(lengths)
+        for text, key, value in triples:
+            assert len(occurrences(body, key + value)) == 1
+            assert len(occurrences(doc, key)) == 2  # the needle's and its query's
+            assert all(not occurrences(text, k) for _, k, _ in triples)
+
+
+def test_text_before_a_query_is_cut_short_of_a_key_it_cannot_avoid():
+    stream = _Stream([list(range(130))], random.Random(0))
+    key = list(range(60, 66))
+    text = _text_without(stream, 120, [key])  # every 120-token span holds the key
+    assert text == list(range(text[0], 60)) and not occurrences(text, key)
+    assert _text_without(stream, 0, [key]) == []
 
 
 def test_decoys_are_a_kind_and_leave_the_other_kinds_unchanged():
