@@ -31,6 +31,8 @@ documents, cut from the corpus's own tokens, make retrieval worth learning:
   (measured on held-out documents: first value token 0.92-1.00 from the second query on, 0.75
   for the first; with 32 tokens of text before each query, 0.65-0.78 for all of them): the
   needle task asks a single query after plain text, which a ``needle`` document trains once.
+  Trained in place of ``needle`` in the base's last stages it did not close that gap
+  (docs/results/base_recipe.md, session 44); the base does not use it.
 
 Every document records where its queries start (:attr:`RetrievalDocument.query_start`: the
 ``kv``, ``needle``, ``decoy`` and ``spaced`` documents' second part; 0 for ``repeat`` and
