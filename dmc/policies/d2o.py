@@ -141,9 +141,8 @@ class D2O(H2O):
         gone = torch.argsort((~evicted).to(torch.int8), dim=-1, stable=True)[..., :width]
         present = torch.arange(width, device=view.device) < count[..., None]  # [batch, kv, E]
         unit = F.normalize(view.keys, dim=-1)
-        dim = unit.shape[-1]
-        cosine = torch.einsum("bhed,bhjd->bhej",
-                              unit.gather(2, gone[..., None].expand(-1, -1, -1, dim)), unit)
+        rows_of = gone[..., None].expand(-1, -1, -1, unit.shape[-1])  # [batch, kv, E, dim]
+        cosine = torch.einsum("bhed,bhjd->bhej", unit.gather(2, rows_of), unit)
         cosine = cosine.masked_fill(~keep[:, :, None, :], float("-inf"))
         similarity, target = cosine.max(dim=-1)  # [batch, kv, E]
         similarity = torch.where(present, similarity, 0.0)
@@ -159,10 +158,10 @@ class D2O(H2O):
         weight = torch.where(merged, similarity.exp(), 0.0)  # [batch, kv, E]
         own = torch.where(keep, math.e, 0.0)
         total = own.scatter_add(2, target, weight)
-        into = target[..., None].expand(-1, -1, -1, dim)
+        into = target[..., None].expand_as(rows_of)
         out = []
         for x in (view.keys, view.values):
-            moved = weight[..., None] * x.gather(2, gone[..., None].expand(-1, -1, -1, dim))
+            moved = weight[..., None] * x.gather(2, rows_of)
             summed = (own[..., None] * x).scatter_add(2, into, moved)
             out.append(torch.where(keep[..., None], summed / total.clamp(min=1e-30)[..., None], x))
         return out[0], out[1]
