@@ -81,6 +81,9 @@ def load_experiment(paths: list[Path], quick: bool) -> dict:
             raise ValueError(f"variants: expected mappings of {', '.join(sorted(VARIANT_KEYS))}")
         _check_keys({"label": variant.get("name"), **variant}, VARIANT_KEYS,
                     f"variant {variant.get('name', '?')}")
+        if not isinstance(variant["cr"], (int, float)) or variant["cr"] < 1:
+            raise ValueError(f"variant {variant['name']}: cr must be a number >= 1, "
+                             f"got {variant['cr']!r}")
     for key, kind in SECTIONS.items():
         if not isinstance(exp[key], kind):
             raise ValueError(f"{key}: expected a {kind.__name__}, got {exp[key]!r}")
@@ -106,6 +109,12 @@ def load_experiment(paths: list[Path], quick: bool) -> dict:
     for key in ("dmc_crs", "gqa_factors", "policy_crs", "intermediate_crs"):
         if any(not isinstance(v, (int, float)) or v < 1 for v in exp[key]):
             raise ValueError(f"{key}: expected a list of numbers >= 1, got {exp[key]!r}")
+    runs = ["control", *(f"dmc{cr:g}" for cr in exp["dmc_crs"]),
+            *(f"gqa{f:g}" for f in exp["gqa_factors"]), *(v["name"] for v in exp["variants"])]
+    taken = sorted({name for name in runs if runs.count(name) > 1})
+    if taken:
+        raise ValueError(f"variants: the name {taken[0]!r} is given to two runs; names must "
+                         f"differ from each other and from control, dmcN and gqaN")
     from dmc.eval.compare import parse_policies
 
     parse_policies(",".join(exp["policies"]) or "none")
