@@ -132,13 +132,14 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def parse_numbers(text: str, flag: str, low: float, high: float = math.inf,
                   kind=float) -> list:
-    """Comma-separated numbers in ``[low, high]``; a ValueError naming ``flag`` otherwise."""
-    accepted = f"comma-separated numbers in [{low:g}, {high:g}]"
+    """Comma-separated distinct numbers in ``[low, high]``; a ValueError naming ``flag``
+    otherwise (a repeated value would score the same examples or rows twice)."""
+    accepted = f"comma-separated distinct numbers in [{low:g}, {high:g}]"
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag}: expected {accepted}, got {text!r}") from None
-    if not values or any(not low <= v <= high for v in values):
+    if not values or any(not low <= v <= high for v in values) or len(set(values)) < len(values):
         raise ValueError(f"{flag}: expected {accepted}, got {text!r}")
     return values
 
@@ -321,6 +322,10 @@ def load_eval_data(data: str, seq_len: int, num_sequences: int, prefill_fraction
     from dmc.eval.perplexity import load_token_sequences
 
     sequences = load_token_sequences(data, seq_len, num_sequences)
+    lengths = sorted({len(s) for s in sequences} - {seq_len})
+    if lengths:  # a 2-D array's rows come whole; the prefill is a fraction of --seq-len
+        raise ValueError(f"--data {data}: its rows hold {lengths[0]} tokens, --seq-len="
+                         f"{seq_len}; pass --seq-len {lengths[0]} (a 2-D array is scored whole)")
     if len(sequences) < num_sequences:
         raise ValueError(f"--data {data}: only {len(sequences)} sequences of --seq-len={seq_len} "
                          f"tokens, --num-sequences={num_sequences} asked")
@@ -345,7 +350,7 @@ def run_compare(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
     methods = methods_from_args(args)
     lengths_text = args.needle_lengths or ",".join(
-        str(max(32, args.seq_len // d)) for d in (4, 2, 1))
+        str(n) for n in sorted({max(32, args.seq_len // d) for d in (4, 2, 1)}))
     lengths = [] if lengths_text.strip().lower() == "none" else parse_numbers(
         lengths_text, "--needle-lengths", 32, kind=int)
     depths = parse_numbers(args.needle_depths, "--needle-depths", 0.0, 1.0)

@@ -11,7 +11,8 @@ teacher-forced tokens are scored alike. The cache it reports is the one an engin
 after the whole sequence: per (layer, KV head), the slots of Algorithm 1 over the tokens a
 query no longer sees raw (all ``n`` of them, or ``n - d - 1`` under ``merge_delay`` = d: read
 from the decision statistics of a forward over that prefix), on pages of ``page_size`` slots
-with the engine's block-table and length metadata, the DMC merge state, and under
+with the engine's block-table and length metadata, the DMC merge state (its ring in the
+dtype :func:`~dmc.inference.cache.merge_ring_dtype` gives, as the engine's), and under
 ``merge_delay`` a ring of the last d + 1 raw keys and values with their two decisions
 (alpha, omega) in float32, counted as slots too.
 """
@@ -21,6 +22,8 @@ import contextlib
 
 import torch
 
+from dmc.inference.cache import merge_ring_dtype, open_slot_bytes
+from dmc.inference.delayed_cache import delayed_ring_bytes
 from dmc.inference.paging import pages_for
 from dmc.inference.sequence import CompressionStats, ScoreResult
 
@@ -70,7 +73,7 @@ class ForwardScorer:
         self.shape = (cfg.num_layers, cfg.kv_heads)
         self.head_dim = cfg.head_dim
         param = next(self.model.parameters())
-        self.device, self.item = param.device, param.element_size()
+        self.device, self.dtype, self.item = param.device, param.dtype, param.element_size()
 
     @torch.inference_mode()
     def score_batch(self, sequences, *, return_logits: bool = False,
@@ -133,12 +136,12 @@ class ForwardScorer:
         heads = slots.numel()
         state = 0
         if self.dmc is not None:
-            rows = self.dmc.window or 1
-            state = heads * (rows * (2 * self.head_dim + 1) * 4 + 4)
-            if self.dmc.merge_delay:
-                raw = self.dmc.merge_delay + 1
-                slots = (slots - raw).clamp_min(0)
-                state += heads * raw * (slot_bytes + 2 * 4)
+            delay = self.dmc.merge_delay
+            ring = merge_ring_dtype(self.dmc.window, delay, self.dtype)
+            state = heads * open_slot_bytes(self.dmc.window or 1, self.head_dim, ring)
+            if delay:
+                slots = (slots - (delay + 1)).clamp_min(0)
+                state += heads * delayed_ring_bytes(delay, self.head_dim, self.item)
         pages = int(pages_for(slots, self.page_size).sum())
         out = {"kv": pages * self.page_size * slot_bytes, "metadata": pages * 4 + heads * 4,
                "dmc_state": state, "policy_state": 0, "host": 0}

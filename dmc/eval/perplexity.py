@@ -9,7 +9,8 @@ eval-mode megatron model's full forward (no cache), for cross-checks.
 Token sources (:func:`load_token_sequences`): a megatron indexed dataset prefix
 (``PREFIX.bin``/``PREFIX.idx``), a folder made by ``dmc data prepare`` (its ``valid`` split), or
 a ``.pt``/``.npy`` file holding a 1-D token stream or a 2-D ``[sequences, length]`` array.
-A stream (documents concatenated, EOD ids kept) is cut into non-overlapping ``seq_len`` windows.
+A stream (documents concatenated, EOD ids kept) is cut into non-overlapping ``seq_len`` windows;
+a 2-D array's rows are the sequences, whole (``seq_len`` does not apply to them).
 """
 from __future__ import annotations
 
@@ -220,7 +221,8 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "folder made by `dmc data prepare` (its valid split), or a .pt/.npy "
                         "1-D token stream or 2-D [N, L] array")
     parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
-                        help="tokens per evaluated sequence (default: %(default)s)")
+                        help="tokens per evaluated sequence (default: %(default)s; a 2-D "
+                        "array's rows are evaluated whole)")
     parser.add_argument("--num-sequences", type=int, default=None,
                         help="evaluate at most this many sequences (default: all)")
     add_cache_arguments(parser)

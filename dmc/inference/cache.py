@@ -50,6 +50,14 @@ def open_slot_bytes(rows: int, head_dim: int, ring_dtype: torch.dtype) -> int:
     return rows * (2 * head_dim * torch.empty((), dtype=ring_dtype).element_size() + 4) + 4
 
 
+def merge_ring_dtype(window: int | None, merge_delay: int, model_dtype: torch.dtype) -> torch.dtype:
+    """dtype of a DMC cache's merge ring: ``model_dtype`` (the keys and values the model writes,
+    held exactly) with a ``window`` and no ``merge_delay``; float32 otherwise (the running mean
+    accumulates, and delayed merging's ring takes keys rotated back from the cache dtype)."""
+    exact = window and not merge_delay and model_dtype in RING_DTYPES
+    return model_dtype if exact else torch.float32
+
+
 class PagedKVCache(SlotEviction):
     """Page pools and DMC open-slot state over a :class:`BlockAllocator`.
 

@@ -24,7 +24,7 @@ import torch
 
 from dmc.inference.block_allocator import SeqRows
 from dmc.inference.paging import default_num_pages, to_device
-from dmc.inference.cache import RING_DTYPES, PagedKVCache
+from dmc.inference.cache import PagedKVCache, merge_ring_dtype
 from dmc.inference.kernels import DecisionChannel, resolve_use_triton, run_decode_rope
 from dmc.megatron.accumulate_backend import window_kernels
 from dmc.megatron.config import DMCConfig
@@ -335,8 +335,7 @@ def make_cache(dmc: DMCConfig | None, num_layers: int, num_kv_heads: int, head_d
     dms = dmc is not None and dmc.method == "dms"
     delay = dmc.merge_delay if dmc is not None else 0
     window = None if dms or dmc is None else dmc.window
-    ring_dtype = (model_dtype if window and not delay and model_dtype in RING_DTYPES
-                  else torch.float32)
+    ring_dtype = merge_ring_dtype(window, delay, model_dtype)
     if num_pages is not None and num_pages < 1:
         raise ValueError(f"num_pages must be >= 1 (or None: as many as kv_cache_bytes holds), "
                          f"got {num_pages}")

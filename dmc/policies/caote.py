@@ -4,10 +4,16 @@ based Token Eviction"), on top of H2O, TOVA or SnapKV.
 The base policy's scores are normalised into attention weights ``alpha_j = s_j / sum_i s_i``
 over the head's cached tokens and the attention output ``o = sum_i alpha_i v_i``. Evicting token
 ``j`` alone turns the output into ``(o - alpha_j v_j) / (1 - alpha_j)``, an error of norm
-``e_j = alpha_j / (1 - alpha_j) * ||o - v_j||`` (the CAOTE score, Eq. 4-5); the tokens with the
-smallest errors are evicted, the base policy's always-kept slots (recent / observation window)
-kept. FastCAOTE drops the need for the output: ``o`` is replaced by the mean of the cached values
-(the output under uniform attention), so the score needs only the values and the base scores.
+``e_j = alpha_j / (1 - alpha_j) * ||o - v_j||`` (the CAOTE score, Eq. 8, with a base policy's
+scores normalised by their sum: Eq. 20-22); the tokens with the smallest errors are evicted, the
+base policy's always-kept slots (recent / observation window) kept. FastCAOTE drops the need for
+the output: ``o`` is replaced by the mean of the cached values (Eq. 23: the output under uniform
+attention), so the score needs only the values and the base scores.
+
+Over SnapKV, whose observation window is kept unscored (score 0), the window's slots get
+``alpha = 0``: ``o`` and the normalisation cover the prefix only. The paper does not say how
+SnapKV's window enters Eq. 20-22; this keeps the base's scores as they are, as it does for H2O's
+and TOVA's.
 
 Budgets and the base's protected slots are the base policy's. GQA: scores and values are per KV
 head (the base's group aggregation).

@@ -28,7 +28,8 @@ then one token is evicted or merged at every generation step (Eq. 6 and Eq. 10 a
 Token level (Sec. 4.2.1, Eq. 6-8): H2O-style eviction (accumulated attention) that keeps the
 first ``T = sinks`` tokens, the most recent ``M`` and the ``N`` best-scored others,
 ``b = T + N + M`` with ``N:M = heavy_ratio:1`` (paper 3:1, App. A.3 Table 10), so
-``M = ceil((b - T) / (1 + heavy_ratio))``. The paper does not fix ``T``; 4 as StreamingLLM.
+``M = ceil((b - T) / (1 + heavy_ratio))``. The paper does not fix ``T``; 4 as StreamingLLM,
+whose rule for a budget ``b <= T`` this follows (the first ``b`` tokens, no recent one).
 
 Merging (Sec. 4.2.2, Eq. 9-12): each evicted key ``k_e`` finds its most cosine-similar kept key
 ``k_r`` (``u_e = max_r cos(k_e, k_r)``); it is merged only when ``u_e >= tau_t``, the EMA threshold

@@ -2,7 +2,10 @@
 Sinks").
 
 Keep the first ``sinks`` tokens (attention sinks, 4 in the paper) and the most recent
-``b - sinks`` ones (Sec. 3.2, Fig. 4: a rolling KV cache updated at every token).
+``b - sinks`` ones (Sec. 3.2, Fig. 4: a rolling KV cache updated at every token). The paper's
+budgets are far above the sinks; here a budget ``b <= sinks`` (the first ``sinks * CR`` tokens
+of a stream scored from its start) keeps the first ``b`` tokens and no recent one, so the sinks
+are all still there once the budget passes them (an evicted token never comes back).
 
 Schedule: ``"streaming"`` by default, the paper's rolling cache (Sec. 3.2: the cache is
 evicted as every token arrives, prompt and generation alike, for unbounded streams).

@@ -59,6 +59,23 @@ def test_forward_equals_the_engine(models, name, chunk):
         assert any((r.compression.slots < r.compression.tokens).any() for r in got)
 
 
+@pytest.mark.parametrize("name", ["dmc", "delayed"])
+def test_bf16_cache_bytes_equal_the_engine(models, name):
+    """A bf16 DMC model's merge ring is bf16 in the engine (float32 under delayed merging): the
+    bytes reported must be those the engine's cache holds."""
+    loaded = load_model(models / f"{name}.pt")
+    loaded.model.to(torch.bfloat16)
+    engine = Engine(loaded.model, dmc="auto", max_batch=2, max_seq_len=96, page_size=8,
+                    chunk_size=16)
+    sequences = _sequences((57, 33))
+    want = engine.score_batch(sequences, prefill_tokens=20)
+    got = ForwardScorer(loaded, max_batch=2, page_size=8).score_batch(sequences,
+                                                                       prefill_tokens=20)
+    for g, w in zip(got, want):
+        assert torch.equal(g.compression.slots, w.compression.slots.long())
+        assert {k: g.cache_bytes[k] for k in w.cache_bytes} == w.cache_bytes
+
+
 def test_delayed_merge_slots(models):
     loaded = load_model(models / "delayed.pt")
     tokens = _sequences((57,))[0]

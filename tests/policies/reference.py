@@ -162,7 +162,7 @@ def snapkv_scores(q, head, h, group, end, b, scale, window, kernel_size):
 
 
 def caote_scores(head, score, fast=False):
-    """CAOTE Eq. 4-5: ``alpha_j / (1 - alpha_j) ||o - v_j||`` with ``alpha`` the normalised
+    """CAOTE Eq. 8: ``alpha_j / (1 - alpha_j) ||o - v_j||`` with ``alpha`` the normalised
     scores and ``o = sum alpha_i v_i`` (FastCAOTE: ``o`` = the mean value)."""
     total = sum(score[j] for j in head.kept)
     alpha = {j: score[j] / total for j in head.kept}
