@@ -88,7 +88,7 @@ def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=groups, ffn_hidden_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"], max_seq_length=cfg.get("max_position_embeddings", 4096),
-        rotary_base=theta, norm_epsilon=cfg.get("rms_norm_eps", 1e-5),
+        rotary_base=theta, norm_epsilon=cfg.get("rms_norm_eps", 1e-6),  # LlamaConfig's default
         share_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling_factor=scaling, qk_layernorm=model_type == "qwen3",
         kv_channels=None if head_dim in (None, hidden // heads) else int(head_dim))

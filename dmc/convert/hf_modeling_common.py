@@ -132,7 +132,7 @@ class CompressedLlamaConfig(PretrainedConfig):
 
     def __init__(self, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
-                 rms_norm_eps=1e-5, rope_theta=10000.0, rope_llama3_scaling=None,
+                 rms_norm_eps=1e-6, rope_theta=10000.0, rope_llama3_scaling=None,
                  max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
                  use_cache=True, head_dim=None, qk_norm=False, **kwargs):
         self.vocab_size = vocab_size

@@ -49,7 +49,9 @@ def global_name(model, name: str) -> str:
 
 
 def load_full_state(model, full: dict) -> None:
-    """Loads this rank's shards of ``full`` (TP = 1 names and shapes) into ``model``."""
+    """Loads this rank's shards of ``full`` (TP = 1 names and shapes) into ``model``. With tied
+    embeddings the last pipeline stage's own ``output_layer.weight`` (megatron's copy of the
+    embedding) is loaded from ``embedding.word_embeddings.weight``."""
     from megatron.core import parallel_state
 
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -59,6 +61,8 @@ def load_full_state(model, full: dict) -> None:
         if name.endswith("_extra_state"):
             continue
         gname = global_name(model, name)
+        if gname == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            gname = "embedding.word_embeddings.weight"
         if gname not in full:
             raise KeyError(f"converted weights lack {gname!r} needed by the model")
         shard = tp_shard(gname, full[gname], rank, world)

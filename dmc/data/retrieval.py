@@ -121,11 +121,17 @@ def repeat_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> Ret
 
 def kv_document(stream: _Stream, doc_tokens: int, rng: random.Random,
                 separators: tuple[int, int]) -> RetrievalDocument:
-    """``key : value`` lines, then a shuffled subset of them again, about ``doc_tokens`` long."""
+    """``key : value`` lines, then a shuffled subset of them again, about ``doc_tokens`` long.
+    Keys are distinct and neither keys nor values hold a separator (a span that would is
+    redrawn, 100 tries, else the line is left out), so every query line has one answer."""
     sep, end = separators
-    lines = []
-    while sum(len(line) for line in lines) < 0.6 * doc_tokens:
+    lines, keys, tries = [], set(), 0
+    while sum(len(line) for line in lines) < 0.6 * doc_tokens and tries < 100 * doc_tokens:
+        tries += 1
         key, value = (stream.span(rng.randint(*KV_SPAN_TOKENS)) for _ in range(2))
+        if tuple(key) in keys or {sep, end} & {*key, *value}:
+            continue
+        keys.add(tuple(key))
         lines.append(key + [sep] + value + [end])
     queries = rng.sample(lines, len(lines))
     out = [t for line in lines for t in line]

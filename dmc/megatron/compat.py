@@ -4,7 +4,8 @@ Applied only when CUDA is absent (:func:`apply_cpu_compat` is a no-op otherwise)
 - ``torch.cuda.current_device()`` yields the CPU device (RoPE moves ``inv_freq`` there);
 - ``torch.cuda.synchronize()`` is a no-op (the checkpoint writer calls it);
 - a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` literals found in
-  megatron's default causal mask, pipeline schedules and optimizers to the CPU;
+  megatron's default causal mask, pipeline schedules and optimizers to the CPU, and
+  ``Tensor.cuda()`` (tied embeddings under pipeline parallelism) to the tensor itself;
 - :class:`CPURNGStatesTracker` replaces megatron's CUDA RNG tracker
   (``model_parallel_cuda_manual_seed`` calls ``torch.cuda.get_rng_state``);
 - ``clip_grad_by_total_norm_fp32`` (it asserts CUDA tensors) is replaced by
@@ -50,9 +51,13 @@ def _is_cuda_device(device) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites every ``device=cuda...`` keyword argument of a torch call to ``cpu``."""
+    """Rewrites every ``device=cuda...`` keyword argument of a torch call to ``cpu``, and makes
+    ``Tensor.cuda()`` return the tensor (megatron moves the tied output weight of a pipeline's
+    last stage with it before the embedding all-reduce)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = dict(kwargs, device="cpu")

@@ -5,9 +5,15 @@ A resumed run must be the run its checkpoints were trained as. The fields that d
 model, data, seed, optimizer, schedule, DMC settings, precision, global batch) must equal the
 checkpoint's, or the launch fails listing each difference; ``--allow-config-change`` accepts
 them on purpose. Fields that only change how the run is carried out (logging, save intervals,
-output paths, the parallel layout that megatron reshards, the micro-batch split of the same
-global batch, the attention backend computing the same math) may change between launches.
-Every accepted change is appended to ``<run_dir>/config_history.jsonl``.
+output paths, the parallel layout that megatron reshards, the attention backend computing the
+same math) may change between launches. The micro-batch size defines the run: the Gumbel noise
+is drawn per micro-batch (keyed by its index) and the language-model loss is megatron's mean
+over each micro-batch's loss-mask tokens, so another split of the same global batch trains
+another way. Every accepted change is appended to ``<run_dir>/config_history.jsonl``.
+
+``checkpoint.init_from`` (a shared zero-out phase) needs the seed, model, schedule, optimizer,
+batch shape, and the fields that decide what zero-out trains: the method and the channels it
+scales (``dmc.enabled``, ``dmc.method``, ``dmc.dms_decision``) and the distillation loss.
 """
 from __future__ import annotations
 
@@ -19,9 +25,10 @@ from dmc.megatron.checkpoint import read_state
 from dmc.training.config import ConfigError
 
 INIT_FROM_SAME = ("seed", "model", "schedule", "optim", "data.seq_length",
-                  "data.global_batch_size")
-MAY_CHANGE_ON_RESUME = ("run_dir", "logging", "checkpoint", "parallel", "data.micro_batch_size",
-                        "data.cache_dir", "dmc.attention_backend", "dmc.accumulate_backend",
+                  "data.global_batch_size", "dmc.enabled", "dmc.method", "dmc.dms_decision",
+                  "distill")
+MAY_CHANGE_ON_RESUME = ("run_dir", "logging", "checkpoint", "parallel", "data.cache_dir",
+                        "dmc.attention_backend", "dmc.accumulate_backend",
                         "dmc.compile_elementwise")
 HISTORY = "config_history.jsonl"
 
@@ -44,8 +51,8 @@ def under(key: str, sections) -> bool:
 
 def check_init_from(path: Path, config: dict, kind: str) -> None:
     """Raises ValueError unless ``path`` (``checkpoint.init_from``) was written by a ``kind``
-    run whose seed, model, schedule, optimizer and batch shape equal ``config``'s (a nested
-    dict), so continuing from it is the same as having run those steps here."""
+    run whose :data:`INIT_FROM_SAME` fields equal ``config``'s (a nested dict), so continuing
+    from it is the same as having run those steps here."""
     state = read_state(path)
     if state.get("kind") != kind:
         raise ValueError(f"checkpoint.init_from {path} belongs to a {state.get('kind')} run, "

@@ -281,6 +281,7 @@ class Trainer:
             success, grad_norm, _ = self.optimizer.step()
         if not success:
             raise FloatingPointError(f"optimizer step {step} was skipped (non-finite gradients)")
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's: the scheduler sets the next
         self.scheduler.step(1)
         elapsed = time.perf_counter() - start
         losses = self._reduce_means(results, ("lm_loss", "kl_loss", "loss") if distill
@@ -292,16 +293,18 @@ class Trainer:
         return StepResult(
             step=step, phase=plan.phase, lm_loss=losses.pop("lm_loss"), cr_loss=self._cr_loss(),
             target_cr=plan.target_cr, measured_cr=measured,
-            lr=self.optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm or 0.0),
+            lr=lr, grad_norm=float(grad_norm or 0.0),
             tokens_per_s=tokens / elapsed, extra=losses,
         )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out LM loss and perplexity in eval mode (hard decisions) and the measured CR."""
+        """Held-out LM loss and perplexity in eval mode (hard decisions) and the measured CR;
+        inside zero-out, in ``zero_out`` mode at the last step's scale (the model it trains)."""
         runtime = self.runtime
         previous = runtime.mode
-        runtime.set_mode("eval" if self.plan.dmc else "vanilla")
+        zeroing = self.plan.dmc and self.step < self.plan.ranges["retrofit"][0]
+        runtime.set_mode("zero_out" if zeroing else "eval" if self.plan.dmc else "vanilla")
         self._reset_cr_stats()
         self.model.eval()
         mbs, iters = self.cfg.data.micro_batch_size, max(self.cfg.logging.eval_iters, 1)
@@ -310,7 +313,7 @@ class Trainer:
         results = self._forward_backward(batches, forward_only=True)
         loss = self._reduce_means(results, ("lm_loss",))["lm_loss"]
         out = {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
-        if self.plan.dmc:
+        if self.plan.dmc and not zeroing:
             out.update(cr_summary(self.measured_cr(), prefix="valid_"))
         runtime.set_mode(previous)
         self.model.train()
@@ -347,10 +350,11 @@ class Trainer:
             while self.step < end and self.preempted is None:
                 step = self.step
                 if self.plan.dmc and step == self.plan.ranges["retrofit"][0] and step > 0:
-                    zero_decision_rows_(self.module)
-                    zero_main_decision_rows_(self.module)
+                    self._hand_off()  # a zero-out checkpoint written before the hand-off moved
                 result = self.train_step(step)
                 self.step = step + 1
+                if self.plan.dmc and self.step == self.plan.ranges["retrofit"][0]:
+                    self._hand_off()  # before the zero-out phase's checkpoint is written
                 ran.append(result)
                 if self.plan.dmc and result.phase in ("retrofit", "solidify"):
                     self.last_cr = self.measured_cr()
@@ -373,6 +377,11 @@ class Trainer:
                 if stop_after is not None and len(ran) >= stop_after:
                     break
         return ran
+
+    def _hand_off(self) -> None:
+        """Eq. 12 at t = n_t: the decision rows and their float32 main copies zeroed."""
+        zero_decision_rows_(self.module)
+        zero_main_decision_rows_(self.module)
 
     def _stop_on_signal(self, stop: StopSignal, saved: bool, logger) -> None:
         """After SIGUSR1/SIGTERM: a regular checkpoint (unless this step just wrote one), then

@@ -71,6 +71,19 @@ def test_bin_weights_and_tp2_save(tmp_path):
     assert diff < 1e-5
 
 
+def test_tied_embeddings_pp2_save(tmp_path):
+    """Tied embeddings under pipeline parallelism: the last stage's own output weight (megatron's
+    copy of the embedding) is written from the embedding, and the model reads as HF's."""
+    hf = tiny_hf(groups=2, tie=True)
+    hf.save_pretrained(tmp_path / "hf")
+    hf_to_mcore(tmp_path / "hf", tmp_path / "mc", pp=2)
+    ids = tokens(seed=3)
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = megatron_logits(load_model(tmp_path / "mc").model, ids)
+    assert (got - want).abs().max().item() < 1e-5
+
+
 def test_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         hf_to_mcore(tmp_path, tmp_path / "out")
@@ -91,3 +104,15 @@ def test_clear_errors(tmp_path):
     hf.save_pretrained(tmp_path / "hf3")
     with pytest.raises(ValueError, match="not divisible by tp=3"):
         hf_to_mcore(tmp_path / "hf3", tmp_path / "out4", tp=3)
+
+
+def test_a_config_without_optional_fields_reads_as_transformers_reads_it():
+    """Fields config.json may leave out default to what transformers' LlamaConfig gives them
+    (rms_norm_eps 1e-6), so the converted model is the one HF loads from the same file."""
+    from dmc.convert.hf_config import model_config_from_hf
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4).to_dict()
+    del cfg["rms_norm_eps"]
+    model = model_config_from_hf(cfg)
+    assert model.norm_epsilon == transformers.LlamaConfig(**cfg).rms_norm_eps == 1e-6

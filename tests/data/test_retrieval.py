@@ -99,6 +99,31 @@ def test_kv_documents_query_their_own_lines():
     assert document.query_start == sum(map(len, listed))  # the first repeated line
 
 
+def test_kv_keys_are_distinct_and_no_span_holds_a_separator():
+    """On a corpus of four token ids, separators included, keys of 2-6 tokens would repeat
+    and spans would hold ':' or a line end: every key line is still one key, one answer."""
+    rng = random.Random(2)
+    small = [[rng.choice([1, 2, SEP, END]) for _ in range(3000)] for _ in range(3)]
+    document = kv_document(_Stream(small, rng), 400, rng, (SEP, END))
+    body = document.tokens[:document.query_start]
+    lines = [line for line in _split(body, END) if line]
+    assert len(lines) > 5
+    keys = [tuple(line[:line.index(SEP)]) for line in lines]
+    assert all(line.count(SEP) == 1 for line in lines)
+    assert len(set(keys)) == len(keys)
+
+
+def _split(tokens, end):
+    lines, line = [], []
+    for t in tokens:
+        if t == end:
+            lines.append(line)
+            line = []
+        else:
+            line.append(t)
+    return lines
+
+
 def runs(tokens):
     """Maximal runs of consecutive integers."""
     out = [[tokens[0]]]

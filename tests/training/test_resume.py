@@ -80,6 +80,8 @@ def test_config_drift_is_refused_allowed_with_the_flag_and_recorded(tiny_data, t
     for text in ("dmc.target_cr: 2.0 in the run, 4.0 now", "seed: 1234 in the run, 7 now",
                  "optim.lr", "--allow-config-change"):
         assert text in str(err.value)
+    with pytest.raises(ConfigError, match="data.micro_batch_size: 2 in the run, 1 now"):
+        Trainer(_cfg(tiny_data, tmp_path, **{"data.micro_batch_size": 1}), "retrofit")
     history = tmp_path / "config_history.jsonl"
     assert not history.exists()
     assert "target_cr: 2.0" in (tmp_path / "config.yaml").read_text()
@@ -93,3 +95,23 @@ def test_config_drift_is_refused_allowed_with_the_flag_and_recorded(tiny_data, t
     assert not records[0]["allowed_by_flag"]
     assert records[1]["changes"] == {"dmc.target_cr": [2.0, 4.0]} and records[1]["allowed_by_flag"]
     assert "target_cr: 4.0" in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("field,value", [("dmc.method", "dms"), ("dmc.enabled", False),
+                                         ("distill.weight", 0.5), ("seed", 7)])
+def test_init_from_refuses_a_run_whose_zero_out_trained_otherwise(monkeypatch, field, value):
+    """A shared zero-out phase (checkpoint.init_from) is refused from a run of another method,
+    a control, a distillation run or another seed; the target CR may differ."""
+    from dmc.training import resume
+
+    theirs = {"seed": 1234, "dmc": {"enabled": True, "method": "dmc", "target_cr": 2.0},
+              "distill": {"weight": 0.0}}
+    monkeypatch.setattr(resume, "read_state", lambda path: {"kind": "retrofit",
+                                                            "config": theirs})
+    ours = json.loads(json.dumps(theirs))
+    ours["dmc"]["target_cr"] = 4.0
+    resume.check_init_from("zero_out", ours, "retrofit")
+    section, _, key = field.rpartition(".")
+    (ours[section] if section else ours)[key] = value
+    with pytest.raises(ValueError, match=f"{field} is {value!r} here"):
+        resume.check_init_from("zero_out", ours, "retrofit")

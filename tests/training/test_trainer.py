@@ -37,6 +37,9 @@ def test_three_phases_run_and_cr_rises(full_run):
     assert last.measured_cr > first.measured_cr + 0.1
     assert all(r.cr_loss >= 0 for r in results)
     assert results[-1].lr < results[14].lr  # cosine during solidify
+    # the LR logged is the one the step trained with: the last step's is above the minimum the
+    # schedule reaches after it
+    assert results[-1].lr > trainer.cfg.optim.lr * trainer.cfg.optim.min_lr_ratio * 1.01
     evaluation = trainer.evaluate()
     assert evaluation["valid_cr"] >= 1.0 and evaluation["valid_loss"] > 0
 
@@ -54,6 +57,21 @@ def test_checkpoints_at_crossed_crs_and_phase_ends(full_run, tiny_data, tmp_path
                                                  "schedule.zero_out_steps": 0}), "retrofit")
     ckpt.load_checkpoint(root / "cr_1.5", fresh.module)
     assert fresh.evaluate()["valid_loss"] > 0
+
+
+def test_the_zero_out_checkpoint_holds_the_handed_off_model(full_run, tiny_data, tmp_path):
+    """The zero-out phase ends with its decision rows zeroed (Eq. 12 at t = n_t) before its
+    checkpoint is written: zeroing them again changes nothing."""
+    from dmc.megatron.attention import zero_decision_rows_
+
+    _, _, run_dir = full_run
+    model = Trainer(_cfg(tiny_data, tmp_path, **{"schedule.zero_out_steps": 0}),
+                    "retrofit").module
+    ckpt.load_checkpoint(run_dir / "checkpoints" / "zero_out", model)
+    before = {k: v.clone() for k, v in model.state_dict().items()
+              if "linear_qkv.weight" in k}
+    assert zero_decision_rows_(model) > 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_load_base_warns_when_the_rope_base_changes(full_run, tiny_data, tmp_path):
