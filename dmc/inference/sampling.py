@@ -21,12 +21,17 @@ import torch
 from dmc.inference.paging import to_device
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
 @dataclass
 class SamplingParams:
     """How one request generates.
 
     max_new_tokens: most tokens to generate (>= 1); the stop token, when hit, is included.
-    temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
+    temperature: 0 = greedy (argmax); > 0 divides the logits before sampling. Below
+        :data:`GREEDY_BELOW` it is greedy (set to 0), as in vLLM: the float32 logits divided by
+        a smaller one overflow.
     top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
         reaches ``top_p`` (the most likely token is always kept, so a tiny ``top_p`` is greedy).
     top_k: keep the ``top_k`` most likely tokens first (0 = all).
@@ -54,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -44,6 +44,18 @@ def test_integral_sampling_params_become_ints():
     assert all(type(v) is int for v in (params.max_new_tokens, params.top_k, params.seed))
 
 
+@pytest.mark.parametrize("temperature", [1e-39, 1e-46, 9e-6])
+def test_a_temperature_below_float32_range_samples_greedily(temperature):
+    """Logits divided by a float32 temperature that is subnormal or 0 overflow: such a request
+    (any temperature under GREEDY_BELOW) is greedy, and draws the argmax in every batch row."""
+    params = SamplingParams(temperature=temperature, top_k=3, seed=1)
+    assert params.greedy and params.temperature == 0.0
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]] * 4)
+    tokens, _ = sample_next(logits, [params] * 4, [0, 1, 2, 3], [0, 1, 2, 3])
+    assert tokens == [1, 1, 1, 1]
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def mix64_reference(x: int) -> int:
     """splitmix64's finalizer on Python ints (unsigned 64-bit)."""
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & U64
