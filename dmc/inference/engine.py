@@ -8,9 +8,9 @@ step is launched before the previous one is read back: :mod:`dmc.inference.overl
 writes (:mod:`dmc.inference.kv_write`) give DMC's eval-mode Algorithm 1, DMS's delayed eviction
 (``dmc.method="dms"``) or DMC with delayed merging (``dmc.merge_delay``); prefill is exact and
 chunked. A preempted sequence restarts by prefilling its prompt and the tokens it generated (its
-sampler state is kept: the same output, to the bit in float32; under a bf16 / fp16 cache within
-its rounding, as the prefill attends over a chunk's keys before the cache rounds them); one that cannot fit in the whole pool alone ends with
-``finish_reason="cache_full"``.
+sampler state is kept: the same output, to the bit in float32; under a bf16 / fp16 cache within its
+rounding, as the prefill attends over a chunk's keys before the cache rounds them); one that cannot
+fit in the whole pool alone ends with ``finish_reason="cache_full"``.
 """
 from __future__ import annotations
 
