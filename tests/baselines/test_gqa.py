@@ -150,7 +150,7 @@ def test_gqa_uptraining_from_a_converted_pretrain_run(tiny_data, tmp_path, capsy
 
     def uptrain_cfg(**extra):
         values = {"checkpoint.load_base": tmp_path / "gqa", "schedule.zero_out_steps": 1,
-                  "schedule.retrofit_steps": 1, "schedule.solidify_steps": 1, **extra}
+                  "schedule.retrofit_steps": 1, "schedule.solidify_steps": 2, **extra}
         return load_config(["configs/retrofit/gqa2.yaml"],
                            tiny_overrides(tiny_data, tmp_path / "up", **values))
 
@@ -163,7 +163,7 @@ def test_gqa_uptraining_from_a_converted_pretrain_run(tiny_data, tmp_path, capsy
         if isinstance(weight, torch.Tensor):
             assert torch.equal(weight, converted[name]), name
     results = trainer.run()
-    assert [r.phase for r in results] == ["uptrain", "uptrain", "solidify"]
+    assert [r.phase for r in results] == ["uptrain", "uptrain", "solidify", "solidify"]
     assert all(r.target_cr == 1.0 and r.cr_loss == 0.0 for r in results)
     assert results[-1].lr < results[0].lr  # cosine during solidify, as in the DMC recipe
     assert "valid_cr" not in trainer.evaluate()

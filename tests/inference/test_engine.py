@@ -12,7 +12,7 @@ from dmc.inference import (
     load_inference_state,
     save_inference_state,
 )
-from dmc.inference import kv_write
+from dmc.inference import cache as cache_module
 from dmc.inference.allocation import cache_allocation
 from dmc.inference.sampling import filtered_probs
 from dmc.megatron.attention import dmc_layers
@@ -133,7 +133,7 @@ def test_a_16_bit_models_ring_holds_its_keys_in_its_dtype(parallel_1x1, monkeypa
     model = build(2, 3)[0].to(torch.bfloat16)
     prompt_list, params = prompts(), SamplingParams(max_new_tokens=12)
     engines = [Engine(model, page_size=4, max_batch=4, chunk_size=5)]
-    monkeypatch.setattr(kv_write, "RING_DTYPES", (torch.float32,))
+    monkeypatch.setattr(cache_module, "RING_DTYPES", (torch.float32,))
     engines.append(Engine(model, page_size=4, max_batch=4, chunk_size=5))
     assert [e.cache.open_k.dtype for e in engines] == [torch.bfloat16, torch.float32]
     narrow, wide = (e.generate(prompt_list, params) for e in engines)
