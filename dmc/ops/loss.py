@@ -1,4 +1,5 @@
-"""The compression-ratio loss and its schedule (Eq. 10 and Sec. 3.3 of the paper)."""
+"""The compression-ratio loss and its schedule (Eq. 10; Sec. 4 "Training schedule" and App. F
+of the paper)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -135,8 +136,8 @@ def compression_loss(alpha: torch.Tensor, target_cr: float, prior: str = "global
 @dataclass(frozen=True)
 class CRSchedule:
     """Target CR annealed linearly from ``start_cr`` (1x) to ``target_cr`` over ``steps``
-    steps counted from ``start_step``, constant afterwards (Sec. 3.3: a model is usable at every
-    intermediate CR along the way)."""
+    steps counted from ``start_step``, constant afterwards (Sec. 4 "Training schedule", App. F;
+    a model is usable at every intermediate CR along the way)."""
 
     target_cr: float
     steps: int
