@@ -145,6 +145,10 @@ def main(argv=None) -> int:
         print(f"--documents: {args.documents!r} not accepted; choose from {', '.join(DOCUMENTS)}",
               file=sys.stderr)
         return 2
+    for flag, value in (("--steps", args.steps), ("--seq-length", args.seq_length)):
+        if value < 1:
+            print(f"{flag}: accepted values >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         lengths = [int(x) for x in args.probe.split(",")] if args.probe else []
         seeds = [int(x) for x in args.seeds.split(",")]

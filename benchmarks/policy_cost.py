@@ -72,6 +72,10 @@ def parse_args(argv=None):
     for name in ("batch", "prompt_len", "gen_len", "chunk_size", "page_size", "layers"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.gen_len < 3:
+        p.error(f"--gen-len: must be >= 3 (the engine step that ends the prefill draws a "
+                f"request's first two tokens; the costs are measured on the decode-only steps "
+                f"after it), got {args.gen_len}")
     if args.cr < 1:
         p.error(f"--cr: must be >= 1, got {args.cr}")
     try:  # the model's shape and the policies named, checked before anything is built

@@ -324,10 +324,17 @@ def main(argv=None) -> int:
                              "(copy_sites in the JSON)")
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
     args = parser.parse_args(argv)
+    for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "window", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: must be >= 1, got {getattr(args, name)}")
     for flag, value in (("--by-site", args.by_site), ("--profile", args.profile),
-                        ("--copy-sites", args.copy_sites)):
+                        ("--copy-sites", args.copy_sites), ("--warmup", args.warmup)):
         if value < 0:
             parser.error(f"{flag}: must be >= 0, got {value}")
+    if args.hidden % args.heads:
+        parser.error(f"--hidden: accepted multiples of --heads ({args.heads}), got {args.hidden}")
+    if args.groups is not None and (args.groups < 1 or args.heads % args.groups):
+        parser.error(f"--groups: accepted divisors of --heads ({args.heads}), got {args.groups}")
     args.backends = args.backends or ("flex-channel,flex-transposed,dense,flex"
                                       if torch.cuda.is_available() else "dense")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -348,9 +355,10 @@ def main(argv=None) -> int:
         delays = tuple(int(d) for d in args.merge_delays.split(","))
     except ValueError:
         delays = ()
-    if not delays or min(delays) < 0:
-        parser.error(f"--merge-delays: accepted integers >= 0 (comma separated), got "
-                     f"{args.merge_delays!r}")
+    if not delays or min(delays) < 0 or max(delays) >= args.seq - 1:
+        parser.error(f"--merge-delays: accepted integers >= 0 and < --seq - 1 = {args.seq - 1} "
+                     f"(comma separated; a longer delay leaves no query a merged slot to see), "
+                     f"got {args.merge_delays!r}")
     if "triton" in sums and not torch.cuda.is_available():
         parser.error("--accumulate: triton needs CUDA here (the Triton interpreter is for tests)")
 

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"dmc {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except (PermissionError, NotADirectoryError, IsADirectoryError) as err:
+    except (PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError) as err:
         print(f"dmc {args.command}: error: cannot use {err.filename!r}: {err.strerror} (a "
               f"read-only or misplaced run, data or output folder?)", file=sys.stderr)
         return 2

@@ -15,10 +15,23 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
 
 
 def read_hf_config(folder: Path) -> dict:
+    """The ``config.json`` of a HF folder as a dict (FileNotFoundError without one)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    return json.loads(path.read_text())
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object, as a dict; ValueError naming ``path`` otherwise."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object (got a {type(value).__name__}); expected "
+                         f"{{\"key\": value, ...}} as Hugging Face writes it")
+    return value
 
 
 def _load_file(path: Path) -> dict:
@@ -36,7 +49,10 @@ def read_hf_weights(folder: Path) -> dict:
     for index_name in WEIGHT_INDEXES:
         index = folder / index_name
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no \"weight_map\" object (tensor name -> shard file)")
+            files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
                 raise FileNotFoundError(f"{index}: shard files {missing} are missing")

@@ -1,8 +1,9 @@
 """``dmc bench NAME [ARGS...]``: run a benchmark from the repository's ``benchmarks/`` folder.
 
-Each ``benchmarks/NAME.py`` exposes ``main(argv) -> int``, prints a table and writes JSON
-(``--out``). The folder ships with the source tree (an editable install finds it next to the
-package; ``DMC_BENCHMARKS`` names another one).
+Each ``benchmarks/NAME.py`` exposes ``main(argv)``, prints a table and writes JSON (``--out``);
+an int it returns is the exit code, anything else (its results, None) means 0. The folder ships
+with the source tree (an editable install finds it next to the package; ``DMC_BENCHMARKS`` names
+another one).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def run_bench(args: argparse.Namespace) -> int:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # as an import does: a dataclass looks its module up there
     spec.loader.exec_module(module)
-    return int(module.main(args.args) or 0)
+    code = module.main(args.args)
+    return code if isinstance(code, int) else 0  # a benchmark may return its results
 
 
 def register(sub) -> None:

@@ -51,18 +51,13 @@ def load_token_sequences(path: str | os.PathLike, seq_len: int,
     """Held-out sequences from ``path`` (see the module docstring for the accepted sources)."""
     path = Path(path)
     if path.suffix in (".pt", ".npy") and path.is_file():
-        if path.suffix == ".pt":
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        else:
-            import numpy
-
-            data = torch.from_numpy(numpy.load(path).astype("int64"))
-        data = torch.as_tensor(data)
+        data = _load_token_array(path)
         if data.dim() == 2:
             rows = data[:num_sequences] if num_sequences is not None else data
             return [row.tolist() for row in rows]
         if data.dim() != 1:
-            raise ValueError(f"{path}: expected a 1-D token stream or a 2-D [N, L] array")
+            raise ValueError(f"--data {path}: expected a 1-D token stream or a 2-D [N, L] array "
+                             f"of token ids, got {data.dim()} dimensions")
         return token_windows(data, seq_len, num_sequences)
     prefix = path
     if path.is_dir():
@@ -78,6 +73,32 @@ def load_token_sequences(path: str | os.PathLike, seq_len: int,
 
     stream = [t for doc in read_indexed_dataset(prefix) for t in doc]
     return token_windows(stream, seq_len, num_sequences)
+
+
+def _load_token_array(path: Path) -> torch.Tensor:
+    """The integer tensor of a ``.pt`` (tensors only) or ``.npy`` (no pickled objects) file;
+    ValueError naming ``--data`` for a file that is neither or holds something else."""
+    accepted = ("accepted: a 1-D token stream or a 2-D [N, L] integer array saved by torch.save "
+                "or numpy.save")
+    loader = "torch.load" if path.suffix == ".pt" else "numpy.load"
+    try:
+        if path.suffix == ".pt":
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            import numpy
+
+            data = numpy.load(path)
+    except Exception as err:  # not such a file, or one holding pickled objects
+        raise ValueError(f"--data {path}: not a {path.suffix} file of token ids "
+                         f"({type(err).__name__} from {loader}); {accepted}") from err
+    try:
+        data = torch.as_tensor(data)
+    except (TypeError, ValueError, RuntimeError):  # a dict, strings, ...
+        what = f"an array of {data.dtype}" if hasattr(data, "dtype") else f"a {type(data).__name__}"
+        raise ValueError(f"--data {path}: holds {what}, not token ids; {accepted}") from None
+    if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
+        raise ValueError(f"--data {path}: token ids must be integers, got {data.dtype}")
+    return data.long()
 
 
 def evaluate_perplexity(engine, sequences: Iterable[Sequence[int]], *,

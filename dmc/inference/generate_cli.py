@@ -81,7 +81,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 
 def _parse_ids(text: str) -> list[int]:
-    ids = [int(t) for t in text.replace(",", " ").split()]
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected integer token ids separated by "
+                         f"spaces or commas") from None
     if not ids:
         raise ValueError(f"--prompt-ids {text!r}: no token ids")
     return ids

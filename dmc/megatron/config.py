@@ -74,10 +74,13 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "max_seq_length", "rotary_base", "norm_epsilon", "num_query_groups",
-                     "vocab_size"):
+                     "vocab_size", "init_method_std"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"model.{name}: must be > 0, got {value!r}")
+        if self.rope_scaling_factor is not None and self.rope_scaling_factor < 1:
+            raise ConfigError(f"model.rope_scaling_factor: must be null (no RoPE scaling) or "
+                              f">= 1, got {self.rope_scaling_factor!r}")
         if self.kv_channels is not None:
             if (not isinstance(self.kv_channels, int) or self.kv_channels <= 0
                     or self.kv_channels % 2):

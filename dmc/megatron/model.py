@@ -91,7 +91,7 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=rotary_base,
         rope_scaling=rope_scaling_factor is not None,
-        rope_scaling_factor=rope_scaling_factor or 8.0,
+        rope_scaling_factor=8.0 if rope_scaling_factor is None else rope_scaling_factor,
     )
     _cast_parameters(model, config.params_dtype)
     if cuda_available():

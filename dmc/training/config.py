@@ -1,8 +1,9 @@
 """Typed run configuration: dataclasses loaded from YAML files plus dotted overrides.
 
 ``load_config(["configs/models/tiny.yaml", "configs/retrofit/cr2.yaml"], ["optim.lr=1e-4"])``
-merges the files left to right, applies the overrides, and validates every field: an unknown
-key or a bad value raises :class:`ConfigError` naming the key and the accepted values.
+merges the files left to right, applies the overrides, and validates every field
+(:mod:`dmc.training.validation`): an unknown key or a bad value raises :class:`ConfigError`
+naming the key and the accepted values.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from dmc.megatron.config import DMC_CHOICES, METHODS, ConfigError, DMCConfig, ModelConfig
+from dmc.training.validation import RUN_CHOICES, validate
 
 __all__ = ["ConfigError", "DMCSection", "DistillConfig", "ModelConfig", "RunConfig",
            "dump_config", "flatten", "load_config", "parse_override", "to_dict"]
@@ -158,27 +160,9 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-RUN_CHOICES = {
-    "precision": ("auto", "fp32", "bf16"),
-    "logging.wandb_mode": ("offline", "online", "disabled"),
-    "optim.trainable": ("all", "decisions"),
-}
 # every field with a fixed set of values; the model and dmc sections check theirs when built
 CHOICES = dict(RUN_CHOICES, **{f"dmc.{name}": c for name, c in DMC_CHOICES.items()},
                **{"dmc.method": METHODS})
-POSITIVE = {
-    "data.seq_length", "data.micro_batch_size", "data.global_batch_size",
-    "parallel.tensor", "parallel.pipeline", "optim.lr", "optim.decision_lr_mult",
-    "dmc.cr_loss_weight", "distill.temperature",
-    "logging.log_interval",
-    "checkpoint.keep_last",
-}
-NON_NEGATIVE = {
-    "schedule.pretrain_steps", "schedule.zero_out_steps", "schedule.retrofit_steps",
-    "schedule.solidify_steps", "checkpoint.save_interval", "logging.eval_interval",
-    "logging.eval_iters", "optim.weight_decay", "optim.clip_grad", "optim.warmup_steps",
-    "optim.min_lr_ratio",
-}
 
 
 def _check_type(key: str, value, hint):
@@ -239,81 +223,6 @@ def _build(cls, values: dict, prefix: str = ""):
         else:
             kwargs[name] = _check_type(key, value, hint)
     return cls(**kwargs)
-
-
-def _validate(cfg: RunConfig) -> None:
-    flat = flatten(cfg)
-    for key, choices in RUN_CHOICES.items():
-        if flat[key] not in choices:
-            raise ConfigError(f"{key}: {flat[key]!r} is not one of {', '.join(choices)}")
-    for key in POSITIVE:
-        if flat[key] is not None and flat[key] <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {flat[key]!r}")
-    for key in NON_NEGATIVE:
-        if flat[key] < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {flat[key]!r}")
-    if cfg.dmc.target_cr < 1:
-        raise ConfigError(f"dmc.target_cr: must be >= 1, got {cfg.dmc.target_cr}")
-    if cfg.dmc.head_cr_cap is not None and cfg.dmc.head_cr_cap < cfg.dmc.target_cr:
-        raise ConfigError(f"dmc.head_cr_cap: {cfg.dmc.head_cr_cap} is below dmc.target_cr "
-                          f"({cfg.dmc.target_cr}): no head could reach the target; use null "
-                          f"or a cap >= the target")
-    _validate_training_objective(cfg)
-    model = cfg.model
-    if cfg.dmc.cr_loss_grad == "decisions" and model.qk_layernorm:
-        raise ConfigError("dmc.cr_loss_grad: 'decisions' reads k[..., -1] before a q/k norm, "
-                          "which model.qk_layernorm adds; use 'model'")
-    if model.params_dtype is not None:
-        raise ConfigError(f"model.params_dtype: {model.params_dtype!r}; a run sets it from "
-                          f"precision ({', '.join(RUN_CHOICES['precision'])}): leave it null")
-    groups = model.kv_heads
-    if groups % cfg.parallel.tensor:
-        raise ConfigError(
-            f"parallel.tensor ({cfg.parallel.tensor}) must divide model.num_query_groups ({groups})"
-        )
-    if model.num_layers % cfg.parallel.pipeline:
-        raise ConfigError(
-            f"parallel.pipeline ({cfg.parallel.pipeline}) must divide model.num_layers "
-            f"({model.num_layers})"
-        )
-    if cfg.data.global_batch_size % cfg.data.micro_batch_size:
-        raise ConfigError(
-            f"data.global_batch_size ({cfg.data.global_batch_size}) must be a multiple of "
-            f"data.micro_batch_size ({cfg.data.micro_batch_size})"
-        )
-    if cfg.data.seq_length > model.max_seq_length:
-        raise ConfigError(
-            f"data.seq_length ({cfg.data.seq_length}) exceeds model.max_seq_length "
-            f"({model.max_seq_length})"
-        )
-    dmc = cfg.dmc
-    if dmc.enabled and dmc.method == "dms" and dmc.dms_window >= cfg.data.seq_length - 1:
-        raise ConfigError(
-            f"dmc.dms_window ({dmc.dms_window}) must be < data.seq_length - 1 "
-            f"({cfg.data.seq_length - 1}): a DMS key leaves the window dms_window tokens after "
-            f"its decision, so no eviction would ever reach the LM loss; scale it down with the "
-            f"context"
-        )
-    if dmc.enabled and dmc.merge_delay >= cfg.data.seq_length - 1:
-        raise ConfigError(
-            f"dmc.merge_delay ({dmc.merge_delay}) must be < data.seq_length - 1 "
-            f"({cfg.data.seq_length - 1}): no query would see a merged slot"
-        )
-
-
-def _validate_training_objective(cfg: RunConfig) -> None:
-    """The ``distill`` section and ``optim.trainable``."""
-    weight = cfg.distill.weight
-    if not 0 <= weight <= 1:
-        raise ConfigError(f"distill.weight: must be in [0, 1] (0 = LM loss only, 1 = KL only), "
-                          f"got {weight!r}")
-    if weight > 0 and not (cfg.distill.teacher or cfg.checkpoint.load_base):
-        raise ConfigError(f"distill.weight is {weight} but there is no teacher: set "
-                          f"distill.teacher to a checkpoint folder, or checkpoint.load_base "
-                          f"(the default teacher)")
-    if cfg.optim.trainable == "decisions" and not cfg.dmc.enabled:
-        raise ConfigError("optim.trainable: decisions trains the decision rows of the DMC/DMS "
-                          "layers, but dmc.enabled is false (the model has none); use all")
 
 
 def flatten(cfg) -> dict:
@@ -380,8 +289,8 @@ def load_config(paths=(), overrides=(), base: dict | None = None) -> RunConfig:
         if not path.is_file():
             raise ConfigError(f"--config {path}: no such file")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(err).split())})"
                               ) from None
         if not isinstance(loaded, dict):
@@ -391,7 +300,7 @@ def load_config(paths=(), overrides=(), base: dict | None = None) -> RunConfig:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     cfg = _build(RunConfig, tree)
-    _validate(cfg)
+    validate(cfg, flatten(cfg))
     return cfg
 
 

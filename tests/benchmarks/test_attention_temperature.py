@@ -113,3 +113,6 @@ def test_bad_options_exit_2_naming_the_option(tiny_data, capsys):
     assert "no loss mask beside its train split" in capsys.readouterr().err
     assert bench.main(["ckpt", str(tiny_data), "--probe", "512,x"]) == 2
     assert "--probe and --seeds" in capsys.readouterr().err
+    for flags in (["--seq-length", "0"], ["--steps", "0"], ["--steps", "-3"]):
+        assert bench.main(["ckpt", str(tiny_data), "--documents", "all", *flags]) == 2
+        assert f"{flags[0]}: accepted values >= 1, got {flags[1]}" in capsys.readouterr().err

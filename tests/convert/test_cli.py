@@ -81,3 +81,16 @@ def test_readme_export_step_with_a_relative_data_path(tiny_data, tmp_path, monke
     text = "Whether 'tis nobler  in the mind\tto suffer 1601 slings"
     assert tok(text)["input_ids"] == sp.encode(text)
     assert tok.decode(sp.encode(text)) == text
+
+
+@pytest.mark.parametrize("command", ["hf-to-mcore", "nvidia-dms"])
+@pytest.mark.parametrize("text,message", [
+    ("[1, 2]", "config.json: not a JSON object (got a list)"),
+    ('{"hidden_size": 64,', "config.json: not valid JSON (Expecting property name"),
+    ('"llama"', "config.json: not a JSON object (got a str)"),
+])
+def test_a_bad_config_json_exits_2_naming_the_file(tmp_path, capsys, command, text, message):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(text)
+    assert main(["convert", command, str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'hf' / message}" in capsys.readouterr().err

@@ -33,3 +33,12 @@ def test_every_benchmark_loads_and_prints_its_help(name, capsys):
         main(["bench", name, "--help"])
     assert exit_info.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("returned,code", [("{'rows': []}", 0), ("None", 0), ("0", 0), ("1", 1)])
+def test_a_benchmark_returning_its_results_exits_0(tmp_path, monkeypatch, returned, code):
+    """serving and policy_cost return their report (a dict): a successful run, exit 0; an int
+    is the exit code."""
+    (tmp_path / "reporting.py").write_text(f"def main(argv):\n    return {returned}\n")
+    monkeypatch.setenv("DMC_BENCHMARKS", str(tmp_path))
+    assert main(["bench", "reporting", "--out", str(tmp_path / "r.json")]) == code

@@ -85,6 +85,58 @@ def test_token_sources(tmp_path):
         token_windows(stream, 1)
 
 
+def _save_pt(value):
+    return lambda path: torch.save(value, path)
+
+
+def _save_npy(values):
+    import numpy
+
+    return lambda path: numpy.save(path, numpy.array(values))  # an object array: pickled
+
+
+@pytest.mark.parametrize("name,write,message", [
+    ("corrupt.pt", lambda path: path.write_bytes(b"garbage, not a torch file"),
+     r"not a \.pt file of token ids \(UnpicklingError from torch.load\); accepted: "),
+    ("dict.pt", _save_pt({"tokens": torch.arange(8)}),
+     r"holds a dict, not token ids; accepted: a 1-D token stream"),
+    ("float.pt", _save_pt(torch.rand(64)), r"token ids must be integers, got torch.float32"),
+    ("bool.pt", _save_pt(torch.ones(64, dtype=torch.bool)),
+     r"token ids must be integers, got torch.bool"),
+    ("cube.pt", _save_pt(torch.zeros(2, 2, 2, dtype=torch.long)),
+     r"expected a 1-D token stream or a 2-D \[N, L\] array of token ids, got 3 dimensions"),
+    ("corrupt.npy", lambda path: path.write_bytes(b"garbage, not a numpy file"),
+     r"not a \.npy file of token ids \(ValueError from numpy.load\)"),
+    ("objects.npy", _save_npy([{"a": 1}, None]),
+     r"not a \.npy file of token ids \(ValueError from numpy.load\)"),
+    ("strings.npy", _save_npy(["a", "b"]), r"holds an array of <U1, not token ids"),
+    ("float.npy", _save_npy([0.5, 1.5]), r"token ids must be integers, got torch.float64"),
+])
+def test_bad_token_files_name_the_data_flag(tmp_path, name, write, message):
+    path = tmp_path / name
+    write(path)
+    with pytest.raises(ValueError, match=f"--data {path}: {message}"):
+        load_token_sequences(path, 4)
+
+
+def test_a_corrupt_token_file_exits_2(tmp_path, capsys):
+    from dmc.cli import main
+
+    (tmp_path / "corrupt.pt").write_bytes(b"garbage, not a torch file")
+    assert main(["eval", "ppl", "--model", str(tmp_path / "none"), "--data",
+                 str(tmp_path / "corrupt.pt")]) == 2
+    assert f"--data {tmp_path / 'corrupt.pt'}: not a .pt file" in capsys.readouterr().err
+
+
+def test_integer_token_files_of_any_width_load(tmp_path):
+    import numpy
+
+    numpy.save(tmp_path / "u16.npy", numpy.arange(8, dtype=numpy.uint16))
+    torch.save(torch.arange(8, dtype=torch.int32), tmp_path / "i32.pt")
+    for name in ("u16.npy", "i32.pt"):
+        assert load_token_sequences(tmp_path / name, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_ppl_cli_json(parallel_1x1, tmp_path, capsys):
     model = build(2, 3)
     config = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,

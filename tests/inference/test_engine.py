@@ -395,6 +395,19 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
                                         "--prompt-ids", "1"]))
 
 
+@pytest.mark.parametrize("ids, message", [
+    ("1 2 abc", "--prompt-ids '1 2 abc': expected integer token ids separated by spaces or "
+                "commas"),
+    ("1,2.5", "--prompt-ids '1,2.5': expected integer token ids"),
+    (" ", "--prompt-ids ' ': no token ids"),
+])
+def test_bad_prompt_ids_exit_2_naming_the_flag(tmp_path, capsys, ids, message):
+    from dmc.cli import main
+
+    assert main(["generate", "--model", str(tmp_path / "none"), "--prompt-ids", ids]) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(chunk_size=0), "chunk_size must be >= 1, got 0"),
     (dict(max_batch=-1), "max_batch must be >= 1, got -1"),

@@ -2,7 +2,7 @@ import pytest
 
 from dmc.cli import main
 from dmc.ops import PRIORS
-from dmc.training.config import CHOICES, ConfigError, load_config, parse_override
+from dmc.training.config import CHOICES, ConfigError, flatten, load_config, parse_override
 
 
 def test_presets_load_and_merge():
@@ -59,6 +59,18 @@ def test_fidelity_switches_default_to_the_paper():
     ("dmc.target_cr=inf", r"dmc.target_cr: expected a finite number, got inf"),
     ("optim.lr=.nan", r"optim.lr: expected a finite number"),
     ("dmc.c=[1", r"override 'dmc.c=\[1': the value is not a YAML scalar"),
+    ("model.rope_scaling_factor=0", r"model.rope_scaling_factor: must be null .* or >= 1, got 0"),
+    ("model.rope_scaling_factor=-2", r"model.rope_scaling_factor: must be null .* or >= 1"),
+    ("model.init_method_std=-1", r"model.init_method_std: must be > 0, got -1"),
+    ("model.init_method_std=0", r"model.init_method_std: must be > 0, got 0"),
+    ("optim.adam_eps=-1", r"optim.adam_eps: must be > 0, got -1"),
+    ("optim.adam_beta1=1.5", r"optim.adam_beta1: must be in \[0, 1\), got 1.5"),
+    ("optim.adam_beta1=-0.1", r"optim.adam_beta1: must be in \[0, 1\), got -0.1"),
+    ("optim.adam_beta2=1", r"optim.adam_beta2: must be in \[0, 1\), got 1.0"),
+    ("optim.min_lr_ratio=5", r"optim.min_lr_ratio: must be in \[0, 1\], got 5.0"),
+    ("optim.min_lr_ratio=-0.5", r"optim.min_lr_ratio: must be in \[0, 1\], got -0.5"),
+    ("seed=-1", r"seed: must be in \[0, 4294967296\), got -1"),
+    ("seed=4294967296", r"seed: must be in \[0, 4294967296\), got 4294967296"),
 ])
 def test_bad_values_name_the_key_and_accepted_values(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -85,6 +97,44 @@ def test_malformed_yaml_exits_2_naming_the_file(tmp_path, capsys):
     assert "not valid YAML" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("override", [
+    "optim.min_lr_ratio=0", "optim.min_lr_ratio=1", "optim.adam_beta1=0", "optim.adam_beta2=0.999",
+    "seed=0", "seed=4294967295", "model.rope_scaling_factor=1", "model.rope_scaling_factor=null",
+])
+def test_range_bounds_are_accepted(override):
+    key, value = parse_override(override)
+    assert flatten(load_config([], [override]))[key] == value
+
+
+def test_non_utf8_config_exits_2_naming_the_file(tmp_path, capsys):
+    bad = tmp_path / "bin.yaml"
+    bad.write_bytes(b"\xff\xfe model: 1\n")
+    with pytest.raises(ConfigError, match=f"--config {bad}: not valid YAML .*utf-8"):
+        load_config([bad])
+    assert main(["retrofit", "--config", str(bad), "--dry-run"]) == 2
+    assert f"--config {bad}: not valid YAML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["run_dir", "checkpoint.dir", "data.cache_dir"])
+@pytest.mark.parametrize("below", ["", "/sub"])
+def test_a_file_in_place_of_a_run_folder_exits_2_naming_the_key(tmp_path, capsys, key, below):
+    (tmp_path / "file.txt").write_text("not a folder")
+    path = f"{tmp_path / 'file.txt'}{below}"
+    message = f"{key}: cannot use '{path}': {tmp_path / 'file.txt'} is a file; expected a folder"
+    with pytest.raises(ConfigError, match=message):
+        load_config([], [f"{key}={path}"])
+    assert main(["retrofit", "--dry-run", f"{key}={path}"]) == 2
+    assert message in capsys.readouterr().err
+    assert load_config([], [f"{key}={tmp_path / 'new' / 'folder'}"])
+
+
+def test_a_read_only_cache_dir_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.access", lambda path, mode: False)
+    with pytest.raises(ConfigError, match=f"data.cache_dir: cannot use '{tmp_path}': the folder "
+                                          f"is not writable"):
+        load_config([], [f"data.cache_dir={tmp_path}"])
+
+
 def test_cli_dry_run_and_errors(capsys):
     assert main(["retrofit", "--config", "configs/models/tiny.yaml", "--dry-run",
                  "dmc.target_cr=3"]) == 0
@@ -108,3 +158,14 @@ def test_an_unwritable_run_dir_exits_2_naming_it(tiny_data, capsys):
 
     assert main(["retrofit", *tiny_overrides(tiny_data, "/sys/dmc-run")]) == 2
     assert "cannot use '/sys/dmc-run'" in capsys.readouterr().err
+
+
+def test_a_file_where_the_run_makes_a_folder_exits_2_naming_it(tiny_data, tmp_path, capsys):
+    """A path the config does not name (``<run_dir>/checkpoints``) taken by a file: exit 2."""
+    from conftest import tiny_overrides
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("not a folder")
+    assert main(["retrofit", *tiny_overrides(tiny_data, str(tmp_path / "run"))]) == 2
+    assert f"cannot use '{tmp_path / 'run' / 'checkpoints'}': File exists" in \
+        capsys.readouterr().err
