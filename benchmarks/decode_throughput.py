@@ -465,7 +465,7 @@ def run_all(args, models: dict, budget: int, save=None) -> list[dict]:
                **probed[mode]}
         kv_heads = int(args.groups / mode.value) if mode.kind == "gqa" else args.groups
         shape = dict(num_layers=args.layers, num_kv_heads=kv_heads,
-                     head_dim=args.hidden // args.heads, page_size=args.page_size,
+                     head_dim=args.head_dim, page_size=args.page_size,
                      window=row.pop("window"), dtype=getattr(torch, args.dtype),
                      max_seq_len=args.prompt_len + args.gen_len,
                      dms_window=row.pop("dms_window"), merge_delay=row.pop("merge_delay"),

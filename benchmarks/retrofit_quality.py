@@ -64,12 +64,15 @@ def load_experiment(paths: list[Path], quick: bool) -> dict:
     ValueError names the key and what it accepts); with ``quick`` the ``quick`` section is
     merged over the rest."""
     exp: dict = {}
-    for path in map(Path, paths):
+    for index, path in enumerate(map(Path, paths)):
         if not path.is_file():
             raise ValueError(f"--config {path}: no such file")
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"--config {path}: expected a mapping of {', '.join(SECTIONS)}")
+        if quick and index and "retrofit" in loaded:
+            raise ValueError(f"--quick: --config {path} sets retrofit (a budget of its own), "
+                             f"which the quick budget would replace; run it without --quick")
         for key, value in loaded.items():
             both_maps = isinstance(value, dict) and isinstance(exp.get(key), dict)
             exp[key] = {**exp[key], **value} if both_maps else value
@@ -109,6 +112,9 @@ def load_experiment(paths: list[Path], quick: bool) -> dict:
     for key in ("dmc_crs", "gqa_factors", "policy_crs", "intermediate_crs"):
         if any(not isinstance(v, (int, float)) or v < 1 for v in exp[key]):
             raise ValueError(f"{key}: expected a list of numbers >= 1, got {exp[key]!r}")
+    if any(int(f) != f for f in exp["gqa_factors"]):
+        raise ValueError(f"gqa_factors: expected whole numbers (KV heads divided by), got "
+                         f"{exp['gqa_factors']!r}")
     runs = ["control", *(f"dmc{cr:g}" for cr in exp["dmc_crs"]),
             *(f"gqa{f:g}" for f in exp["gqa_factors"]), *(v["name"] for v in exp["variants"])]
     taken = sorted({name for name in runs if runs.count(name) > 1})
@@ -268,7 +274,11 @@ def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, P
     """Under ``out/runs``: the control, DMC (and variant) and GQA runs, all with the same steps,
     ``data`` (the retrofit data folder), data order and LR; returns name -> final checkpoint. A
     finished run is reused, an interrupted one resumed. The plain DMC runs share the first one's
-    zero-out phase (it does not depend on the target CR) through ``checkpoint.init_from``."""
+    zero-out phase (it does not depend on the target CR) through ``checkpoint.init_from``: the
+    first plain DMC run whose zero_out folder is complete (one that continued another's has
+    none, and a schedule without zero-out steps writes none)."""
+    from dmc.megatron.checkpoint import is_complete
+
     common = [*model_args(exp, data), *exp["retrofit"]["overrides"],
               "checkpoint.save_interval=0"]
     model_yaml = ROOT / exp["model"]  # its settings, not its path or comments, key the runs
@@ -290,8 +300,9 @@ def train_runs(exp: dict, data: Path, base: Path, out: Path, log) -> dict[str, P
             run_dmc(["retrofit", *common, *extra, f"run_dir={run_dir}",
                      f"checkpoint.load_base={start}", *shared], run_dir / "train.log")
             log(f"{name}: {time.time() - started:.0f} s")
-        if name in plain_dmc and shared_zero_out is None:
-            shared_zero_out = run_dir / "checkpoints" / "zero_out"
+        zero_out = run_dir / "checkpoints" / "zero_out"
+        if name in plain_dmc and shared_zero_out is None and is_complete(zero_out):
+            shared_zero_out = zero_out  # a run that continued another's has no zero_out folder
     return finals
 
 

@@ -78,7 +78,8 @@ QKV_BIAS = {"add_qkv_bias": True}  # the random models' TransformerConfig overri
 
 def build_models(args) -> dict:
     """``{mode: (model, dmc argument of the Engine, policy factory or None)}`` for every mode (a
-    policy serves one engine: each engine gets a new one)."""
+    policy serves one engine: each engine gets a new one). Sets ``args.head_dim`` (and with
+    ``args.model`` the shape fields) to the models'."""
     from dmc.megatron.config import DMCConfig
     from dmc.megatron.model import build_model_from_config
     from dmc.policies import policy_from_spec
@@ -92,9 +93,10 @@ def build_models(args) -> dict:
         config = loaded.model_config
         args.layers, args.hidden = config.num_layers, config.hidden_size
         args.heads, args.groups = config.num_attention_heads, config.kv_heads
-        args.vocab = config.vocab_size
+        args.vocab, args.head_dim = config.vocab_size, config.head_dim
     else:
         base = build_model_from_config(model_config(args, args.groups), **QKV_BIAS)
+        args.head_dim = args.hidden // args.heads
     models = {}
     for mode in args.mode_list:
         if mode.kind == "vanilla":

@@ -12,8 +12,9 @@ over each micro-batch's loss-mask tokens, so another split of the same global ba
 another way. Every accepted change is appended to ``<run_dir>/config_history.jsonl``.
 
 ``checkpoint.init_from`` (a shared zero-out phase) needs the seed, model, schedule, optimizer,
-batch shape, and the fields that decide what zero-out trains: the method and the channels it
-scales (``dmc.enabled``, ``dmc.method``, ``dmc.dms_decision``) and the distillation loss.
+precision, batch shape and micro-batch size, and the fields that decide what zero-out trains:
+the method and the channels it scales (``dmc.enabled``, ``dmc.method``, ``dmc.dms_decision``)
+and the distillation loss. The data path may differ (a data folder moved keeps its runs).
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from pathlib import Path
 from dmc.megatron.checkpoint import read_state
 from dmc.training.config import ConfigError
 
-INIT_FROM_SAME = ("seed", "model", "schedule", "optim", "data.seq_length",
-                  "data.global_batch_size", "dmc.enabled", "dmc.method", "dmc.dms_decision",
-                  "distill")
+INIT_FROM_SAME = ("seed", "model", "schedule", "optim", "precision", "data.seq_length",
+                  "data.global_batch_size", "data.micro_batch_size", "dmc.enabled",
+                  "dmc.method", "dmc.dms_decision", "distill")
 MAY_CHANGE_ON_RESUME = ("run_dir", "logging", "checkpoint", "parallel", "data.cache_dir",
                         "dmc.attention_backend", "dmc.accumulate_backend",
                         "dmc.compile_elementwise")

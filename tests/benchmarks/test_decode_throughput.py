@@ -398,6 +398,29 @@ def test_trained_checkpoint_with_model(parallel_1x1, tmp_path):
     assert exit_info.value.code == 2
 
 
+def test_a_checkpoints_head_size_sizes_the_budget(parallel_1x1, tmp_path, monkeypatch):
+    """--model of heads of 32 channels at hidden 64 / 4 heads (kv_channels != hidden / heads):
+    the pages counted against the budget are the page pool the engine allocates."""
+    from dmc.inference import save_inference_state
+    from dmc.megatron.config import ModelConfig
+    from dmc.megatron.model import build_model_from_config
+
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                         num_query_groups=2, vocab_size=96, max_seq_length=64, kv_channels=32)
+    path, out = tmp_path / "model.pt", tmp_path / "decode.json"
+    save_inference_state(path, build_model_from_config(config), config, None)
+    engines, engine_for = [], bench.engine_for
+    monkeypatch.setattr(bench, "engine_for", lambda *a, **k: engines.append(
+        engine_for(*a, **k)) or engines[-1])
+    assert bench.main(["--preset", "cpu", "--model", str(path), "--prompt-len", "20",
+                       "--gen-len", "8", "--steady", "4", "--budget-mib", "0.2",
+                       "--modes", "vanilla", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    cache = engines[-1].cache
+    assert cache.head_dim == 32
+    assert row["memory"]["pages"] == 2 * cache.k_pages.numel() * cache.k_pages.element_size()
+
+
 def test_batch_leaves_the_pages_a_decode_step_reserves(tmp_path, monkeypatch):
     """A DMS head whose next slot starts a page is given one for the step whether or not its
     token survives: sized on the pages its sequences end with alone, a full pool preempts at

@@ -69,6 +69,7 @@ def test_ablation_files_merge_over_the_main_one(path):
     ({"retrofit": {"overrides": [], "data": {"vocab_size": 7}}},
      r"unknown key vocab_size in retrofit.data; .* choose the tokenizer"),
     ({"retrofit": {"overrides": [], "lr": 1}}, "unknown key lr in retrofit"),
+    ({"gqa_factors": [1.5]}, r"gqa_factors: expected whole numbers"),
     ({"retrofit": {"overrides": [], "data": ["needle"]}}, "retrofit.data: expected a mapping"),
     ({"retrofit": {"overrides": [], "data": {"retrieval_loss": "some"}}},
      "retrofit.data.retrieval_loss: 'some' not accepted; choose from all, queries"),
@@ -179,3 +180,49 @@ def test_runs_are_keyed_by_content_not_by_place(tmp_path, monkeypatch):
     assert set(first) == {"control", *(f"dmc{cr:g}" for cr in exp["dmc_crs"])}
     assert run_folders("elsewhere") == first
     assert set(run_folders("b", b"other weights").values()).isdisjoint(first.values())
+
+
+def test_quick_refuses_a_file_with_a_budget_of_its_own():
+    """--quick replaces the retrofit budget; a budget ablation would silently run the main one."""
+    bench = load_benchmark("retrofit_quality")
+    experiments = ROOT / "configs" / "experiments"
+    with pytest.raises(ValueError, match="--quick: --config .*budget_x4.yaml sets retrofit"):
+        bench.load_experiment([experiments / "retrofit_quality.yaml",
+                               experiments / "budget_x4.yaml"], quick=True)
+    bench.load_experiment([experiments / "retrofit_quality.yaml",
+                           experiments / "uneven_layers.yaml"], quick=True)
+
+
+@pytest.mark.parametrize("writes_zero_out", [True, False])
+def test_plain_dmc_runs_share_only_a_complete_zero_out_phase(tmp_path, monkeypatch,
+                                                             writes_zero_out):
+    """The later plain DMC runs continue the first one's zero_out folder when it is complete;
+    when none is written (a run that continued another's, or no zero-out steps) each trains its
+    own."""
+    from dmc.megatron.checkpoint import write_manifest
+
+    bench = load_benchmark("retrofit_quality")
+    main = ROOT / "configs" / "experiments" / "retrofit_quality.yaml"
+    exp = {**bench.load_experiment([main], quick=True), "gqa_factors": [], "dmc_crs": [2, 4, 8]}
+    base = tmp_path / "base" / "checkpoints" / "pretrain"
+    base.mkdir(parents=True)
+    (base / "state.json").write_text("{}")
+    write_manifest(base)
+    calls = []
+
+    def train(args, log_path):
+        calls.append(args)
+        run_dir = Path(next(a for a in args if a.startswith("run_dir=")).split("=", 1)[1])
+        zero_out = run_dir / "checkpoints" / "zero_out"
+        if writes_zero_out and "dmc.enabled=true" in args:
+            zero_out.mkdir(parents=True)
+            (zero_out / "state.json").write_text("{}")
+            write_manifest(zero_out)
+
+    monkeypatch.setattr(bench, "run_dmc", train)
+    bench.train_runs(exp, tmp_path / "data-abc", base, tmp_path / "out", log=lambda *a: None)
+    shared = [[a for a in args if a.startswith("checkpoint.init_from=")] for args in calls]
+    first = next(a for a in calls if "dmc.target_cr=2" in a)
+    want = (f"checkpoint.init_from={Path(next(a for a in first if a.startswith('run_dir='))[8:])}"
+            f"/checkpoints/zero_out")
+    assert shared == ([[], [], [want], [want]] if writes_zero_out else [[]] * 4)

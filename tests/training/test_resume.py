@@ -98,13 +98,15 @@ def test_config_drift_is_refused_allowed_with_the_flag_and_recorded(tiny_data, t
 
 
 @pytest.mark.parametrize("field,value", [("dmc.method", "dms"), ("dmc.enabled", False),
-                                         ("distill.weight", 0.5), ("seed", 7)])
+                                         ("distill.weight", 0.5), ("seed", 7),
+                                         ("precision", "bf16"), ("data.micro_batch_size", 1)])
 def test_init_from_refuses_a_run_whose_zero_out_trained_otherwise(monkeypatch, field, value):
     """A shared zero-out phase (checkpoint.init_from) is refused from a run of another method,
     a control, a distillation run or another seed; the target CR may differ."""
     from dmc.training import resume
 
-    theirs = {"seed": 1234, "dmc": {"enabled": True, "method": "dmc", "target_cr": 2.0},
+    theirs = {"seed": 1234, "precision": "auto", "data": {"micro_batch_size": 2},
+              "dmc": {"enabled": True, "method": "dmc", "target_cr": 2.0},
               "distill": {"weight": 0.0}}
     monkeypatch.setattr(resume, "read_state", lambda path: {"kind": "retrofit",
                                                             "config": theirs})
