@@ -74,12 +74,29 @@ def convert_state_dict(state_dict: dict, model_config: ModelConfig, num_query_gr
     return out
 
 
+def _holds_conversion(output: Path, checkpoint, num_query_groups: int) -> bool:
+    """Whether ``output`` is :func:`convert_to_gqa`'s folder for ``checkpoint`` at
+    ``num_query_groups`` KV heads (its ``state.json`` names both)."""
+    from dmc.inference.loading import resolve_checkpoint
+
+    state_path = output / "state.json"
+    if not state_path.is_file():
+        return False
+    state = json.loads(state_path.read_text())
+    path = Path(checkpoint)
+    source = path if path.is_file() else resolve_checkpoint(path)
+    return (state.get("kind") == "gqa_conversion" and state.get("source") == str(source)
+            and state.get("model_config", {}).get("num_query_groups") == num_query_groups)
+
+
 def convert_to_gqa(checkpoint, num_query_groups: int, output) -> Path:
     """Convert the vanilla model at ``checkpoint`` (a dmc checkpoint folder, a checkpoints or run
     folder, or an inference ``.pt`` file) to ``num_query_groups`` KV heads and write a dmc
     checkpoint folder at ``output`` (``state.json`` + megatron distributed checkpoint, TP = 1):
     ``dmc.inference.load_model``, the Engine, ``dmc eval`` and
-    ``dmc retrofit ... checkpoint.load_base=OUTPUT`` read it. Returns ``output``."""
+    ``dmc retrofit ... checkpoint.load_base=OUTPUT`` read it. Returns ``output``; an ``output``
+    that already holds this conversion (a requeued job's: it is written whole or not at all)
+    is returned as it is."""
     from megatron.core import dist_checkpointing
 
     from dmc.inference.loading import load_model
@@ -87,7 +104,10 @@ def convert_to_gqa(checkpoint, num_query_groups: int, output) -> Path:
 
     output = Path(output)
     if output.exists():
-        raise ValueError(f"--output {output} already exists; choose a new folder")
+        if _holds_conversion(output, checkpoint, num_query_groups):
+            return output
+        raise ValueError(f"--output {output} already exists (and holds no conversion of "
+                         f"{checkpoint} to {num_query_groups} KV heads); choose a new folder")
     loaded = load_model(checkpoint)
     if loaded.dmc_config is not None:
         raise ValueError(f"--checkpoint {loaded.source} is a DMC model (dmc_config "

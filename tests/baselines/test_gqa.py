@@ -124,6 +124,12 @@ def test_convert_errors_name_the_flag(mha_file, tmp_path):
     (tmp_path / "exists").mkdir()
     with pytest.raises(ValueError, match="--output .* already exists"):
         convert_to_gqa(path, 2, tmp_path / "exists")
+    done = convert_to_gqa(path, 2, tmp_path / "done")  # a requeued job: the same conversion
+    written = (done / "state.json").stat().st_mtime_ns
+    assert convert_to_gqa(path, 2, done) == done
+    assert (done / "state.json").stat().st_mtime_ns == written
+    with pytest.raises(ValueError, match="--output .* already exists"):
+        convert_to_gqa(path, 1, done)
 
 
 def test_convert_rejects_dmc_model(parallel_1x1, tmp_path):
