@@ -630,3 +630,42 @@ def test_the_write_reading_the_queries_equals_decode_rope_then_write(dtype, wind
     with pytest.raises(ValueError, match="query= reads omega itself"):
         dmc_write(**fused, k=k, v=v, omega=omega, positions=positions,
                   decide=(fused_lengths, KeyDecision(c)), query=(q, cos, sin, channel))
+
+
+def test_triton_decode_refuses_layouts_it_would_misread():
+    """Pools of other strides or shapes than the kernel assumes are refused, not read wrong."""
+    from dmc.inference.kernels.paged_decode import paged_decode
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([[5, 9]])
+    k_pages, v_pages, tables, lengths = random_paged_kv(lengths, 16, 4, torch.float32, gen)
+    q = torch.randn(1, 4, 16, generator=gen)
+    strided = torch.zeros(k_pages.shape[:2] + (32,))[..., ::2]
+    cases = [((q, strided, v_pages, tables), "unit stride"),
+             ((q, k_pages, v_pages, torch.zeros(1, 2, 2 * tables.shape[-1],
+                                               dtype=torch.int32)[..., ::2]), "unit stride"),
+             ((q[..., :8], k_pages, v_pages, tables), "must agree"),
+             ((q[:, :3], k_pages, v_pages, tables), "not a multiple of 2 KV heads")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paged_decode(*args, lengths, 0.25)
+
+
+def test_triton_decode_counts_slots_past_the_block_tables_width():
+    """A length past what a head's row of the block table can hold (a reservation bug) reads
+    no other head's entries: those slots are skipped and counted as faults."""
+    from dmc.inference.kernels.faults import fault_counter
+    from dmc.inference.kernels.paged_decode import paged_decode
+
+    gen = torch.Generator().manual_seed(1)
+    k_pages, v_pages, tables, lengths = random_paged_kv(torch.tensor([[8, 8]]), 16, 4,
+                                                        torch.float32, gen)
+    tables = tables[..., :2].contiguous()  # two pages of 4 slots per head, both filled
+    q = torch.randn(1, 2, 16, generator=gen)
+    expected = paged_decode(q, k_pages, v_pages, tables, lengths, 0.25)
+    faults = fault_counter("cpu")
+    longer = lengths.clone()
+    longer[0, 0] = 11
+    out = paged_decode(q, k_pages, v_pages, tables, longer, 0.25, faults=faults)
+    assert int(faults[0]) == 3
+    torch.testing.assert_close(out, expected)

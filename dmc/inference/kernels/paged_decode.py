@@ -37,7 +37,7 @@ _DOT_MIN = 16  # tl.dot needs every dimension >= 16
 def _decode_split_kernel(
     q_ptr, k_pages, v_pages, tables, lengths, out_ptr, part_max, part_sum, faults,
     ring_k, ring_v, ring_rows, ring_count,
-    scale_log2, blocks_per_split, parts, num_pages,
+    scale_log2, blocks_per_split, parts, num_pages, table_width,
     stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt,
     stride_tb, stride_th, stride_lb, stride_lh, stride_ob, stride_oh,
     stride_rb, stride_rh, stride_rn,
@@ -83,7 +83,9 @@ def _decode_split_kernel(
             k_rows = ring_k + ring_at + n[:, None] * stride_rn
             v_rows = ring_v + ring_at + n[:, None] * stride_rn
         else:
-            page = tl.load(table + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            column = n // PAGE_SIZE  # past the table's width: no entry, counted as outside
+            page = tl.load(table + column, mask=n_mask & (column < table_width),
+                           other=-1).to(tl.int64)
             outside = n_mask & ((page < 0) | (page >= num_pages))  # not a page: skipped, counted
             outside_count += outside.to(tl.int32)
             n_mask = n_mask & ~outside
@@ -158,6 +160,25 @@ def _ring_strides(ring_k: torch.Tensor, ring_v: torch.Tensor,
 
 
 @functools.cache
+def _check_layout(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                  block_tables: torch.Tensor) -> None:
+    """What the kernel assumes and does not check per slot (a ValueError naming the tensor):
+    pools of one shape, ``head_dim`` of the queries', unit strides on ``head_dim`` and on the
+    block tables' page column, and query heads a multiple of the KV heads."""
+    if k_pages.shape != v_pages.shape or q.shape[-1] != k_pages.shape[-1]:
+        raise ValueError(f"paged_decode: k_pages {tuple(k_pages.shape)}, v_pages "
+                         f"{tuple(v_pages.shape)} and q {tuple(q.shape)} must agree on "
+                         f"[pages, page_size, head_dim] and head_dim")
+    strides = {"k_pages": k_pages.stride(-1), "v_pages": v_pages.stride(-1),
+               "block_tables": block_tables.stride(-1)}
+    if set(strides.values()) != {1}:
+        raise ValueError(f"paged_decode: the last dimension must have a unit stride, got "
+                         f"{strides}")
+    if q.shape[1] % block_tables.shape[1]:
+        raise ValueError(f"paged_decode: {q.shape[1]} query heads are not a multiple of "
+                         f"{block_tables.shape[1]} KV heads")
+
+
 def _multiprocessors(device_index: int | None) -> int:
     if device_index is None:  # the interpreter: a CPU tensor
         return 1
@@ -215,6 +236,7 @@ def paged_decode(
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = block_tables.shape[1]
+    _check_layout(q, k_pages, v_pages, block_tables)
     group = q_heads // kv_heads
     group_block = max(_DOT_MIN, triton.next_power_of_2(group))
     if max_length is None:
@@ -257,7 +279,7 @@ def paged_decode(
         _decode_split_kernel[(batch * kv_heads, 1 if ring_mode else num_splits)](
             q, k_pages, v_pages, block_tables, lengths, part_out, part_max, part_sum, faults,
             ring_k, ring_v, ring_rows, ring_count,
-            scale * _LOG2E, blocks_per_split, parts, k_pages.shape[0],
+            scale * _LOG2E, blocks_per_split, parts, k_pages.shape[0], block_tables.shape[-1],
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
             v_pages.stride(0), v_pages.stride(1), block_tables.stride(0), block_tables.stride(1),
             lengths.stride(0), lengths.stride(1), out.stride(0), out.stride(1), *ring_strides,
