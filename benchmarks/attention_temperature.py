@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dmc.data.indexed import build_gpt_dataset, loss_mask_prefix, read_indexed_dataset
+from dmc.data.indexed import (build_gpt_dataset, loss_mask_prefix, read_indexed_dataset,
+                              window_weights)
 from dmc.data.prepare import load_meta, split_prefix
 from dmc.data.tokenizer import load_tokenizer
 from dmc.inference.loading import load_model
@@ -122,7 +123,8 @@ def batches_from(data: str, documents: str, seq_length: int, count: int) -> list
     samples = []
     for i in chosen:
         ids, mask = (torch.as_tensor(list(x[i][-(seq_length + 1):])) for x in (tokens, masks))
-        samples.append({"tokens": ids[:-1], "labels": ids[1:], "loss_mask": mask[1:],
+        samples.append({"tokens": ids[:-1], "labels": ids[1:],
+                        "loss_mask": window_weights(mask[1:]),
                         "position_ids": torch.arange(seq_length)})
     return [_stack(samples[i * BATCH:(i + 1) * BATCH]) for i in range(count)]
 

@@ -19,7 +19,9 @@ TEXT_SUFFIX, LOSS_MASK_SUFFIX = "_text_document", "_loss_mask_document"
 
 def loss_mask_prefix(prefix: str | os.PathLike) -> Path:
     """Where the loss mask of the indexed dataset at ``prefix`` (``..._text_document``) lives:
-    one 0/1 value per token, the same document lengths (``dmc data prepare --retrieval-loss``)."""
+    one value per token, the same document lengths (``dmc data prepare --retrieval-loss``): 0 no
+    loss, 1 loss, ``1 + d`` loss when the token ``d`` places back is in the same training window
+    (:func:`window_weights`)."""
     prefix = Path(prefix)
     if not prefix.name.endswith(TEXT_SUFFIX):
         raise ValueError(f"a loss mask belongs to a '*{TEXT_SUFFIX}' prefix, got {str(prefix)!r}")
@@ -69,7 +71,8 @@ def build_gpt_dataset(
 
     Samples are dicts of ``seq_length``-long tensors ``tokens, labels, loss_mask, position_ids``
     (no attention mask: attention builds its own). Where a loss mask lies beside the data
-    (:func:`loss_mask_prefix`), ``loss_mask`` is multiplied by its value at each label.
+    (:func:`loss_mask_prefix`), ``loss_mask`` is multiplied by its weight at each label
+    (:func:`window_weights`).
     ``num_samples=None`` gives one epoch; more samples than an epoch holds repeat the data in
     new shuffles. Every rank must call this (megatron builds on rank 0 first when
     torch.distributed is initialised). Megatron caches its sample indices in ``cache_dir``, by
@@ -123,9 +126,22 @@ class _MaskIds:
         return {"class": "loss_mask", "vocab_size": self.vocab_size}
 
 
+def window_weights(values):
+    """Loss weights ``[seq]`` of one training window from its loss-mask values ``[seq]`` at the
+    labels (see :func:`loss_mask_prefix`): label ``j`` is the window's token ``j + 1``, so a
+    value ``1 + d`` keeps its loss when ``d <= j + 1`` (what it looks up starts inside the
+    window), drops it otherwise; 0 and 1 are kept as they are."""
+    import torch
+
+    values = torch.as_tensor(values).long()
+    reach = torch.arange(1, values.numel() + 1)
+    return ((values == 1) | ((values > 1) & (values - 1 <= reach))).float()
+
+
 class LossMaskedDataset:
-    """Samples of ``data`` whose ``loss_mask`` is multiplied by the aligned samples' ``labels``
-    of ``mask`` (a GPT dataset over 0/1 values with the same documents and sample order)."""
+    """Samples of ``data`` whose ``loss_mask`` is multiplied by the window weights
+    (:func:`window_weights`) of the aligned samples' ``labels`` of ``mask`` (a GPT dataset over
+    the loss-mask values with the same documents and sample order)."""
 
     def __init__(self, data, mask):
         if len(data) != len(mask):
@@ -137,6 +153,6 @@ class LossMaskedDataset:
 
     def __getitem__(self, index: int) -> dict:
         sample = dict(self.data[index])
-        weights = self.mask[index]["labels"]
+        weights = window_weights(self.mask[index]["labels"])
         sample["loss_mask"] = sample["loss_mask"] * weights.to(sample["loss_mask"].dtype)
         return sample

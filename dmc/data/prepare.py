@@ -6,7 +6,7 @@ Output folder layout::
     OUT/tokenizer.json [+ tokenizer_config.json] a copied Hugging Face tokenizer
     OUT/train_text_document.{bin,idx}            megatron indexed datasets, EOD after each document
     OUT/valid_text_document.{bin,idx}
-    OUT/train_loss_mask_document.{bin,idx}       with --retrieval-loss queries: 0/1 per token
+    OUT/train_loss_mask_document.{bin,idx}       with --retrieval-loss queries | answerable
     OUT/meta.json                                what was done: tokenizer, ids, counts, source
 
 Read it back with :func:`load_meta`, ``dmc.data.load_tokenizer(OUT)`` and
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from dmc.data.corpus import Document, find_files, read_documents, split_documents
 from dmc.data.indexed import CACHE_DIRNAME, loss_mask_prefix, write_indexed_dataset
-from dmc.data.retrieval import (DEFAULT_RETRIEVAL_KINDS, RETRIEVAL_KINDS,
+from dmc.data.retrieval import (DEFAULT_RETRIEVAL_KINDS, RETRIEVAL_KINDS, RetrievalDocument,
                                 make_retrieval_documents)
 from dmc.data.shakespeare import PACKAGE, shakespeare_files
 from dmc.data.tokenizer import (
@@ -43,7 +43,7 @@ from dmc.data.tokenizer import (
 META_FILE = "meta.json"
 META_FORMAT = 1
 SPLITS = ("train", "valid")
-RETRIEVAL_LOSSES = ("all", "queries")
+RETRIEVAL_LOSSES = ("all", "queries", "answerable")
 
 
 def split_prefix(out_dir: str | os.PathLike, split: str) -> Path:
@@ -95,7 +95,12 @@ def prepare_data(
     train_loss_mask_document``, read by :func:`dmc.data.build_gpt_dataset`): 0 on the tokens of
     a ``kv``, ``needle``, ``decoy`` or ``spaced`` document before its queries (the lines, the
     haystack and its needles), 1 everywhere else, so their language-model loss falls on the
-    lookups only (and on a ``spaced`` document's text between them).
+    lookups only (and on a ``spaced`` document's text between them). ``"answerable"`` writes
+    the same mask, and in it, for each lookup, ``1 +`` how far back the needle or line it looks
+    up starts: a training window keeps the loss of a lookup only when that start lies inside
+    the window (:class:`dmc.data.indexed.LossMaskedDataset`). With documents as long as the
+    window, about half of the lookups a window holds have lost their needle to the window's
+    start and can only be guessed.
     """
     if not 0.0 <= retrieval_fraction < 1.0:
         raise ValueError(f"retrieval_fraction must be in [0, 1), got {retrieval_fraction!r}")
@@ -211,10 +216,11 @@ def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, qui
                  retrieval: dict | None = None) -> dict:
     """Tokenise ``docs`` into the indexed dataset of split ``name``; return its counts. With
     ``retrieval`` (see :func:`prepare_data`), retrieval documents follow the corpus's and their
-    counts are added to it (and to ``retrieval``); its ``loss`` "queries" writes the loss mask."""
+    counts are added to it (and to ``retrieval``); its ``loss`` other than "all" writes the loss
+    mask."""
     prefix = split_prefix(out, name)
     encoded_docs: list[list[int]] = []
-    spans: list[tuple[int, int]] = []  # per document: its length, its first token with loss
+    masks: list[list[int]] = []  # per document: its loss mask (see prepare_data)
 
     def encoded():  # the bar starts with the first document, once the writer is ready
         with tqdm(
@@ -228,19 +234,27 @@ def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, qui
                 ids = tok.encode(doc.text)
                 if retrieval is not None:
                     encoded_docs.append(ids)
-                    spans.append((len(ids), 0))
+                    masks.append([1] * len(ids))
                 yield ids
                 bar.update(len(doc.text))
         if retrieval is not None:
             for document in _retrieval_documents(encoded_docs, tok, retrieval):
-                spans.append((len(document.tokens), document.query_start))
+                masks.append(_loss_mask(document, retrieval["loss"]))
                 yield document.tokens
 
     counts = write_indexed_dataset(prefix, encoded(), tok.vocab_size, tok.eod)
-    if retrieval is not None and retrieval["loss"] == "queries":
-        masks = ([0] * start + [1] * (n - start) for n, start in spans)
-        write_indexed_dataset(loss_mask_prefix(prefix), masks, tok.vocab_size, 1)
+    if retrieval is not None and retrieval["loss"] != "all":
+        write_indexed_dataset(loss_mask_prefix(prefix), masks,
+                              max(tok.vocab_size, retrieval["doc_tokens"] + 2), 1)
     return {"prefix": prefix.name, **counts}
+
+
+def _loss_mask(document: RetrievalDocument, loss: str) -> list[int]:
+    """The loss mask of one retrieval document (see :func:`prepare_data`)."""
+    queries = len(document.tokens) - document.query_start
+    if loss == "answerable" and document.sources:
+        return [0] * document.query_start + [1 + source for source in document.sources]
+    return [0] * document.query_start + [1] * queries
 
 
 def _retrieval_documents(corpus: list[list[int]], tok: Tokenizer, retrieval: dict):
@@ -319,8 +333,9 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         default="all",
         choices=RETRIEVAL_LOSSES,
         help="'queries': no language-model loss on the key : value lines and the needle "
-        "haystacks before their queries (a loss mask beside the train split); 'all': every "
-        "token (default: %(default)s)",
+        "haystacks before their queries (a loss mask beside the train split); 'answerable': "
+        "the same, and a query's loss only in training windows that hold what it looks up; "
+        "'all': every token (default: %(default)s)",
     )
     parser.add_argument("--text-key", default="text", help="field holding the text in .jsonl files")
     parser.add_argument(

@@ -68,10 +68,17 @@ DECOY_TAIL_TOKENS = (1, 3)  # key tokens a decoy repeats (its last ones)
 
 @dataclass(frozen=True)
 class RetrievalDocument:
-    """``tokens`` of one document; ``tokens[query_start:]`` are its queries (0: all of it)."""
+    """``tokens`` of one document; ``tokens[query_start:]`` are its queries (0: all of it).
+
+    ``sources``: one entry per token of ``tokens[query_start:]`` (empty when not recorded): how
+    far back the span that answers it starts, the needle or ``key : value`` line a query looks up
+    (``tokens[i - sources[i - query_start]]`` is that span's first token), 0 for a token that
+    looks nothing up. A query is answerable in a training window only when that start is inside
+    the window (``dmc data prepare --retrieval-loss answerable``)."""
 
     tokens: list[int]
     query_start: int = 0
+    sources: tuple[int, ...] = ()
 
 
 class _Stream:
@@ -133,14 +140,16 @@ def kv_document(stream: _Stream, doc_tokens: int, rng: random.Random,
             continue
         keys.add(tuple(key))
         lines.append(key + [sep] + value + [end])
-    queries = rng.sample(lines, len(lines))
+    order = rng.sample(range(len(lines)), len(lines))
+    starts = list(itertools.accumulate((len(line) for line in lines), initial=0))
     out = [t for line in lines for t in line]
-    query_start = len(out)
-    for line in queries:
-        if len(out) + len(line) > doc_tokens:
+    query_start, sources = len(out), []
+    for i in order:
+        if len(out) + len(lines[i]) > doc_tokens:
             break
-        out += line
-    return RetrievalDocument(out, query_start)
+        sources += [len(out) + t - starts[i] for t in range(len(lines[i]))]
+        out += lines[i]
+    return RetrievalDocument(out, query_start, tuple(sources))
 
 
 def copy_document(stream: _Stream, doc_tokens: int, rng: random.Random) -> RetrievalDocument:
@@ -188,19 +197,26 @@ def needle_document(stream: _Stream, doc_tokens: int, rng: random.Random, *,
         seen.add(tuple(key))
         position, value = rng.randint(0, len(hay)), stream.span(value_len)
         needles.append((key, value))
-        inserts.append((position, key + value))
+        inserts.append((position, key + value, len(needles) - 1))
         if decoys:
-            inserts += _decoy(stream, hay, key, value_len, rng)
-    out, at = [], 0
-    for position, tokens in sorted(inserts, key=lambda n: n[0]):
-        out += hay[at:position] + tokens
+            inserts += [(at, tokens, None)
+                        for at, tokens in _decoy(stream, hay, key, value_len, rng)]
+    out, at, starts = [], 0, {}  # starts: needle -> where it begins in out
+    for position, tokens, needle in sorted(inserts, key=lambda n: n[0]):
+        out += hay[at:position]
+        starts[needle] = len(out)
+        out += tokens
         at = position
     out += hay[at:]
-    query_start = len(out)
+    query_start, sources = len(out), []
     keys = [key for key, _ in needles]
-    for (key, value), gap in zip(rng.sample(needles, len(needles)), gaps):
-        out += _text_without(stream, gap, keys) + key + value
-    return RetrievalDocument(out, query_start)
+    for i, gap in zip(rng.sample(range(len(needles)), len(needles)), gaps):
+        text = _text_without(stream, gap, keys)
+        sources += [0] * len(text)
+        out += text
+        sources += [len(out) + t - starts[i] for t in range(sum(map(len, needles[i])))]
+        out += needles[i][0] + needles[i][1]
+    return RetrievalDocument(out, query_start, tuple(sources))
 
 
 def _text_without(stream: _Stream, length: int, keys: list[list[int]]) -> list[int]:

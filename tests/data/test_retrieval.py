@@ -325,8 +325,81 @@ def test_queries_loss_mask_covers_the_lookups_and_megatron_samples_carry_it(tmp_
     assert not loss_mask_prefix(train).with_suffix(".idx").exists()
     assert type(build_gpt_dataset(train, 128, None, 7, tok)).__name__ == "GPTDataset"
     with pytest.raises(ValueError, match="retrieval_loss: 'answers' not accepted; choose from "
-                                         "all, queries"):
+                                         "all, queries, answerable"):
         prepare_data([corpus_dir], tmp_path / "bad", retrieval_fraction=0.5,
                      retrieval_loss="answers", quiet=True)
     with pytest.raises(ValueError, match="needs retrieval documents"):
         prepare_data([corpus_dir], tmp_path / "bad", retrieval_loss="queries", quiet=True)
+
+
+@pytest.mark.parametrize("kind", ["needle", "decoy", "spaced", "kv"])
+def test_sources_point_back_at_the_span_each_query_looks_up(kind):
+    for document in make_retrieval_documents(corpus(seed=3), 4000, doc_tokens=512, seed=4,
+                                             separators=(SEP, END), kinds=[kind]):
+        doc, start, sources = document.tokens, document.query_start, document.sources
+        assert len(sources) == len(doc) - start > 0
+        looked_up = [i for i, s in enumerate(sources, start) if s]
+        if kind != "spaced":  # every query token looks something up (no text between them)
+            assert len(looked_up) == len(sources)
+        for i in looked_up:  # a query of n tokens repeats the n tokens from where it points
+            first = i
+            while first - 1 >= start and sources[first - 1 - start] == sources[i - start] - (
+                    i - first + 1):
+                first -= 1
+            origin = i - sources[i - start]
+            assert origin + (i - first) < start  # inside the body, before the queries
+            assert doc[origin:origin + i - first + 1] == doc[first:i + 1]
+
+
+def test_answerable_loss_keeps_a_query_in_the_windows_that_hold_its_needle(tmp_path):
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from dmc.data import build_gpt_dataset, load_tokenizer
+    from dmc.data.indexed import (_MaskIds, loss_mask_prefix, read_indexed_dataset,
+                                  write_indexed_dataset)
+    from dmc.data.prepare import prepare_data, split_prefix
+
+    corpus_dir = text_corpus(tmp_path / "corpus")
+    options = dict(vocab_size=300, valid_fraction=0.2, quiet=True, retrieval_fraction=0.5,
+                   retrieval_doc_tokens=256, retrieval_kinds=["needle", "kv", "copy"])
+    prepare_data([corpus_dir], tmp_path / "q", retrieval_loss="queries", **options)
+    meta = prepare_data([corpus_dir], tmp_path / "a", retrieval_loss="answerable", **options)
+    assert meta["retrieval"]["loss"] == "answerable"
+    q_train, a_train = split_prefix(tmp_path / "q", "train"), split_prefix(tmp_path / "a", "train")
+    q_masks = read_indexed_dataset(loss_mask_prefix(q_train))
+    a_masks = read_indexed_dataset(loss_mask_prefix(a_train))
+    assert read_indexed_dataset(a_train) == read_indexed_dataset(q_train)  # the same tokens
+    assert [[min(v, 1) for v in m] for m in a_masks] == q_masks  # loss on the same tokens
+    # each token's place in the split + 1 (0: an end of document), sampled as the text is: label
+    # j at place g keeps its loss when what it looks up, g - (value - 1), is in the window's
+    # first j + 1 tokens
+    docs = read_indexed_dataset(a_train)
+    offsets = [sum(len(d) for d in docs[:i]) for i in range(len(docs))]
+    where = tmp_path / "where_text_document"
+    write_indexed_dataset(where, ([o + k + 1 for k in range(len(d) - 1)] for o, d in
+                                  zip(offsets, docs)), 2 ** 31 - 1, 0)
+    tok = load_tokenizer(tmp_path / "a")
+    seq = 64
+    data = build_gpt_dataset(a_train, seq, None, 7, tok)
+    plain = build_gpt_dataset(a_train, seq, None, 7, tok, cache_dir=tmp_path / "plain")
+    config = GPTDatasetConfig(
+        random_seed=7, sequence_length=seq, blend=([str(where)], None), split="1,0,0",
+        tokenizer=_MaskIds(2 ** 31 - 1), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, create_attention_mask=False, path_to_cache=str(tmp_path / "w"))
+    index = BlendedMegatronDatasetBuilder(GPTDataset, [None, 0, 0], lambda: True,
+                                          config).build()[0]
+    flat = [v for m in a_masks for v in m]
+    kept = dropped = 0
+    for i in range(len(data)):
+        window = [*index[i]["tokens"].tolist(), index[i]["labels"][-1].item()]
+        weights = data[i]["loss_mask"] / plain[i]["loss_mask"].clamp(min=1)
+        for j, g in enumerate(window[1:]):
+            value = flat[g - 1] if g else 1
+            expected = value == 1 or (value > 1 and g - (value - 1) in window[:j + 1])
+            assert weights[j].item() == float(expected), (i, j, value)
+            kept += value > 1 and expected
+            dropped += value > 1 and not expected
+    assert kept > 0 and dropped > 0
