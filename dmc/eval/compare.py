@@ -132,14 +132,16 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def parse_numbers(text: str, flag: str, low: float, high: float = math.inf,
                   kind=float) -> list:
-    """Comma-separated distinct numbers in ``[low, high]``; a ValueError naming ``flag``
+    """Comma-separated distinct finite numbers in ``[low, high]``; a ValueError naming ``flag``
     otherwise (a repeated value would score the same examples or rows twice)."""
-    accepted = f"comma-separated distinct numbers in [{low:g}, {high:g}]"
+    accepted = f"comma-separated distinct numbers in [{low:g}, {high:g}" + (
+        ")" if high == math.inf else "]")
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag}: expected {accepted}, got {text!r}") from None
-    if not values or any(not low <= v <= high for v in values) or len(set(values)) < len(values):
+    if (not values or any(not (low <= v <= high and math.isfinite(v)) for v in values)
+            or len(set(values)) < len(values)):
         raise ValueError(f"{flag}: expected {accepted}, got {text!r}")
     return values
 
@@ -241,6 +243,11 @@ def schedule_of(method: Method) -> str | None:
     return policy_from_spec(method.policy, compression_ratio=method.cr).plan.text
 
 
+def weights_dtype(loaded) -> str:
+    """The dtype of a loaded model's weights (its engine's cache holds keys and values in it)."""
+    return str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+
+
 def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | None, *,
                     batch_size: int = 8, chunk_size: int = 512, page_size: int = 16) -> dict:
     """Scores of one method (see the module docstring). ``reference``: the control's result
@@ -248,6 +255,12 @@ def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | No
     (the control's carries ``logprobs`` too, removed by :func:`run_methods`)."""
     from dmc.eval.needle import evaluate_needle
     from dmc.eval.perplexity import evaluate_perplexity
+
+    dtype = weights_dtype(loaded)
+    if reference is not None and dtype != reference["dtype"]:
+        raise ValueError(f"--{method.kind} {method.path}: its weights, and so its cache, are "
+                         f"{dtype}, the control's {reference['dtype']}; the memory CR would count "
+                         f"the precision as compression: give it in the control's precision")
 
     def engine():
         return make_engine(method, loaded, data, batch_size=batch_size, chunk_size=chunk_size,
@@ -272,6 +285,7 @@ def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | No
     if reference is None:
         result["logprobs"] = ppl.pop("logprobs")
         result["cache_bytes"] = ppl["cache_bytes"]
+        result["dtype"] = dtype
     if data.needles:
         needle = evaluate_needle(engine(), data.needles)
         result.update(needle_accuracy=needle["accuracy"], needle_ci=needle["accuracy_ci"],
@@ -307,7 +321,7 @@ def run_methods(methods: list[Method], data: EvalData, *, batch_size: int = 8,
         if reference is None:
             reference = {"logprobs": result.pop("logprobs"),
                          "model_config": loaded.model_config,
-                         "cache_bytes": result["cache_bytes"]}
+                         "cache_bytes": result["cache_bytes"], "dtype": result.pop("dtype")}
         results.append(result)
         log("   " + summary_line(result))
     return results

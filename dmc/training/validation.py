@@ -94,10 +94,11 @@ def validate(cfg, flat: dict) -> None:
             f"its decision, so no eviction would ever reach the LM loss; scale it down with the "
             f"context"
         )
-    if dmc.enabled and dmc.merge_delay >= cfg.data.seq_length - 1:
+    if dmc.enabled and dmc.merge_delay >= cfg.data.seq_length - 2:
         raise ConfigError(
-            f"dmc.merge_delay ({dmc.merge_delay}) must be < data.seq_length - 1 "
-            f"({cfg.data.seq_length - 1}): no query would see a merged slot"
+            f"dmc.merge_delay ({dmc.merge_delay}) must be < data.seq_length - 2 "
+            f"({cfg.data.seq_length - 2}): the first merged slot (keys 0 and 1) is seen from "
+            f"position merge_delay + 2 on, so no query would see one"
         )
 
 

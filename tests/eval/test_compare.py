@@ -135,20 +135,26 @@ def test_dmc_checkpoints_are_labelled_by_their_method(setup):
     (["--policies", "h2o,nope"], "--policies: unknown nope; accepted: h2o, tova"),
     (["--policies", "snapkv@later"],
      "--policies: snapkv@later: schedule must be one of ['prefill', 'streaming'], got 'later'"),
-    (["--crs", "2,0.5"], "--crs: expected comma-separated distinct numbers in [1, inf]"),
-    (["--crs", "2,2"], "--crs: expected comma-separated distinct numbers in [1, inf]"),
+    (["--crs", "2,0.5"], "--crs: expected comma-separated distinct numbers in [1, inf)"),
+    (["--crs", "2,2"], "--crs: expected comma-separated distinct numbers in [1, inf)"),
     (["--needle-lengths", "40,40"],
-     "--needle-lengths: expected comma-separated distinct numbers in [32, inf]"),
+     "--needle-lengths: expected comma-separated distinct numbers in [32, inf)"),
     (["--data", "ROWS"], "its rows hold 30 tokens, --seq-len=48; pass --seq-len 30"),
     (["--prefill-fraction", "0"], r"--prefill-fraction: expected 0 < f < 1"),
     (["--needle-depths", "0.5,2"],
      "--needle-depths: expected comma-separated distinct numbers in [0, 1]"),
     (["--dmc", "VANILLA"], "is not a DMC model"),
     (["--workers", "0"], "--workers: must be >= 1, got 0"),
+    (["--crs", "2,inf"], "--crs: expected comma-separated distinct numbers in [1, inf)"),
+    (["--base", "BF16"], "its weights, and so its cache, are bfloat16, the control's float32"),
 ])
 def test_bad_flags_name_the_flag(setup, capsys, flags, message):
     torch.save(torch.zeros(4, 30, dtype=torch.long), setup / "rows.pt")
-    paths = {"VANILLA": setup / "vanilla.pt", "ROWS": setup / "rows.pt"}
+    if not (setup / "bf16.pt").exists():  # the control's weights in another precision
+        vanilla, _ = build_tiny(4, seed=1)
+        save_inference_state(setup / "bf16.pt", vanilla.to(torch.bfloat16),
+                             dict(CONFIG, num_query_groups=4, params_dtype="bfloat16"))
+    paths = {"VANILLA": setup / "vanilla.pt", "ROWS": setup / "rows.pt", "BF16": setup / "bf16.pt"}
     flags = [str(paths[f]) if f in paths else f for f in flags]
     assert run(setup, "--policies", "none", *flags) == 2  # a later --policies wins
     assert message in capsys.readouterr().err

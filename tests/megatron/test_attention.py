@@ -463,16 +463,30 @@ def test_merge_delay_over_the_whole_sequence_is_vanilla(parallel_1x1):
     assert all(layer.measured_cr().min() > 1.3 for layer in dmc_layers(dmc))  # it does merge
 
 
-def test_merge_delay_trains_the_decisions(parallel_1x1):
-    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, merge_delay=3))
+@pytest.mark.parametrize("delay", [3, SEQ - 3, SEQ - 2])
+def test_merge_delay_trains_the_decisions(parallel_1x1, delay):
+    # the LM loss alone (no CR loss) reaches the decision rows while some query sees a merged
+    # slot (keys 0 and 1 merged are seen from position delay + 2 on), and not beyond
+    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, merge_delay=delay))
     spread_decisions(dmc, scale=1.0)
     runtime.set_mode("train")
-    runtime.target_cr = 4.0
+    runtime.target_cr, runtime.cr_loss_weight = 4.0, 0.0
     tokens, positions = _batch()
     dmc(tokens, positions, None, labels=tokens).mean().backward()
     for layer in dmc_layers(dmc):
         grad = layer.linear_qkv.weight.grad[decision_rows(layer)]
-        assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+        assert torch.isfinite(grad).all()
+        assert (grad.abs().sum() > 1e-6) == (delay + 2 <= SEQ - 1)  # 0 to rounding beyond
+
+
+def test_dmc_modes_refuse_an_attention_mask(parallel_1x1):
+    _, dmc, runtime = _pair(2, DMCConfig(window=4))
+    tokens, positions = _batch()
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    for mode in ("train", "eval"):
+        runtime.set_mode(mode)
+        with pytest.raises(ValueError, match="attention_mask must be None"):
+            dmc(tokens, positions, mask)
 
 
 def test_bad_settings_fail_clearly(parallel_1x1):

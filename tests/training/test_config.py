@@ -19,6 +19,13 @@ def test_presets_load_and_merge():
     assert delayed.optim == cfg.optim and delayed.schedule == cfg.schedule
 
 
+def test_a_merge_delay_no_query_would_see_merged_is_refused():
+    # at delay seq - 2 the first merged slot (keys 0, 1) would reach position seq, past the end
+    assert load_config([], ["data.seq_length=32", "dmc.merge_delay=29"]).dmc.merge_delay == 29
+    with pytest.raises(ConfigError, match=r"dmc.merge_delay \(30\) must be < data.seq_length - 2"):
+        load_config([], ["data.seq_length=32", "dmc.merge_delay=30"])
+
+
 def test_overrides_are_typed():
     cfg = load_config([], ["optim.lr=1e-5", "dmc.window=null", "dmc.hard=true", "seed=3"])
     assert cfg.optim.lr == 1e-5 and cfg.dmc.window is None and cfg.dmc.hard is True
