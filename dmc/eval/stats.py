@@ -3,8 +3,8 @@
 * :func:`wilson_interval`: a proportion (needle accuracy) from ``k`` successes in
   ``n`` independent trials, Wilson score interval (Wilson, 1927), which stays inside [0, 1] and
   is reliable at small ``n`` and at proportions near 0 or 1, unlike the normal approximation.
-* :func:`mean_interval`: a mean over independent units (per-sequence NLL, KL, top-1 agreement) by the
-  percentile bootstrap over those units, with a fixed seed so a report is reproducible.
+* :func:`mean_interval`: a mean over independent units (per-sequence NLL, KL, top-1 agreement)
+  by the percentile bootstrap over those units, with a fixed seed so a report is reproducible.
   Tokens of one sequence are not independent, so intervals resample whole sequences.
 """
 from __future__ import annotations

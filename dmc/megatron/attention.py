@@ -114,9 +114,8 @@ class DMCSelfAttention(SelfAttention):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("DMC attention supports neither packed sequences nor attention_bias")
         if attention_mask is not None and self.dmc.mode != "zero_out":
-            raise ValueError(f"DMC attention builds its own causal mask in {self.dmc.mode} mode: "
-                             f"attention_mask must be None (padding and document masks are not "
-                             f"supported)")
+            raise ValueError(f"DMC attention builds its own causal mask in {self.dmc.mode} "
+                             f"mode: attention_mask must be None (no padding or document masks)")
         if self.dmc.config.method != self.method:
             raise ValueError(
                 f"dmc.method is {self.dmc.config.method!r} but this layer was built for "
