@@ -13,6 +13,12 @@ from dmc.megatron.config import DMCConfig, ModelConfig
 ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # by model_type
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OF.values())
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURE_OF)
+# What transformers gives a field that config.json leaves out (LlamaConfig / Qwen3Config
+# __init__ defaults, read in transformers 5.23); head_dim None = hidden_size / heads.
+HF_DEFAULTS = {
+    "llama": {"head_dim": None, "max_position_embeddings": 2048, "num_key_value_heads": None},
+    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768, "num_key_value_heads": 32},
+}
 # megatron-core's Llama 3 scaling hard-codes these (rotary_pos_embedding._apply_scaling)
 MCORE_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
@@ -27,14 +33,18 @@ class UnsupportedModelError(ValueError):
 
 
 def _rope_settings(cfg: dict, source: str) -> tuple[float, float | None]:
-    """``(rotary_base, llama3 scaling factor or None)`` from either config style: transformers 5
-    (``rope_parameters``) or 4 (``rope_theta`` + ``rope_scaling``)."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta, scaling = params["rope_theta"], params
-    else:
-        theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    """``(rotary_base, llama3 scaling factor or None)`` from either config style, read as
+    transformers 5 reads it (``PreTrainedConfig.convert_rope_params_to_dict``): the RoPE
+    parameters are ``rope_scaling`` when set, else ``rope_parameters`` (transformers 4 wrote
+    only ``rope_scaling`` + ``rope_theta``), and ``rope_theta`` comes from those parameters,
+    else from the top level, else 10000 (both configs' default)."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(scaling, dict):
+        raise UnsupportedModelError(
+            f"{source}: rope_scaling / rope_parameters must be an object "
+            f"{{\"rope_type\": ..., ...}} or null, got {scaling!r}")
+    theta = scaling.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
@@ -48,10 +58,17 @@ def _rope_settings(cfg: dict, source: str) -> tuple[float, float | None]:
     return float(theta), float(scaling["factor"])
 
 
+def _field(cfg: dict, model_type: str, key: str):
+    """``cfg[key]``, or transformers' default for ``model_type`` (:data:`HF_DEFAULTS`) when
+    config.json leaves the field out."""
+    return cfg[key] if key in cfg else HF_DEFAULTS[model_type][key]
+
+
 def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     """The :class:`ModelConfig` of a HF Llama or Qwen3 ``config.json`` dict; raises
     :class:`UnsupportedModelError` naming the field for anything that would not convert exactly.
-    ``kv_channels`` is set only where ``head_dim`` differs from ``hidden_size / heads``."""
+    Fields left out read as transformers reads them (:data:`HF_DEFAULTS`, ``rms_norm_eps``
+    1e-6). ``kv_channels`` is set only where ``head_dim`` differs from ``hidden_size / heads``."""
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
     if model_type not in ARCHITECTURE_OF or (archs and archs[0] != ARCHITECTURE_OF[model_type]):
@@ -73,21 +90,23 @@ def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         raise UnsupportedModelError(f"{source}: layer_types {other_layers} are not supported; "
                                     f"accepted: ['full_attention']")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim")
+    head_dim = _field(cfg, model_type, "head_dim")
     if head_dim is None and hidden % heads:
         raise UnsupportedModelError(
             f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
             f"and head_dim is not given")
-    groups = cfg.get("num_key_value_heads") or heads
+    groups = _field(cfg, model_type, "num_key_value_heads") or heads
     if heads % groups:
+        default = "" if "num_key_value_heads" in cfg else f" (transformers' {model_type} default)"
         raise UnsupportedModelError(
             f"{source}: num_attention_heads={heads} is not a multiple of "
-            f"num_key_value_heads={groups}")
+            f"num_key_value_heads={groups}{default}")
     theta, scaling = _rope_settings(cfg, source)
     return ModelConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=groups, ffn_hidden_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"], max_seq_length=cfg.get("max_position_embeddings", 4096),
+        vocab_size=cfg["vocab_size"],
+        max_seq_length=_field(cfg, model_type, "max_position_embeddings"),
         rotary_base=theta, norm_epsilon=cfg.get("rms_norm_eps", 1e-6),  # LlamaConfig's default
         share_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling_factor=scaling, qk_layernorm=model_type == "qwen3",
@@ -95,7 +114,8 @@ def model_config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
 
 
 def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig | None = None,
-                                dmc_extra: dict | None = None) -> dict:
+                                dmc_extra: dict | None = None,
+                                token_ids: dict | None = None) -> dict:
     """A ``config.json`` dict: ``LlamaForCausalLM`` or, with ``model.qk_layernorm``,
     ``Qwen3ForCausalLM`` (``dmc`` None), the exported DMC model
     (:class:`dmc.convert.hf_modeling_dmc.DMCLlamaConfig`: ``dmc``'s settings as its ``dmc_*``
@@ -105,7 +125,11 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
     ``dms_logit_scale``, ``dms_channel``, and ``dms_decision`` for adapter decisions), plus
     ``dmc_extra``, e.g. the target and measured CR
     and ``auto_map``. The exported DMC / DMS models of a model with ``qk_layernorm`` or
-    ``kv_channels`` also get ``qk_norm`` and ``head_dim`` (absent otherwise, as before)."""
+    ``kv_channels`` also get ``qk_norm`` and ``head_dim`` (absent otherwise, as before).
+    ``token_ids``: the shipped tokenizer's ``bos_token_id`` / ``eos_token_id`` /
+    ``pad_token_id`` (:func:`dmc.convert.to_hf.special_token_ids`), written as they are:
+    ``PretrainedConfig`` fields that ``GenerationConfig.from_model_config`` copies, so that
+    ``generate()`` stops at the end-of-sequence token."""
     heads = model.num_attention_heads
     cfg = {
         "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
@@ -113,7 +137,7 @@ def hf_config_from_model_config(model: ModelConfig, dtype: str, dmc: DMCConfig |
         "num_key_value_heads": model.kv_heads, "vocab_size": model.vocab_size,
         "max_position_embeddings": model.max_seq_length, "rms_norm_eps": model.norm_epsilon,
         "rope_theta": model.rotary_base, "tie_word_embeddings": model.share_embeddings,
-        "torch_dtype": dtype, "use_cache": True,
+        "torch_dtype": dtype, "use_cache": True, **(token_ids or {}),
     }
     scaling = model.rope_scaling_factor
     llama3 = None if scaling is None else dict(MCORE_LLAMA3_SCALING, factor=scaling)

@@ -180,9 +180,33 @@ def _arg(args, name, default=None):
     return getattr(args, name, default) if getattr(args, name, None) is not None else default
 
 
+def _rope_problems(args) -> list[str]:
+    """The RoPE variants of Megatron-LM's args that this project's models do not have:
+    ``--rotary-seq-len-interpolation-factor`` (positions divided by it, megatron-core's
+    ``RotaryEmbedding(seq_len_interpolation_factor=...)``) and ``--rotary-interleaved``
+    (GPT-J's interleaved pairs instead of rotate-half)."""
+    problems = []
+    factor = _arg(args, "rotary_seq_len_interpolation_factor")
+    if factor not in (None, 1):
+        problems.append(f"rotary_seq_len_interpolation_factor={factor!r}, accepted: None, 1")
+    if _arg(args, "rotary_interleaved", False):
+        problems.append("rotary_interleaved=True, accepted: False (rotate-half RoPE)")
+    return problems
+
+
+def _rope_scaling_factor(args) -> float | None:
+    """:attr:`ModelConfig.rope_scaling_factor` of Megatron-LM's ``--use-rope-scaling`` (Llama
+    3.x frequency scaling, megatron-core's ``RotaryEmbedding(rope_scaling=True)``) with its
+    ``--rope-scaling-factor`` (Megatron-LM's default 8.0); None without scaling."""
+    if not _arg(args, "use_rope_scaling", False):
+        return None
+    return float(_arg(args, "rope_scaling_factor", 8.0))
+
+
 def configs_from_args(args, vocab_rows: int, dtype: torch.dtype, source: str
                       ) -> tuple[ModelConfig, DMCConfig]:
-    """``(model_config, dmc_config)`` from the checkpoint's ``args``."""
+    """``(model_config, dmc_config)`` from the checkpoint's ``args``; ValueError naming every
+    arg that the conversion cannot reproduce."""
     problems = []
     if not _arg(args, "swiglu", False):
         problems.append("swiglu must be true (Llama MLP)")
@@ -194,6 +218,7 @@ def configs_from_args(args, vocab_rows: int, dtype: torch.dtype, source: str
         problems.append(f"position_embedding_type={args.position_embedding_type!r}, accepted: rope")
     if float(_arg(args, "rotary_percent", 1.0)) != 1.0:
         problems.append(f"rotary_percent={args.rotary_percent}, accepted: 1.0")
+    problems += _rope_problems(args)
     if _arg(args, "virtual_pipeline_model_parallel_size") not in (None, 1):
         problems.append("virtual pipeline parallelism is not supported")
     if not hasattr(args, "dmc_window_size"):
@@ -216,6 +241,7 @@ def configs_from_args(args, vocab_rows: int, dtype: torch.dtype, source: str
         rotary_base=float(_arg(args, "rotary_base", 10000.0)),
         norm_epsilon=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
         share_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
+        rope_scaling_factor=_rope_scaling_factor(args),
         params_dtype=str(dtype).removeprefix("torch."))
     dmc_config = DMCConfig(window=int(args.dmc_window_size), tau=float(_arg(args, "dmc_temp", 0.1)),
                            c=float(_arg(args, "dmc_init_val", 5.0)), hard=False, hard_loss=True,

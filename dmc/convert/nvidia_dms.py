@@ -46,16 +46,30 @@ recorded as ``target_cr``. Inference-engine settings (``dms_paged_attention_bloc
 ``dms_compile_limit``, ``dms_manual_inference_mode``, ``dms_chunked_prefill``,
 ``dms_preallocate_for_tokens``) do not change the model and are ignored.
 
+``dms_disable_eviction: true`` (``prepare_attention_input`` computes everything as above and
+then replaces the decisions by zeros and their logits by -1000): in the borrowed-channel mode
+the first query head of each KV group still loses its last channel before and after RoPE, so
+the model is not a vanilla Qwen3; it converts as the same DMS model with ``dmc.c`` =
+:data:`NEVER_EVICT_C`, whose logits never reach 0 (checked from the weights:
+:func:`check_never_evicts`; :class:`UnsupportedModelError` otherwise), and no ``target_cr``.
+Our config has no switch for "decisions off" (``dmc.dms_decision`` is "query" or "adapter"),
+and an infinite ``c`` would be written as ``Infinity``, not JSON, into ``state.json`` and an
+exported ``config.json``; hence a finite offset. The eval model, the engine and the HF export
+then keep every token, as NVIDIA's model does. With ``dms_separate_alpha: true`` the
+query keeps every channel and the adapter only feeds the zeroed decisions: that model is a
+vanilla Qwen3 (``dmc_config`` None, the adapter dropped). The summary's ``note`` says which.
+
 Rejected (:class:`~dmc.convert.hf_config.UnsupportedModelError`, naming the field):
 ``dms_alpha_per: "layer"``
 (one decision per layer shared by its KV heads), and what :func:`model_config_from_hf`
-rejects. ``dms_disable_eviction: true`` is a model that never evicts: it is converted as a
-vanilla Qwen3 (``dmc_config`` None), which the summary says.
+rejects.
 """
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+
+import torch
 
 from dmc.convert.from_hf import convert_hf_folder
 from dmc.convert.hf_config import UnsupportedModelError, model_config_from_hf
@@ -66,13 +80,23 @@ ALPHA_PER_ACCEPTED = ("head",)
 SEPARATE_ALPHA_ACCEPTED = (False, True)
 ALPHA, ALPHA_NORM = "self_attn.dms_proj_alpha.weight", "self_attn.dms_proj_alpha_norm.weight"
 DMS_SUFFIX = "DMS"  # NVIDIA's class names: Qwen3ForCausalLMDMS, Qwen3ConfigDMS
+# dmc.c of a dms_disable_eviction model: no logit q * dms_alpha_scale - c reaches 0
+NEVER_EVICT_C = 1e9
+DISABLED_NOTES = {  # by "converted as vanilla"
+    False: f"dms_disable_eviction is true: converted as DMS with c={NEVER_EVICT_C:g}, whose "
+           f"decisions never fire (no eviction); the borrowed query channel stays zeroed, as in "
+           f"NVIDIA's forward",
+    True: "dms_disable_eviction is true: converted as a vanilla model (no eviction; the "
+          "separate adapter is dropped)"}
 
 
 def configs_from_nvidia(cfg: dict, source: str = "config.json"
                         ) -> tuple[ModelConfig, DMCConfig | None]:
     """``(model_config, dmc_config)`` of an NVIDIA DMS ``config.json`` dict; ``dmc_config`` is
-    None for ``dms_disable_eviction: true`` (a vanilla model). Raises
-    :class:`UnsupportedModelError` naming the field for what does not convert exactly."""
+    None for a vanilla model (``dms_disable_eviction`` with ``dms_separate_alpha``), and has
+    ``c = NEVER_EVICT_C`` for ``dms_disable_eviction`` with the borrowed channel (see the
+    module docstring). Raises :class:`UnsupportedModelError` naming the field for what does
+    not convert exactly."""
     if "dms_window_size" not in cfg and "dms_alpha_scale" not in cfg:
         raise UnsupportedModelError(
             f"{source}: no dms_window_size / dms_alpha_scale: not an NVIDIA DMS checkpoint "
@@ -88,19 +112,49 @@ def configs_from_nvidia(cfg: dict, source: str = "config.json"
     archs = [a.removesuffix(DMS_SUFFIX) for a in cfg.get("architectures") or []]
     base = {k: v for k, v in cfg.items() if k not in ("architectures", "auto_map")}
     model_config = model_config_from_hf(dict(base, architectures=archs), source)
-    if cfg.get("dms_disable_eviction", False):
+    separate = cfg.get("dms_separate_alpha", False)
+    disabled = cfg.get("dms_disable_eviction", False)
+    if disabled and separate:
         return model_config, None
-    window = cfg.get("dms_window_size", 512)
+    offset = NEVER_EVICT_C if disabled else cfg.get("dms_initial_alpha_offset", 5.0)
     try:
         dmc_config = DMCConfig(
-            method="dms", dms_window=window,
-            dms_logit_scale=float(cfg.get("dms_alpha_scale", 100.0)),
-            c=float(cfg.get("dms_initial_alpha_offset", 5.0)),
+            method="dms", dms_window=cfg.get("dms_window_size", 512),
+            dms_logit_scale=float(cfg.get("dms_alpha_scale", 100.0)), c=float(offset),
             tau=float(cfg.get("dms_tau", 0.1)), hard=False, hard_loss=True,
-            dms_decision="adapter" if cfg.get("dms_separate_alpha", False) else "query")
+            dms_decision="adapter" if separate else "query")
     except ConfigError as err:
         raise UnsupportedModelError(f"{source}: {err} (from the dms_* fields)") from err
     return model_config, dmc_config
+
+
+def logit_bound(weights: dict, model: ModelConfig, layer: int) -> float:
+    """An upper bound of ``|q[first head of a KV group, -1]|`` before RoPE in ``layer``
+    (HF names): an RMSNorm output's element is at most ``sqrt(width)`` times its weight's
+    (``x_i^2 <= sum x^2``), so with ``q_norm`` it is ``sqrt(head_dim) * |q_norm.weight[-1]|``,
+    without it ``sqrt(hidden) * sum_i |q_proj[row, i] * input_layernorm.weight[i]|``."""
+    p, d = f"model.layers.{layer}.", model.head_dim
+    if model.qk_layernorm:
+        return d ** 0.5 * weights[p + "self_attn.q_norm.weight"][-1].double().abs().item()
+    group = model.num_attention_heads // model.kv_heads
+    rows = torch.arange(model.kv_heads) * group * d + d - 1
+    scaled = (weights[p + "self_attn.q_proj.weight"][rows].double()
+              * weights[p + "input_layernorm.weight"].double()[None])
+    return model.hidden_size ** 0.5 * scaled.abs().sum(-1).max().item()
+
+
+def check_never_evicts(weights: dict, model: ModelConfig, dmc: DMCConfig, source: str) -> dict:
+    """``weights`` unchanged, after checking that no borrowed-channel logit ``q[..., -1] *
+    dms_logit_scale - c`` can reach 0 (:func:`logit_bound`, with a factor 2 for rounding in
+    low precision), which a ``dms_disable_eviction`` model needs (module docstring)."""
+    for i in range(model.num_layers):
+        reach = logit_bound(weights, model, i) * dmc.dms_logit_scale
+        if 2 * reach >= dmc.c:
+            raise UnsupportedModelError(
+                f"{source}: dms_disable_eviction=true: layer {i}'s |q[..., -1]| * "
+                f"dms_alpha_scale may reach {reach:.3g}, so the offset c={dmc.c:g} cannot keep "
+                f"every decision at 0 (accepted: at most c / 2)")
+    return weights
 
 
 def fold_separate_alpha(weights: dict, num_layers: int, source: str,
@@ -140,18 +194,20 @@ def nvidia_dms_to_mcore(hf_folder, out_folder, *, tp: int = 1, pp: int = 1,
         raise FileNotFoundError(f"NVIDIA DMS folder {hf_folder} does not exist")
     cfg = read_hf_config(hf_folder)
     model_config, dmc_config = configs_from_nvidia(cfg, str(hf_folder / "config.json"))
-    target = cfg.get("dms_cr")
+    disabled = bool(cfg.get("dms_disable_eviction", False))
+    target = None if disabled else cfg.get("dms_cr")
     prepare = None
     if cfg.get("dms_separate_alpha", False):
         prepare = partial(fold_separate_alpha, num_layers=model_config.num_layers,
                           source=str(hf_folder), vanilla=dmc_config is None)
+    elif disabled:
+        prepare = partial(check_never_evicts, model=model_config, dmc=dmc_config,
+                          source=str(hf_folder))
     summary = convert_hf_folder(
         hf_folder, out_folder, model_config, dmc_config, tp=tp, pp=pp, dtype=dtype,
         source={"format": "nvidia-dms", "path": str(hf_folder)},
         what=f"NVIDIA DMS checkpoint {hf_folder}",
-        extra={"target_cr": float(target) if target and dmc_config is not None else None},
-        prepare=prepare)
-    if dmc_config is None:
-        summary["note"] = ("dms_disable_eviction is true: converted as a vanilla model "
-                           "(no eviction)")
+        extra={"target_cr": float(target) if target else None}, prepare=prepare)
+    if disabled:
+        summary["note"] = DISABLED_NOTES[dmc_config is None]
     return summary

@@ -15,6 +15,10 @@ DMS models (``dmc.method: dms``, DMS paper arXiv 2506.05345 Sec. 3) become
 ``dms_decision`` and the tensors ``model.layers.i.self_attn.dms_decision_proj.weight``
 (:mod:`dmc.convert.mapping`). Models with ``qk_layernorm`` or ``kv_channels`` add
 ``qk_norm`` and ``head_dim`` to either.
+
+``config.json`` carries the shipped tokenizer's ``bos_token_id`` / ``eos_token_id`` /
+``pad_token_id`` (:func:`special_token_ids`), and so does a ``generation_config.json`` where the
+tokenizer files bring none, so that ``generate()`` stops at the end-of-sequence token.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch
 
 import dmc.ops
 from dmc.convert.hf_config import hf_config_from_model_config
-from dmc.convert.hf_io import copy_tokenizer, write_safetensors
+from dmc.convert.hf_io import copy_tokenizer, read_json_object, write_safetensors
 from dmc.convert.hf_tokenizer import sentencepiece_to_tokenizer_json
 from dmc.convert.mapping import mcore_to_hf_state
 from dmc.inference.loading import find_tokenizer
@@ -45,6 +49,8 @@ METHOD_FILES = {
              "AutoModelForCausalLM": "modeling_dms.DMSLlamaForCausalLM"}),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GENERATION_CONFIG = "generation_config.json"
+SPECIAL_TOKENS = ("bos", "eos", "pad")
 
 
 def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = None,
@@ -83,9 +89,14 @@ def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = N
                      f"{prefix}_measured_cr": measured,
                      "auto_map": METHOD_FILES[dmc_config.method][3]}
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config_from_model_config(model_config, dtype, dmc_config, dmc_extra)
+    copied = _export_tokenizer(tokenizer, loaded, out)
+    token_ids = special_token_ids(out, copied)
+    config = hf_config_from_model_config(model_config, dtype, dmc_config, dmc_extra, token_ids)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     files = write_safetensors(out, hf_state, max_shard_bytes)
+    if token_ids and GENERATION_CONFIG not in copied:
+        (out / GENERATION_CONFIG).write_text(json.dumps(token_ids, indent=1))
+        files.append(GENERATION_CONFIG)
     if dmc_config is not None:
         source, modeling, ops_files, _ = METHOD_FILES[dmc_config.method]
         here = Path(__file__).parent
@@ -95,7 +106,6 @@ def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = N
         for name in ops_files:
             shutil.copy2(ops / name, out / name)
         files += [modeling, COMMON_FILE, *ops_files]
-    copied = _export_tokenizer(tokenizer, loaded, out)
     return {"output": str(out), "config": config, "files": files, "tokenizer": copied,
             "measured_cr": measured}
 
@@ -152,3 +162,58 @@ def _tokenizer_config(out: Path, copied: list[str]) -> dict:
            "pad_token": sp.pad_id()}
     return {"tokenizer_class": "PreTrainedTokenizerFast",
             **{name: sp.id_to_piece(i) for name, i in ids.items() if i >= 0}}
+
+
+def special_token_ids(folder: Path, copied: list[str]) -> dict:
+    """``{"bos_token_id", "eos_token_id", "pad_token_id"}`` (those the tokenizer defines) of
+    the tokenizer files ``copied`` into ``folder``: the SentencePiece model's ``bos_id()`` /
+    ``eos_id()`` / ``pad_id()`` (-1 = none), overridden by the tokens that a copied Hugging
+    Face ``tokenizer_config.json`` (or ``special_tokens_map.json``) names, looked up in
+    ``tokenizer.json`` as ``AutoTokenizer`` does (added tokens first, then the model's
+    vocabulary). Transformers' ``PretrainedConfig`` / ``GenerationConfig`` fields of these names
+    tell ``generate()`` where to start, stop and pad."""
+    ids = {}
+    if "tokenizer.model" in copied:
+        ids.update(_sentencepiece_ids(folder / "tokenizer.model"))
+    if "tokenizer.json" in copied:
+        ids.update(_hf_tokenizer_ids(folder))
+    return ids
+
+
+def _sentencepiece_ids(model: Path) -> dict:
+    """The special ids a SentencePiece model defines (``<name>_id() >= 0``)."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    found = {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
+    return {f"{name}_token_id": i for name, i in found.items() if i >= 0}
+
+
+def _hf_tokenizer_ids(folder: Path) -> dict:
+    """The ids in ``folder/tokenizer.json`` of the special tokens that ``tokenizer_config.json``
+    (else ``special_tokens_map.json``) names: a string or ``{"content": ...}`` as
+    transformers writes them; a token the vocabulary lacks is left out."""
+    tokens = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        if (folder / name).is_file():
+            spec = read_json_object(folder / name)
+            for kind in SPECIAL_TOKENS:
+                token = spec.get(f"{kind}_token")
+                token = token.get("content") if isinstance(token, dict) else token
+                if isinstance(token, str):
+                    tokens[kind] = token
+    if not tokens:
+        return {}
+    vocab = _tokenizer_vocab(read_json_object(folder / "tokenizer.json"))
+    return {f"{kind}_token_id": vocab[token] for kind, token in tokens.items() if token in vocab}
+
+
+def _tokenizer_vocab(spec: dict) -> dict:
+    """``{token: id}`` of a ``tokenizer.json``: the model's vocabulary (a dict for BPE /
+    WordPiece / WordLevel, ``[[piece, score], ...]`` for Unigram) under its added tokens."""
+    vocab = (spec.get("model") or {}).get("vocab") or {}
+    if isinstance(vocab, list):
+        vocab = {entry[0]: i for i, entry in enumerate(vocab)}
+    added = {t["content"]: t["id"] for t in spec.get("added_tokens") or ()
+             if isinstance(t, dict) and "content" in t and "id" in t}
+    return {**vocab, **added}

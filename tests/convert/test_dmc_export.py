@@ -1,6 +1,7 @@
 """DMC export to transformers: the exported folder loads with trust_remote_code, its logits equal
 the eval-mode megatron model's, and generate() with its compressed cache produces the greedy
-tokens and the per-head slot counts of dmc.inference.Engine (batched, left-padded included)."""
+tokens and the per-head slot counts of dmc.inference.Engine (batched, left-padded included);
+the tokenizer's bos / eos / pad ids go with the export, so generate() stops at </s>."""
 import json
 
 import pytest
@@ -10,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from dmc.convert import mcore_to_hf  # noqa: E402
 from dmc_models import (VOCAB, check_generate_matches_engine, check_hf_logits,  # noqa: E402
-                        export_tiny, megatron_logits, tiny_dmc)
+                        export_tiny, megatron_logits, save_tiny, tiny_dmc)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 NEW = 16
@@ -74,3 +75,55 @@ def test_exported_delayed_merge_model_matches_megatron_and_engine(tmp_path, grou
     results, _ = check_generate_matches_engine(
         hf, model, [ids[0, :3].tolist(), ids[1, :19].tolist(), ids[0, 5:30].tolist()], NEW)
     assert max(r.compression.overall for r in results) > 1.1
+
+
+def test_export_carries_the_tokenizers_special_ids(tiny_data, tmp_path):
+    """A SentencePiece tokenizer's bos / eos / pad ids go into config.json and a new
+    generation_config.json, so the exported model's generate() stops at </s>."""
+    model, cfg, dmc = tiny_dmc(2, 4)
+    save_tiny(model, cfg, dmc, tmp_path / "mc")
+    mcore_to_hf(tmp_path / "mc", tmp_path / "hf", tokenizer=tiny_data / "tokenizer.model")
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}  # dmc.data.tokenizer's
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: config.get(k) for k in ids} == ids
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                           trust_remote_code=True).eval()
+    assert (hf.config.eos_token_id, hf.generation_config.eos_token_id) == (2, 2)
+
+    class ForceEos(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, 2] = 1e4
+            return scores
+
+    out = hf.generate(torch.tensor([[1, 50, 60]]), max_new_tokens=8, do_sample=False,
+                      logits_processor=transformers.LogitsProcessorList([ForceEos()]))
+    assert out[0, 3:].tolist() == [2]  # stopped at the end-of-sequence token
+
+
+def test_export_reads_a_hugging_face_tokenizers_special_ids(tmp_path):
+    """A copied HF tokenizer: the ids of the tokens its tokenizer_config.json names, looked up
+    in tokenizer.json (added tokens, then the vocabulary); its own generation_config.json is
+    kept as it is."""
+    from dmc.convert.mcore_io import write_checkpoint
+    from dmc.inference import build_model_from_config
+    from dmc_models import full_state, model_config
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({
+        "added_tokens": [{"id": 7, "content": "<|end|>", "special": True}],
+        "model": {"type": "BPE", "vocab": {"<s>": 0, "a": 1, "b": 2}, "merges": []}}))
+    (tok / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "<|end|>",
+        "pad_token": None}))
+    (tok / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    torch.manual_seed(0)
+    cfg = model_config(2)
+    write_checkpoint(tmp_path / "mc", full_state(build_model_from_config(cfg)), cfg, None)
+    mcore_to_hf(tmp_path / "mc", tmp_path / "hf", tokenizer=tok)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 7)
+    assert "pad_token_id" not in config
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": [7, 2]}

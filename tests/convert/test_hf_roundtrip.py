@@ -107,12 +107,59 @@ def test_clear_errors(tmp_path):
 
 
 def test_a_config_without_optional_fields_reads_as_transformers_reads_it():
-    """Fields config.json may leave out default to what transformers' LlamaConfig gives them
-    (rms_norm_eps 1e-6), so the converted model is the one HF loads from the same file."""
+    """Fields config.json may leave out default to what transformers' LlamaConfig or
+    Qwen3Config gives them (rms_norm_eps 1e-6; max_position_embeddings 2048 for Llama, 32768 for
+    Qwen3; Qwen3's head_dim 128, not hidden / heads, and num_key_value_heads 32), so the
+    converted model is the one HF loads from the same file."""
     from dmc.convert.hf_config import model_config_from_hf
 
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4).to_dict()
-    del cfg["rms_norm_eps"]
-    model = model_config_from_hf(cfg)
-    assert model.norm_epsilon == transformers.LlamaConfig(**cfg).rms_norm_eps == 1e-6
+    for key in ("rms_norm_eps", "max_position_embeddings", "head_dim"):
+        del cfg[key]
+    model, hf = model_config_from_hf(cfg), transformers.LlamaConfig(**cfg)
+    assert model.norm_epsilon == hf.rms_norm_eps == 1e-6
+    assert model.max_seq_length == hf.max_position_embeddings == 2048
+    assert model.head_dim == hf.head_dim == 16
+
+    qwen3 = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=2, num_attention_heads=32).to_dict()
+    for key in ("max_position_embeddings", "head_dim", "num_key_value_heads"):
+        del qwen3[key]
+    model, hf = model_config_from_hf(qwen3), transformers.Qwen3Config(**qwen3)
+    assert model.head_dim == hf.head_dim == 128 and model.kv_channels == 128
+    assert model.max_seq_length == hf.max_position_embeddings == 32768
+    assert model.kv_heads == hf.num_key_value_heads == 32
+    with pytest.raises(UnsupportedModelError, match=r"num_key_value_heads=32 \(transformers' "):
+        model_config_from_hf(dict(qwen3, num_attention_heads=4))
+
+
+ROPE_CASES = {  # config.json's RoPE fields (Llama), written by transformers 4 or 5 or by hand
+    "v5-parameters": {"rope_parameters": dict(LLAMA3, rope_theta=500000.0)},
+    "v5-parameters-top-level-theta": {"rope_parameters": LLAMA3, "rope_theta": 500000.0},
+    "v4-scaling": {"rope_scaling": LLAMA3, "rope_theta": 500000.0},
+    "scaling-over-parameters": {"rope_scaling": LLAMA3, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 500000.0}},
+    "v5-default": {"rope_parameters": {"rope_type": "default"}, "rope_theta": 20000.0},
+    "none": {},
+}
+
+
+@pytest.mark.parametrize("fields", ROPE_CASES.values(), ids=ROPE_CASES)
+def test_rope_fields_read_as_transformers_reads_them(fields):
+    """``rope_scaling`` (when set) or ``rope_parameters`` give the RoPE type and factor, their
+    ``rope_theta`` or else the top-level one the base: transformers 5's
+    ``convert_rope_params_to_dict``, e.g. llama3 scaling inside ``rope_parameters`` with the
+    theta beside it is kept."""
+    from dmc.convert.hf_config import model_config_from_hf
+
+    cfg = dict(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4).to_dict(),
+               max_position_embeddings=16384)
+    for key in ("rope_parameters", "rope_scaling", "rope_theta"):
+        cfg.pop(key, None)
+    cfg.update(json.loads(json.dumps(fields)))
+    model = model_config_from_hf(json.loads(json.dumps(cfg)))
+    hf = transformers.LlamaConfig(**cfg).rope_parameters
+    assert model.rotary_base == hf["rope_theta"]
+    assert model.rope_scaling_factor == (hf["factor"] if hf["rope_type"] == "llama3" else None)

@@ -10,7 +10,8 @@ from dmc.convert import nvidia_dmc_to_mcore
 from dmc.convert.mcore_io import tp_shard
 from dmc.inference.loading import load_model
 from dmc.megatron.attention import dmc_layers
-from dmc_models import VOCAB, full_state, megatron_logits, tiny_dmc
+from dmc.inference import build_model_from_config
+from dmc_models import VOCAB, full_state, megatron_logits, model_config, tiny_dmc
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 LEGACY_LAYER = {
@@ -37,8 +38,9 @@ def legacy_args(cfg, tp, dmc):
         dmc_finetune=True, dmc_is_stage_one=False)
 
 
-def write_legacy(root, model, cfg, dmc, tp=2, iteration=40):
-    """Megatron-LM's layout: tracker file, iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt."""
+def write_legacy(root, model, cfg, dmc, tp=2, iteration=40, **args):
+    """Megatron-LM's layout: tracker file, iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt;
+    ``args``: more Megatron-LM args (e.g. ``use_rope_scaling=True``)."""
     full = full_state(model)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         pad = torch.randn(PADDED_VOCAB - VOCAB, cfg["hidden_size"])
@@ -59,7 +61,8 @@ def write_legacy(root, model, cfg, dmc, tp=2, iteration=40):
         }}
         folder = root / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}"
         folder.mkdir(parents=True)
-        torch.save({"args": legacy_args(cfg, tp, dmc), "iteration": iteration,
+        namespace = argparse.Namespace(**vars(legacy_args(cfg, tp, dmc)), **args)
+        torch.save({"args": namespace, "iteration": iteration,
                     "model": model_sd, "checkpoint_version": 3.0},
                    folder / "model_optim_rng.pt")
 
@@ -100,3 +103,37 @@ def test_legacy_errors(tmp_path):
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match="swiglu must be true.*not a checkpoint of NVIDIA's DMC"):
         nvidia_dmc_to_mcore(tmp_path / "nv2", tmp_path / "out")
+
+
+@pytest.mark.parametrize("args,factor", [({"use_rope_scaling": True}, 8.0),
+                                         ({"use_rope_scaling": True, "rope_scaling_factor": 32.0},
+                                          32.0)], ids=["default-factor", "factor-32"])
+def test_llama3_rope_scaling_args_convert(tmp_path, args, factor):
+    """Megatron-LM's --use-rope-scaling (Llama 3.x scaling, --rope-scaling-factor default 8):
+    the converted model scales RoPE as NVIDIA's did."""
+    torch.manual_seed(0)
+    cfg = dict(model_config(2), rope_scaling_factor=factor)
+    dmc = {"window": 12, "tau": 0.1, "c": -1.0, "hard": False, "omega_offset": 2**-7}
+    model = build_model_from_config(cfg, dmc).eval()
+    write_legacy(tmp_path / "nv", model, cfg, dmc, tp=1, **args)
+    info = nvidia_dmc_to_mcore(tmp_path / "nv", tmp_path / "ours", vocab_size=VOCAB)
+    assert info["model_config"]["rope_scaling_factor"] == factor
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+    got = megatron_logits(load_model(tmp_path / "ours").model, ids)
+    assert (got - megatron_logits(model, ids)).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("args,match", [
+    ({"rotary_seq_len_interpolation_factor": 4}, "rotary_seq_len_interpolation_factor=4, "
+                                                 "accepted: None, 1"),
+    ({"rotary_interleaved": True}, r"rotary_interleaved=True, accepted: False"),
+])
+def test_rope_args_without_a_counterpart_are_refused(tmp_path, args, match):
+    model, cfg, dmc = tiny_dmc(groups=2, window=12)
+    write_legacy(tmp_path / "nv", model, cfg, dmc, tp=1, **args)
+    with pytest.raises(ValueError, match=match):
+        nvidia_dmc_to_mcore(tmp_path / "nv", tmp_path / "ours")
+    write_legacy(tmp_path / "ok", model, cfg, dmc, tp=1, rotary_interleaved=False,
+                 rotary_seq_len_interpolation_factor=1)
+    assert nvidia_dmc_to_mcore(tmp_path / "ok", tmp_path / "ours")["model_config"][
+        "rope_scaling_factor"] is None

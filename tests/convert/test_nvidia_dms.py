@@ -5,7 +5,8 @@ head of each KV group -> zero that channel -> RoPE -> zero again; separate adapt
 ``dms_proj_alpha(dms_proj_alpha_norm(h))`` of the layer input, query untouched; then delayed
 eviction, window ``dms_window_size`` exactly); the paged engine's greedy decode equals the eval
 model and holds NVIDIA's survivors; a TP=2 save loads; each unsupported setting fails naming its
-field (CLI exit code 2)."""
+field (CLI exit code 2); ``dms_disable_eviction`` keeps the borrowed channel zeroed (DMS that
+never evicts) or, with the adapter, converts as a plain Qwen3."""
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from dmc.cli import main  # noqa: E402
 from dmc.convert import UnsupportedModelError, nvidia_dms_to_mcore  # noqa: E402
 from dmc.convert.hf_io import WEIGHT_FILES, WEIGHT_INDEXES, read_hf_weights  # noqa: E402
 from dmc.convert.hf_io import write_safetensors  # noqa: E402
+from dmc.convert.nvidia_dms import NEVER_EVICT_C  # noqa: E402
 from dmc.inference import Engine, SamplingParams  # noqa: E402
 from dmc.inference.loading import load_model  # noqa: E402
 from dmc.training.config import load_config  # noqa: E402
@@ -147,22 +149,48 @@ def test_tp2_save(tmp_path, separate):
     assert (got - want).abs().max() < 1e-4
 
 
-def test_disable_eviction_converts_as_vanilla(tmp_path, capsys):
+def test_disable_eviction_keeps_the_borrowed_channel_zeroed(tmp_path, capsys):
+    """Borrowed channel, eviction disabled: NVIDIA still zeroes q[first head of group, -1]
+    before and after RoPE and only forces the decisions to 0, so the converted model is DMS
+    whose logits never fire (an offset of inf in the reference), not a plain Qwen3."""
     fake_nvidia_dms(tmp_path / "nv", dms_disable_eviction=True)
     assert main(["convert", "nvidia-dms", str(tmp_path / "nv"), str(tmp_path / "mc")]) == 0
-    assert "converted as a vanilla model" in capsys.readouterr().out
+    assert "decisions never fire" in capsys.readouterr().out
+    loaded = load_model(tmp_path / "mc")
+    assert loaded.dmc_config.method == "dms" and loaded.dmc_config.c == NEVER_EVICT_C
+    assert loaded.state["target_cr"] is None
+    weights = read_hf_weights(tmp_path / "nv")
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+    got = megatron_logits(loaded.model, ids)[0].double()
+    want = reference_logits(weights, REF, ids[0], ref_dms(False, offset=float("inf")))
+    assert (got - want).abs().max() < 1e-4
+    assert (got - reference_logits(weights, REF, ids[0])).abs().max() > 1e-2  # not vanilla
+    result = Engine(loaded.model, page_size=4, max_batch=1).generate(
+        [ids[0, :17].tolist()], SamplingParams(max_new_tokens=6))[0]
+    assert result.compression.overall == 1.0  # nothing evicted
+
+
+def test_disable_eviction_needs_logits_the_offset_cannot_reach(tmp_path):
+    fake_nvidia_dms(tmp_path / "nv", dms_disable_eviction=True)
+    state = read_hf_weights(tmp_path / "nv")
+    state["model.layers.1.self_attn.q_norm.weight"][-1] = 1e7  # |logit| up to 4e9
+    (tmp_path / "nv" / "model.safetensors").unlink()
+    write_safetensors(tmp_path / "nv", state, 1 << 30)
+    with pytest.raises(UnsupportedModelError, match="dms_disable_eviction=true: layer 1"):
+        nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc")
+
+
+def test_disable_eviction_with_the_adapter_converts_as_vanilla(tmp_path):
+    """Separate adapter, eviction disabled: the query keeps every channel, so the model is a
+    plain Qwen3 and the adapter is dropped."""
+    fake_nvidia_dms(tmp_path / "nv", dms_disable_eviction=True, dms_separate_alpha=True)
+    info = nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc")
+    assert "dmc_config" not in info and "vanilla" in info["note"]
     loaded = load_model(tmp_path / "mc")
     assert loaded.dmc_config is None and loaded.model_config.qk_layernorm
     ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
     want = reference_logits(read_hf_weights(tmp_path / "nv"), REF, ids[0])
     assert (megatron_logits(loaded.model, ids)[0].double() - want).abs().max() < 1e-4
-
-
-@pytest.mark.parametrize("separate", MODES, ids=MODE_IDS)
-def test_disable_eviction_drops_the_adapter(tmp_path, separate):
-    fake_nvidia_dms(tmp_path / "nv", dms_disable_eviction=True, dms_separate_alpha=separate)
-    info = nvidia_dms_to_mcore(tmp_path / "nv", tmp_path / "mc")
-    assert "dmc_config" not in info and "note" in info
 
 
 def test_separate_alpha_needs_a_nonzero_input_norm(tmp_path, capsys):
