@@ -7,10 +7,12 @@ preemption done before the model runs), runs it as one forward of the
 step is launched before the previous one is read back: :mod:`dmc.inference.overlap`). The KV
 writes (:mod:`dmc.inference.kv_write`) give DMC's eval-mode Algorithm 1, DMS's delayed eviction
 (``dmc.method="dms"``) or DMC with delayed merging (``dmc.merge_delay``); prefill is exact and
-chunked. A preempted sequence restarts by prefilling its prompt and the tokens it generated (its
-sampler state is kept: the same output, to the bit in float32; under a bf16 / fp16 cache within its
-rounding, as the prefill attends over a chunk's keys before the cache rounds them); one that cannot
-fit in the whole pool alone ends with ``finish_reason="cache_full"``.
+chunked. A preempted sequence restarts by prefilling its prompt and the tokens it generated, under
+a KV policy by prefilling its prompt and feeding the tokens it generated back one per decode step
+(the decode steps and evictions it had); its sampler state is kept: the same output, to the bit in
+float32 (under a policy: log-probabilities within 1e-5, tested); under a bf16 / fp16 cache within
+its rounding, as the prefill attends over a chunk's keys before the cache rounds them. One that
+cannot fit in the whole pool alone ends with ``finish_reason="cache_full"``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from dmc.inference.paging import check_engine_sizes, pages_for
+from dmc.inference.paging import check_engine_sizes, pages_for, to_device
 from dmc.inference.decode_graphs import DecodeGraphs
 from dmc.inference.device_span import DeviceSpan
 from dmc.inference.generation import TokenDelta, generate, stream
@@ -153,7 +155,8 @@ class Engine:
         self.pipeline = DecodePipeline(self) if overlap else None
         self.scheduler = Scheduler(self.cache, max_batch, chunk_size,
                                    step_tokens or max_batch + chunk_size,
-                                   whole_chunks=self.policy.evicts_after_chunks)
+                                   whole_chunks=self.policy.evicts_after_chunks,
+                                   replay=self.policy.replays_decode)
         self.batch_prefill = batch_prefill
         self.seed = seed
         self._next_id = 0
@@ -254,7 +257,7 @@ class Engine:
         if not (plan.decode or plan.prefill):
             return
         started, span = time.perf_counter(), DeviceSpan(self.device)
-        rows, drawn = [], None  # logits to sample from; or the tokens a graph drew
+        drawn = None  # the tokens a graph drew
         if (self.graphs is not None and not plan.prefill
                 and self.kv.static_ready([s.slot for s in plan.decode])):  # forward, sampling
             if self.pipeline is not None:  # left in flight: read back by the next step
@@ -264,19 +267,13 @@ class Engine:
         else:
             span.begin()
             logits = self.runner.forward(plan.segments())  # a row per segment
-            rows = [logits[:len(plan.decode)]] if plan.decode else []
-        sampled = list(plan.decode)
-        for row, (seq, n) in enumerate(plan.prefill, start=len(plan.decode)):
-            seq.cached += n
-            self.stats.prefill_tokens += n
-            if seq.cached == seq.num_tokens:
-                self.scheduler.prefilled(seq)
-                sampled.append(seq)
-                rows.append(logits[row:row + 1])
-        for seq in plan.decode:
-            seq.cached += 1
-        if rows:
-            drawn = sample_on_device(rows[0] if len(rows) == 1 else torch.cat(rows),
+        self.stats.prefill_tokens += sum(n for _, n in plan.prefill)
+        drawing = self.scheduler.advance(plan)  # (sequence, logits row) of those drawing a token
+        sampled = [seq for seq, _ in drawing]
+        if drawn is None and drawing:
+            picked = [row for _, row in drawing]
+            drawn = sample_on_device(logits[:len(picked)] if picked[-1] == len(picked) - 1
+                                     else logits[to_device(torch.tensor(picked), self.device)],
                                      [s.params for s in sampled],
                                      [s.seed for s in sampled],
                                      [len(s.generated) for s in sampled])

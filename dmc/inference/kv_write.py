@@ -40,6 +40,7 @@ class NoPolicy:
 
     compacts_in_forward = False
     evicts_after_chunks = False
+    replays_decode = False
 
     def __init__(self, cache: PagedKVCache):
         self.cache = cache

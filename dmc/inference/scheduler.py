@@ -14,8 +14,10 @@ need at most, per head of length ``L`` gaining at most ``g <= n`` slots,
 ``ceil((L + g) / page_size) - ceil(L / page_size)`` new pages. Sequences are served oldest first;
 when the worst case of one does not fit in the pages left, the youngest running sequence is
 preempted (its pages freed, re-queued; it restarts by prefilling its prompt and the tokens it
-generated); a prefill chunk is first shortened to what fits, unless a policy evicts after every
-chunk (``whole_chunks``: where it evicts would then depend on the pages other sequences hold).
+generated, or under a KV policy (``replay``) by prefilling its prompt and feeding the tokens it
+generated back one per decode step: the decode steps and evictions it had); a prefill chunk is
+first shortened to what fits, unless a policy evicts after every chunk (``whole_chunks``: where
+it evicts would then depend on the pages other sequences hold).
 A sequence that does not fit even alone ends with ``finish_reason="cache_full"``.
 """
 from __future__ import annotations
@@ -52,12 +54,13 @@ class StepPlan:
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
 
     def segments(self) -> list[Segment]:
-        """The forward's segments: each decode sequence's newest token, then each chunk (the
-        last one of a sequence's prefill marked ``prompt_end``)."""
-        decode = [Segment(s.slot, [s.last_token], s.num_tokens - 1, decode=True)
-                  for s in self.decode]
+        """The forward's segments: each decode sequence's newest token (or the generated token
+        it replays), then each chunk (the last one of a sequence's prefill marked
+        ``prompt_end``)."""
+        decode = [Segment(s.slot, [token], position, decode=True)
+                  for s in self.decode for token, position in [s.decode_input]]
         return decode + [Segment(s.slot, s.tokens[s.cached:s.cached + n], s.cached,
-                                 prompt_end=s.cached + n == s.num_tokens)
+                                 prompt_end=s.cached + n == s.prefill_end)
                          for s, n in self.prefill]
 
     def one_at_a_time(self) -> list[StepPlan]:
@@ -76,16 +79,19 @@ class Scheduler:
             ``max_batch + chunk_size``.
         whole_chunks: never shorten a prefill chunk to the pages left (a KV policy evicts
             after every chunk: its choices must not depend on the memory the batch holds).
+        replay: a preempted sequence prefills its prompt only, then feeds the tokens it
+            generated back one per decode step (:attr:`Sequence.replay`; a KV policy's hooks
+            then see them as they did, not as a prompt).
     """
 
     def __init__(self, cache: PagedKVCache, max_batch: int, chunk_size: int, step_tokens: int,
-                 whole_chunks: bool = False):
+                 whole_chunks: bool = False, replay: bool = False):
         if step_tokens < max_batch + chunk_size:
             raise ValueError(f"step_tokens ({step_tokens}) must hold max_batch + chunk_size "
                              f"({max_batch + chunk_size}) tokens: every decode token and a chunk")
         self.cache, self.max_batch = cache, max_batch
         self.chunk_size, self.step_tokens = chunk_size, step_tokens
-        self.whole_chunks = whole_chunks
+        self.whole_chunks, self.replay = whole_chunks, replay
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.seen = SeenCompression()
@@ -173,25 +179,42 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and put it back in the queue (arrival order); it restarts from
-        its first token."""
+        its first token (replaying the tokens it generated under ``replay``)."""
         self.cache.free_sequence(seq.slot)
-        seq.slot, seq.cached, seq.decoding = None, 0, False
+        seq.slot, seq.cached, seq.decoding, seq.replay = None, 0, False, self.replay
         seq.preemptions += 1
         self.preemptions += 1
         self.running.remove(seq)
         self.waiting.append(seq)
         self.waiting.sort(key=lambda s: s.request_id)
 
+    def advance(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        """Count the forward of ``plan`` in its sequences' ``cached`` (a prefill that ended in
+        :meth:`prefilled`); the sequences that draw a token, with their rows in its logits: the
+        decode ones not replaying one, then those whose prefill ended (under ``replay`` one with
+        generated tokens to feed back starts decoding instead)."""
+        drawing = [(seq, row) for row, seq in enumerate(plan.decode) if not seq.replaying]
+        for seq in plan.decode:
+            seq.cached += 1
+        for row, (seq, n) in enumerate(plan.prefill, start=len(plan.decode)):
+            seq.cached += n
+            if seq.cached == seq.prefill_end:
+                self.prefilled(seq)
+                seq.decoding = seq.cached < seq.num_tokens
+                if not seq.decoding:
+                    drawing.append((seq, row))
+        return drawing
+
     def prefilled(self, seq: Sequence) -> None:
         """Count a sequence whose prefill just ended in the compression seen so far."""
         lengths = self.cache.head_lengths(seq.slot)
-        self.seen.entries += seq.num_tokens * lengths.numel()
+        self.seen.entries += seq.cached * lengths.numel()
         self.seen.slots += int(lengths.sum())
 
     def _chunk(self, seq: Sequence) -> int:
         """The next prefill chunk of ``seq``: up to the next multiple of ``chunk_size`` (so that
         chunks, and a policy's evictions after them, do not depend on the batch) or its end."""
-        return min(self.chunk_size - seq.cached % self.chunk_size, seq.num_tokens - seq.cached)
+        return min(self.chunk_size - seq.cached % self.chunk_size, seq.prefill_end - seq.cached)
 
     def _worst_pages(self, seq: Sequence, n: int) -> int:
         """Pages ``n`` more tokens of ``seq`` take at most (each head gains at most
@@ -222,12 +245,12 @@ class Scheduler:
         pool = f"({self.cache.num_pages} pages of {self.cache.page_size} slots)"
         if seq.decoding:
             return (f"request {seq.request_id} alone needs more than the whole pool {pool} "
-                    f"after {seq.num_tokens} tokens")
+                    f"after {seq.cached + 1} tokens")
         if self.whole_chunks:
             return (f"request {seq.request_id}: its prefill chunk of {self._chunk(seq)} tokens "
                     f"after {seq.cached} does not fit in the whole pool {pool} (the KV policy "
                     f"evicts after whole chunks: lower chunk_size or add pages)")
-        return (f"request {seq.request_id}: {seq.num_tokens} tokens do not fit in the whole "
+        return (f"request {seq.request_id}: {seq.prefill_end} tokens do not fit in the whole "
                 f"pool {pool}")
 
 

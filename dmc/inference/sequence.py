@@ -124,7 +124,9 @@ class Sequence:
     ``slot`` is its cache sequence slot while it holds one (None while waiting); ``cached`` the
     tokens of :attr:`tokens` already written to the cache; ``decoding`` once its prefill is done
     and a token was sampled (each step then feeds its newest token). A preempted sequence starts
-    over: its prompt and the tokens it generated are prefilled again. ``arrived`` and
+    over: its prompt and the tokens it generated are prefilled again, or with ``replay`` (set
+    by the scheduler under a KV policy) its prompt is prefilled and the tokens it generated are
+    fed back one per decode step, drawing nothing, before it draws again. ``arrived`` and
     ``first_token`` are ``time.perf_counter()`` readings (queued, first token sampled). ``seed``
     keys its sampling noise (see :func:`dmc.inference.sampling.sample_next`).
     """
@@ -139,6 +141,7 @@ class Sequence:
     cached: int = 0
     decoding: bool = False
     preemptions: int = 0
+    replay: bool = False
     arrived: float = 0.0
     first_token: float | None = None
 
@@ -154,6 +157,25 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.generated[-1] if self.generated else self.prompt[-1]
+
+    @property
+    def prefill_end(self) -> int:
+        """Tokens prefilled before it decodes: its prompt under ``replay``, else all of them."""
+        return len(self.prompt) if self.replay else self.num_tokens
+
+    @property
+    def replaying(self) -> bool:
+        """Whether its next decode step feeds back a token it generated before a preemption
+        (whose successor is known: the step draws nothing)."""
+        return self.replay and self.cached < self.num_tokens - 1
+
+    @property
+    def decode_input(self) -> tuple[int, int]:
+        """The token its next decode step feeds and that token's position: the first one not
+        cached while :attr:`replaying`, else the newest."""
+        if self.replaying:
+            return self.generated[self.cached - len(self.prompt)], self.cached
+        return self.last_token, self.num_tokens - 1
 
     @staticmethod
     def check_prompt(prompt: list[int], params: SamplingParams, max_seq_len: int,

@@ -45,6 +45,11 @@ class PolicyRunner:
         scale: softmax scale of the model.
     """
 
+    # A preempted sequence prefills its prompt again and feeds the tokens it generated back one
+    # per decode step (``Scheduler(replay=True)``): its evictions, and OmniKV's decode attention
+    # and offload, come as before the preemption, not as for a longer prompt.
+    replays_decode = True
+
     def __init__(self, policy: KVPolicy, cache: PagedKVCache, num_heads: int, scale: float):
         if policy.shape is not None:
             raise ValueError(f"{policy!r} already serves an engine; make a new one with "

@@ -1,7 +1,9 @@
 """Policies served by the Engine on a tiny GQA model under the "streaming" schedule (evicting
 after every chunk and decode step): pages freed for real, measured CR = the requested one,
-batched == batch-1, score(prefill_tokens) semantics, bad arguments. The "prefill" schedule:
+batched == batch-1, a tight pool's preemptions change no output (either schedule),
+score(prefill_tokens) semantics, bad arguments. The "prefill" schedule:
 test_engine_schedules.py."""
+import itertools
 import math
 
 import pytest
@@ -97,18 +99,71 @@ def test_batched_equals_batch_one_and_cr_is_the_requested_one(model, name):
             assert together.kv_pages <= pages_of(torch.full((2, 2), math.ceil(fed / 2))) + 2
 
 
-@pytest.mark.parametrize("name", ["pyramidkv", "adakv"])
-def test_a_tight_pool_changes_no_token(model, name):
-    """A policy evicting after every chunk sees whole chunks whatever the pages the batch
-    holds: a pool that makes the scheduler wait or preempt gives the tokens an ample one does
-    (a chunk shortened to fit moved PyramidKV's and Ada-KV's evictions, and their tokens)."""
-    prompt_list = [tokens(n, seed) for n, seed in ((30, 5), (45, 6), (22, 7), (60, 8))]
-    params = SamplingParams(max_new_tokens=12)
-    ample = engine(model, name, cr=3.0, max_batch_=4).generate(prompt_list, params)
-    tight = engine(model, name, cr=3.0, max_batch_=4, num_pages=40)
-    assert [r.tokens for r in tight.generate(prompt_list, params)] == [r.tokens for r in ample]
-    assert tight.stats.preemptions > 0 and tight.scheduler.whole_chunks
-    assert not engine(model, name, schedule="prefill").scheduler.whole_chunks
+TIGHT_POOL = {"streaming": 28, "prefill": 40}  # pages; OmniKV (2 layers: nothing evicted) 64
+
+
+@pytest.mark.parametrize("schedule", ["streaming", "prefill"])
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_tight_pool_changes_no_token(model, name, schedule):
+    """A pool that preempts decoding requests gives each request the tokens,
+    log-probabilities and compression an ample pool does: a resumed request prefills its prompt
+    again, then feeds the tokens it generated back one per decode step, so the policy evicts
+    as before (prompt + generated prefilled as one prompt changed H2O's tokens,
+    and SnapKV compressed both at once). Under "streaming" chunks stay whole whatever the
+    pages the batch holds (a chunk shortened to fit moved PyramidKV's and Ada-KV's evictions).
+    The prompts are ones where the last-bit rounding a batch's make-up leaves flips no near-tie
+    (KNorm's key norms tie between repeats of a token in layer 0; D2O's merges compound it):
+    with others those two differ by up to 3e-4 between an ample batch and a prompt alone."""
+    prompt_list = [tokens(n, seed) for n, seed in zip((20, 28, 14, 24), range(40, 44))]
+    params = SamplingParams(max_new_tokens=24)
+    ample = engine(model, name, 3.0, schedule, max_batch_=4).generate(prompt_list, params)
+    pages = 64 if name == "omnikv" else TIGHT_POOL[schedule]
+    tight = engine(model, name, 3.0, schedule, max_batch_=4, num_pages=pages)
+    generated, preempt = [], tight.scheduler.preempt
+    tight.scheduler.preempt = lambda seq: generated.append(len(seq.generated)) or preempt(seq)
+    results = tight.generate(prompt_list, params)
+    assert max(generated) > 1  # a request preempted while decoding replayed a decode step
+    for got, want in zip(results, ample):
+        assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs),
+                                   atol=1e-5, rtol=0)
+        assert torch.equal(got.compression.slots, want.compression.slots)
+        assert (got.compression.tokens, got.kv_pages) == (want.compression.tokens, want.kv_pages)
+    assert tight.scheduler.whole_chunks == (schedule == "streaming" and name != "omnikv")
+    assert tight.cache.pages_in_use == 0
+
+
+def test_a_resumed_request_prefills_its_prompt_then_replays_its_tokens_as_decode_steps(model):
+    """H2O on a pool that preempts a decoding request: the request's forwards after that are
+    its prompt's chunks (only the last one ending the prompt), then a decode step per token it
+    had generated, fed at that token's position, that draws nothing (the request holds the
+    same tokens until the step that feeds its newest one)."""
+    prompt_list = [tokens(n, seed) for n, seed in zip((20, 28, 14, 24), range(40, 44))]
+    e = engine(model, "h2o", 3.0, max_batch_=4, num_pages=28)
+    log, forward, preempted, preempt = [], e.runner.forward, [], e.scheduler.preempt
+
+    def recording_forward(segments):
+        running = {seq.slot: seq for seq in e.scheduler.running}
+        log.extend((running[s.slot].request_id, s, len(running[s.slot].generated))
+                   for s in segments)
+        return forward(segments)
+
+    def recording_preempt(seq):
+        preempted.append((seq.request_id, list(seq.generated), len(log)))
+        preempt(seq)
+
+    e.runner.forward, e.scheduler.preempt = recording_forward, recording_preempt
+    e.generate(prompt_list, SamplingParams(max_new_tokens=24))
+    request, generated, at = next(p for p in preempted if len(p[1]) > 1)
+    prompt = prompt_list[request]
+    after = [(segment, held) for r, segment, held in log[at:] if r == request]
+    chunks = list(itertools.takewhile(lambda entry: not entry[0].decode, after))
+    assert [t for segment, _ in chunks for t in segment.tokens] == prompt
+    assert [segment.prompt_end for segment, _ in chunks] == [False] * (len(chunks) - 1) + [True]
+    steps = after[len(chunks):len(chunks) + len(generated)]
+    assert [(s.tokens, s.start, s.decode) for s, _ in steps] == [
+        ([token], len(prompt) + i, True) for i, token in enumerate(generated)]
+    assert [held for _, held in steps] == [len(generated)] * len(generated)
 
 
 def test_only_the_policies_that_read_the_attention_are_handed_it(model, monkeypatch):

@@ -1,7 +1,7 @@
 """OmniKV with host offload (dmc/policies/context_bank.py): the sparse layers' device pages hold
 exactly the selected tokens (the page pool shrinks), the full KV sits in a separate host pool,
 the outputs equal OmniKV without offload (same selection), device and host bytes are reported
-apart."""
+apart; a request preempted while decoding resumes through the same sparse decode steps."""
 import math
 
 import pytest
@@ -69,10 +69,10 @@ def tokens(n, seed):
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def omnikv(model, offload, max_batch=3):
+def omnikv(model, offload, max_batch=3, **kw):
     policy = get_policy("omnikv", CR, filter_layers=[0], offload=offload)
     return Engine(model, dmc=None, page_size=PAGE, max_batch=max_batch, chunk_size=16,
-                  policy=policy)
+                  policy=policy, **kw)
 
 
 def test_score_with_offload_equals_without_and_reports_device_and_host_bytes(deep):
@@ -131,6 +131,26 @@ def test_generation_frees_pages_and_equals_no_offload_batched(deep):
         assert on[request].tokens == want.tokens
         torch.testing.assert_close(torch.tensor(on[request].logprobs), torch.tensor(want.logprobs),
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_a_request_preempted_while_decoding_resumes_through_sparse_decode_steps(deep, offload):
+    """A pool of 110 pages preempts requests while they decode; resumed, each feeds the tokens
+    it generated back through decode steps (the sparse layers' selected attention, the offload
+    after the prompt), so the tokens, log-probabilities and slots are those of an ample pool
+    (prefilling them with the prompt attended densely: |dlogp| up to 0.3, other tokens)."""
+    prompts = [tokens(n, seed) for n, seed in ((20, 2), (14, 3), (17, 4))]
+    params = SamplingParams(max_new_tokens=24)
+    ample = omnikv(deep, offload).generate(prompts, params)
+    tight = omnikv(deep, offload, num_pages=110)
+    generated, preempt = [], tight.scheduler.preempt
+    tight.scheduler.preempt = lambda seq: generated.append(len(seq.generated)) or preempt(seq)
+    for got, want in zip(tight.generate(prompts, params), ample):
+        assert got.tokens == want.tokens and got.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs),
+                                   atol=1e-5, rtol=0)
+        assert torch.equal(got.compression.slots, want.compression.slots)
+    assert max(generated) > 1 and tight.cache.pages_in_use == 0
 
 
 def test_offload_is_validated():
