@@ -139,12 +139,13 @@ def verify_checkpoint(folder: Path, contents: bool = True) -> bool:
     return True
 
 
-def is_complete(folder: Path) -> bool:
-    """Whether ``folder`` is a checkpoint that verifies (or a pre-manifest one with a state)."""
+def is_complete(folder: Path, contents: bool = True) -> bool:
+    """Whether ``folder`` is a checkpoint that verifies (or a pre-manifest one with a state);
+    ``contents=False``: sizes only (:func:`verify_checkpoint`)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            verify_checkpoint(folder)
+            verify_checkpoint(folder, contents=contents)
         return True
     except CheckpointError:
         return False
@@ -169,8 +170,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(root: Path, name: str, model, optimizer, scheduler, meta: dict,
-                    update_latest: bool = True) -> Path:
-    """Writes ``root/name`` (model, optimizer, scheduler, RNG, ``meta``, manifest) atomically."""
+                    update_latest: bool = True, extras=None) -> Path:
+    """Writes ``root/name`` (model, optimizer, scheduler, RNG, ``meta``, manifest) atomically.
+    ``extras``: called on rank 0 with the temporary folder before the manifest is written, to
+    add files (a CR heatmap) that appear with the checkpoint and are listed in its manifest."""
     root = Path(root)
     final, tmp = root / name, root / f"{name}.tmp"
     if _rank() == 0:
@@ -184,6 +187,8 @@ def save_checkpoint(root: Path, name: str, model, optimizer, scheduler, meta: di
     if _rank() == 0:
         state = dict(meta, scheduler=scheduler.state_dict() if scheduler else None)
         (tmp / STATE).write_text(json.dumps(state, indent=1, default=str))
+        if extras is not None:
+            extras(tmp)
     _barrier()
     if _rank() == 0:
         write_manifest(tmp)
@@ -223,13 +228,16 @@ def _candidates(root: Path) -> list[Path]:
     folders = [p for p in Path(root).iterdir() if p.is_dir() and (p / STATE).is_file()
                and not p.name.endswith((".tmp", ".old"))] if Path(root).is_dir() else []
     latest = latest_checkpoint(root)
-    steps = {}
-    for folder in folders:
-        try:
-            steps[folder] = int(read_state(folder)["step"])
-        except (CheckpointError, KeyError, TypeError, ValueError):
-            steps[folder] = -1
+    steps = {folder: _step_of(folder) for folder in folders}
     return sorted(folders, key=lambda p: (-steps[p], p != latest, p.name))
+
+
+def _step_of(folder: Path) -> int:
+    """The step in ``folder/state.json``; -1 when it cannot be read."""
+    try:
+        return int(read_state(folder)["step"])
+    except (OSError, CheckpointError, KeyError, TypeError, ValueError):
+        return -1
 
 
 def resumable_checkpoint(root: Path, fallback: bool = True) -> Path | None:
@@ -301,9 +309,13 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, *,
     only, for loads that read the weights of a checkpoint many times, such as inference, where
     hashing every file, the optimizer state included, would cost more than the load), then
     restores the model (and optimizer, scheduler, RNG when given); returns ``state.json``.
-    ``optional``: names of submodules (e.g. ``"decision_proj"``, a DMS adapter that a vanilla
-    base lacks) whose weights are loaded when ``path`` has them and kept as initialised when
-    not (model-only loads)."""
+    The optimizer takes the saved state (Adam's moments and step counts) but keeps the
+    hyperparameters it was built with (betas, eps, weight decay, LR bounds of each param group:
+    the run's config, which ``--allow-config-change`` may have changed); the scheduler gets
+    ``load_state_dict`` (one built with megatron's ``override_opt_param_scheduler`` keeps its
+    schedule and takes only the step count). ``optional``: names of submodules (e.g.
+    ``"decision_proj"``, a DMS adapter that a vanilla base lacks) whose weights are loaded when
+    ``path`` has them and kept as initialised when not (model-only loads)."""
     path = Path(path)
     problem = None
     if _rank() == 0:
@@ -329,7 +341,11 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, *,
                               f"({type(err).__name__}: {err})") from err
     model.load_state_dict(loaded["model"], strict=not absent)
     if optimizer is not None:
+        settings = [{k: v for k, v in group.items() if k != "params"}
+                    for group in optimizer.param_groups]
         optimizer.load_state_dict(loaded["optimizer"])
+        for group, kept in zip(optimizer.param_groups, settings):
+            group.update(kept)  # the run's betas, eps, weight decay, LR bounds; saved moments
         if scheduler is not None and state.get("scheduler"):
             scheduler.load_state_dict(state["scheduler"])
         rng = path / f"rng_rank{_rank()}.pt"
@@ -353,11 +369,24 @@ def _absent_optional(path: Path, model_sd: dict, optional: tuple[str, ...]) -> l
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:
-    """Removes all but the newest ``keep_last`` regular ``step_*`` checkpoints (CR-crossing and
-    phase-end checkpoints are kept)."""
+    """Removes all but the newest ``keep_last`` regular ``step_*`` checkpoints, newest by the
+    step in their ``state.json``; CR-crossing and phase-end checkpoints are kept. The folder
+    ``latest`` names is always kept and counts among the ``keep_last``. A folder whose sizes do
+    not verify, or whose step is above ``latest``'s (what a resume that fell back to an older
+    checkpoint leaves), neither counts among the newest nor is removed: the run replaces it
+    when it saves that name again. Rank 0 only."""
     if _rank() != 0:
         return
-    steps = sorted(p for p in Path(root).glob("step_*")
-                   if p.is_dir() and not p.name.endswith((".tmp", ".old")))
-    for old in steps[:-keep_last]:
+    latest = latest_checkpoint(root)
+    limit = _step_of(latest) if latest is not None else None
+    ranked = []
+    for folder in Path(root).glob("step_*"):
+        if not folder.is_dir() or folder.name.endswith((".tmp", ".old")) or folder == latest:
+            continue
+        step = _step_of(folder)
+        if step >= 0 and (limit is None or step <= limit) and is_complete(folder, contents=False):
+            ranked.append((step, folder.name, folder))
+    ranked.sort(reverse=True)
+    keep = keep_last - (latest is not None and latest.name.startswith("step_"))
+    for _, _, old in ranked[max(keep, 0):]:
         shutil.rmtree(old, ignore_errors=True)

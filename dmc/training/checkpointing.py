@@ -3,9 +3,11 @@
 Start (:meth:`RunCheckpoints.start`): the run's own latest checkpoint (exact resume: model,
 optimizer, LR schedule, RNG, step; config drift checked by :mod:`dmc.training.resume`), else
 ``checkpoint.init_from`` (another run's checkpoint, same schedule), else the weights of
-``checkpoint.load_base``. Saving (:meth:`RunCheckpoints.after_step`): ``cr_X.Y`` when the
-measured CR first reaches a half-integer, ``step_N`` every ``save_interval`` steps and at the
-end, and a copy named after each phase when it ends; older ``step_*`` folders are pruned.
+``checkpoint.load_base``; a ``checkpoint.dir`` changed away from the checkpoints of the run's
+earlier launches is refused. Saving (:meth:`RunCheckpoints.after_step`): ``cr_X.Y`` when the
+training-mode CR of one step (:meth:`RunCheckpoints._crossed_cr`) first reaches a half-integer,
+``step_N`` every ``save_interval`` steps and at the end, and a copy named after each phase when
+it ends; older ``step_*`` folders are pruned.
 """
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
+import yaml
 from megatron.core import parallel_state
 
 from dmc.megatron import checkpoint as ckpt
 from dmc.megatron.config import DMCConfig, ModelConfig
-from dmc.training.config import RunConfig, to_dict
+from dmc.training.config import ConfigError, RunConfig, to_dict
 from dmc.training.logging import save_cr_heatmap
 from dmc.training.phases import PhasePlan
 from dmc.training.resume import check_init_from, check_resume_config
@@ -60,11 +63,13 @@ class RunCheckpoints:
             if saved["kind"] != self.kind:
                 raise ValueError(f"{latest} belongs to a {saved['kind']} run, not {self.kind}")
             check_resume_config(saved.get("config", {}), to_dict(cfg), latest, cfg.run_dir,
-                                saved["step"], allow_config_change, write=self.rank == 0)
+                                saved["step"], allow_config_change, write=self.rank == 0,
+                                hands_off=self.plan.dmc)
             state = ckpt.load_checkpoint(latest, self.module, self.optimizer, self.scheduler,
                                          contents=False)  # resumable_checkpoint hashed it
             self._complete_phase_folders(state["step"])
             return state["step"], self._describe_resume(latest, state)
+        self._check_moved_dir()
         if cfg.checkpoint.init_from:
             init = Path(cfg.checkpoint.init_from)
             check_init_from(init, to_dict(cfg), self.kind)
@@ -76,6 +81,26 @@ class RunCheckpoints:
             ckpt.load_checkpoint(base, self.module, optional=("decision_proj",))  # DMS adapter
             self.optimizer.reload_model_params()  # bf16/fp16: the main copies take the weights
         return 0, None
+
+    def _check_moved_dir(self) -> None:
+        """Called when this folder holds no checkpoint: raises :class:`ConfigError` naming
+        ``checkpoint.dir`` when the run's earlier launch (its ``config.yaml`` in ``run_dir``)
+        saved checkpoints (a ``latest``) in another folder, since starting over at step 0 would
+        drop the steps and metrics logged since."""
+        previous = Path(self.cfg.run_dir) / "config.yaml"
+        if not previous.is_file():
+            return
+        try:
+            tree = yaml.safe_load(previous.read_text())
+            before = Path(tree["checkpoint"]["dir"] or Path(tree["run_dir"]) / "checkpoints")
+        except (yaml.YAMLError, TypeError, KeyError, UnicodeDecodeError):
+            return  # not a config this code wrote: nothing to compare with
+        if before.resolve() != self.dir.resolve() and (before / ckpt.LATEST).is_file():
+            raise ConfigError(
+                f"checkpoint.dir: {self.dir} holds no checkpoint, but this run ({previous}) "
+                f"saved its checkpoints in {before}; starting over would drop the steps trained "
+                f"since. Move them into {self.dir}, set checkpoint.dir back to {before}, or "
+                f"start a new run_dir")
 
     def _describe_resume(self, path: Path, state: dict) -> str:
         """Where the run continues from, and whether the layout changed (dist_checkpointing
@@ -159,12 +184,14 @@ class RunCheckpoints:
                 "dmc_config": dmc_config and dmc_config.to_dict(),
                 "tp": parallel_state.get_tensor_model_parallel_world_size(),
                 "pp": parallel_state.get_pipeline_model_parallel_world_size()}
-        path = ckpt.save_checkpoint(self.dir, name, self.module, self.optimizer, self.scheduler,
-                                    meta, update_latest=update_latest)
-        if self.plan.dmc and self.cfg.logging.heatmap and self.rank == 0 and last_cr is not None:
-            save_cr_heatmap(last_cr, path / "cr_heatmap.png",
-                            f"{self.kind} step {step}: target CR {meta['target_cr']:.2f}")
-        return path
+        heatmap = None
+        if self.plan.dmc and self.cfg.logging.heatmap and last_cr is not None:
+            title = f"{self.kind} step {step}: target CR {meta['target_cr']:.2f}"
+
+            def heatmap(folder: Path) -> None:  # written inside the folder before its rename
+                save_cr_heatmap(last_cr, folder / "cr_heatmap.png", title)
+        return ckpt.save_checkpoint(self.dir, name, self.module, self.optimizer, self.scheduler,
+                                    meta, update_latest=update_latest, extras=heatmap)
 
     def after_step(self, step: int, end: int, last_cr: np.ndarray | None, logger) -> bool:
         """The checkpoints due after step index ``step`` of a run (or phase) ending at ``end``;
@@ -195,9 +222,13 @@ class RunCheckpoints:
 
     def _crossed_cr(self, step: int, last_cr: np.ndarray | None) -> float | None:
         """The highest half-integer CR (1.5, 2, 2.5, ...) that the CR measured at ``step``
-        (retrofit or solidify, over the global batch) reaches and that has no ``cr_*``
-        checkpoint yet: checkpoints are named by the compression the model achieves, not by
-        the target it is annealed towards. A replay after a resume finds its folder saved."""
+        reaches and that has no ``cr_*`` checkpoint yet. A ``cr_X`` name thus measures one
+        training step (retrofit or solidify, ``last_cr``): the whole model's tokens over its
+        kept slots ``sum(1 - alpha)`` on that step's global batch, alpha the decisions as
+        trained (Gumbel noise; soft unless ``dmc.hard`` / ``dmc.hard_loss`` round them). It is
+        neither the target CR annealed towards nor the CR of evaluation and inference
+        (noise-free rounded decisions), which can differ. A replay after a resume finds its
+        folder saved."""
         if last_cr is None or self.plan.phase_of(step) not in ("retrofit", "solidify"):
             return None
         half = math.floor(2 * cr_summary(last_cr)["cr"] + 1e-9) / 2

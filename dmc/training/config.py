@@ -208,7 +208,7 @@ def _build(cls, values: dict, prefix: str = ""):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
+    unknown = sorted(map(str, set(values) - set(fields)))  # YAML keys may be numbers
     if unknown:
         raise ConfigError(
             f"unknown key {prefix}{unknown[0]}; accepted keys under "

@@ -142,9 +142,8 @@ class Trainer:
             teacher = build_teacher(teacher_path(cfg), self.model_config(), dtype)
             self.stage = DistillStage(module, teacher)
             self.distill_loss = DistillLoss(cfg.distill.weight, cfg.distill.temperature)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
         self.model = DistributedDataParallel(self.tconfig, ddp_config, self.stage or module)
         o = cfg.optim
         self.optimizer = get_megatron_optimizer(
@@ -161,12 +160,14 @@ class Trainer:
         self.tconfig.no_sync_func = self.model.no_sync
 
     def _lr_scheduler(self) -> OptimizerParamScheduler:
-        """pretrain: warmup + cosine to min; retrofit: constant, cosine during solidify."""
+        """pretrain: warmup + cosine to min; retrofit: constant, cosine during solidify. With
+        ``override_opt_param_scheduler`` a resume takes only the step count from a checkpoint."""
         o, total = self.cfg.optim, max(self.plan.total_steps, 1)
         common = dict(init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr,
                       min_lr=o.lr * o.min_lr_ratio, lr_warmup_steps=min(o.warmup_steps, total - 1),
                       lr_decay_steps=total, start_wd=o.weight_decay, end_wd=o.weight_decay,
-                      wd_incr_steps=total, wd_incr_style="constant")
+                      wd_incr_steps=total, wd_incr_style="constant",
+                      override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
         if self.kind == "pretrain":
             return OptimizerParamScheduler(self.optimizer, lr_decay_style="cosine", **common)
         solidify = self.cfg.schedule.solidify_steps
@@ -294,8 +295,7 @@ class Trainer:
             step=step, phase=plan.phase, lm_loss=losses.pop("lm_loss"), cr_loss=self._cr_loss(),
             target_cr=plan.target_cr, measured_cr=measured,
             lr=lr, grad_norm=float(grad_norm or 0.0),
-            tokens_per_s=tokens / elapsed, extra=losses,
-        )
+            tokens_per_s=tokens / elapsed, extra=losses)
 
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -142,3 +142,33 @@ def test_content_digest_follows_the_files_not_the_folder(tmp_path):
     assert ckpt.content_digest(moved) == ckpt.content_digest(first)
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint files"):
         ckpt.content_digest(tmp_path / "empty")
+
+
+def test_pruning_keeps_latest_and_orders_by_the_saved_step(tmp_path):
+    """Names that do not sort like their steps (step_999 after step_1000): the newest by
+    state.json are kept, and the folder ``latest`` names is never removed."""
+    for step in (998, 999):
+        _folder(tmp_path, f"step_{step}", step)
+    _folder(tmp_path, "step_1000", 1000)
+    ckpt.prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1000", "step_999"]
+    ckpt.prune_checkpoints(tmp_path, keep_last=1)
+    assert [p.name for p in tmp_path.glob("step_*")] == ["step_1000"]
+
+
+def test_pruning_after_a_fallback_resume_keeps_what_the_run_saved(tmp_path):
+    """A run fell back from a damaged step_0000006 to step 2 and has just saved step 4: the
+    damaged folder (above the latest step) and a truncated one do not count as the newest,
+    so the newest folder that verifies is kept beside latest; the uncounted are left in place
+    (a later save of that name replaces them)."""
+    _folder(tmp_path, "step_0000001", 1)
+    _folder(tmp_path, "step_0000002", 2)
+    truncated = _folder(tmp_path, "step_0000003", 3)
+    (truncated / "rng_rank0.pt").write_bytes(b"rng")
+    _flip(_folder(tmp_path, "step_0000006", 6) / "shards" / "0.distcp")
+    _folder(tmp_path, "cr_1.5", 5, latest=False)
+    _folder(tmp_path, "step_0000004", 4)
+    ckpt.prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "cr_1.5", "step_0000002", "step_0000003", "step_0000004", "step_0000006"]
+    assert ckpt.resumable_checkpoint(tmp_path) == tmp_path / "step_0000004"

@@ -104,6 +104,16 @@ def test_malformed_yaml_exits_2_naming_the_file(tmp_path, capsys):
     assert "not valid YAML" in capsys.readouterr().err
 
 
+def test_a_number_key_beside_an_unknown_key_exits_2_naming_it(tmp_path, capsys):
+    """YAML keys that are numbers sort with the unknown names (no TypeError)."""
+    bad = tmp_path / "keys.yaml"
+    bad.write_text("1: 2\nfoo: 3\n")
+    with pytest.raises(ConfigError, match="unknown key 1; accepted keys under the top level"):
+        load_config([bad])
+    assert main(["retrofit", "--config", str(bad), "--dry-run"]) == 2
+    assert "unknown key 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("override", [
     "optim.min_lr_ratio=0", "optim.min_lr_ratio=1", "optim.adam_beta1=0", "optim.adam_beta2=0.999",
     "seed=0", "seed=4294967295", "model.rope_scaling_factor=1", "model.rope_scaling_factor=null",
