@@ -243,11 +243,6 @@ def schedule_of(method: Method) -> str | None:
     return policy_from_spec(method.policy, compression_ratio=method.cr).plan.text
 
 
-def weights_dtype(loaded) -> str:
-    """The dtype of a loaded model's weights (its engine's cache holds keys and values in it)."""
-    return str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-
-
 def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | None, *,
                     batch_size: int = 8, chunk_size: int = 512, page_size: int = 16) -> dict:
     """Scores of one method (see the module docstring). ``reference``: the control's result
@@ -256,7 +251,7 @@ def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | No
     from dmc.eval.needle import evaluate_needle
     from dmc.eval.perplexity import evaluate_perplexity
 
-    dtype = weights_dtype(loaded)
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")  # the cache's
     if reference is not None and dtype != reference["dtype"]:
         raise ValueError(f"--{method.kind} {method.path}: its weights, and so its cache, are "
                          f"{dtype}, the control's {reference['dtype']}; the memory CR would count "
@@ -347,9 +342,13 @@ def load_eval_data(data: str, seq_len: int, num_sequences: int, prefill_fraction
     if needle_lengths:
         stream = [t for s in load_token_sequences(data, max(needle_lengths)) for t in s]
         for length in needle_lengths:
-            needles += make_needle_examples(stream, length, per_cell * len(depths),
-                                            depths=depths, seed=seed + length,
-                                            exclude=special_ids(data))
+            try:
+                needles += make_needle_examples(stream, length, per_cell * len(depths),
+                                                depths=depths, seed=seed + length,
+                                                exclude=special_ids(data))
+            except ValueError as err:  # name the flags that size the needles
+                raise ValueError(f"--needle-lengths {length} / --needles-per-cell {per_cell} "
+                                 f"over --data {data}: {err}") from None
     return EvalData(sequences, prefill_tokens(seq_len, prefill_fraction), needles)
 
 

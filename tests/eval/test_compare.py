@@ -146,6 +146,7 @@ def test_dmc_checkpoints_are_labelled_by_their_method(setup):
     (["--dmc", "VANILLA"], "is not a DMC model"),
     (["--workers", "0"], "--workers: must be >= 1, got 0"),
     (["--crs", "2,inf"], "--crs: expected comma-separated distinct numbers in [1, inf)"),
+    (["--needles-per-cell", "400"], "--needle-lengths 40 / --needles-per-cell 400 over --data"),
     (["--base", "BF16"], "its weights, and so its cache, are bfloat16, the control's float32"),
 ])
 def test_bad_flags_name_the_flag(setup, capsys, flags, message):
