@@ -49,6 +49,11 @@ class CAOTE(PolicyWrapper):
     paper_rerotate = False
     needs_prompt_end = False  # the paper's block-wise prefill, even over SnapKV
 
+    def __init__(self, compression_ratio: float = 2.0, *, base: str | None = None, **kwargs):
+        if base == "tova":  # heads select apart, so TOVA scores each by its own tokens
+            kwargs["per_head"] = True
+        super().__init__(compression_ratio, base=base, **kwargs)
+
     def output(self, view: LayerView, alpha: torch.Tensor) -> torch.Tensor:
         """``o = sum_i alpha_i v_i``, ``[batch, kv, head_dim]``."""
         return torch.einsum("bhl,bhld->bhd", alpha, view.values)

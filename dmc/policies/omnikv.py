@@ -58,7 +58,7 @@ class OmniKV(KVPolicy):
 
     name = "omnikv"
     evicts = False
-    seq_state_names = ("selected", "window_queries")
+    seq_state_names = ("selected", "window_queries", "window_positions")  # positions: -1
     _: KW_ONLY
     filter_layers: tuple[int, ...] | None = None
     selector: str = "exponential"

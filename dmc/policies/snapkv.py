@@ -44,7 +44,7 @@ class SnapKV(KVPolicy):
     name = "snapkv"
     paper_schedule = Schedule("prefill")
     needs_prompt_end = True
-    seq_state_names = ("window_queries",)
+    seq_state_names = ("window_queries", "window_positions")  # positions reset to -1
     _: KW_ONLY
     window: int = 32
     kernel_size: int = 5

@@ -92,9 +92,12 @@ def run(name, q, k, v, prompt, cr, scale, budgets=None, **kw):
                 score = {j: -float(torch.nn.functional.cosine_similarity(head.key[j], anchor,
                                                                           dim=0))
                          for j in head.kept}
+            elif name == "caote-tova":  # TOVA per KV head: its own query group's last query
+                score = {j: sum(probs[h, g, end - 1].get(j, 0.0) for g in range(group)) / group
+                         for j in head.kept}
             elif name != "tova":
                 raise ValueError(name)
-            if name == "caote-h2o":
+            if name in ("caote-h2o", "caote-tova"):
                 score = caote_scores(head, score, fast=kw.get("fast", False))
             step_scores.append({j: score[j] for j in head.kept})
             if len(head.kept) <= b and "safeguard" not in kw:

@@ -64,6 +64,14 @@ def test_caote_on_h2o_matches_reference(name):
     check(name, "caote-h2o", base="h2o")
 
 
+@pytest.mark.parametrize("name", ["caote", "fastcaote"])
+def test_caote_on_tova_scores_each_head_by_its_own_tokens(name):
+    # CAOTE's per-head selection leaves the KV heads holding different tokens: TOVA's score of
+    # a slot is its own head's attention then, not an average over other heads' slots
+    got, _ = check(name, "caote-tova", base="tova")
+    assert any(kept[0][0] != kept[0][1] for kept, _, _ in got)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, ref_name, kw", [
     ("h2o", "h2o", {}), ("tova", "tova", {}), ("snapkv", "snapkv", {"window": 3, "kernel_size": 5}),
