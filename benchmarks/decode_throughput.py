@@ -211,6 +211,10 @@ def parse_args(argv=None):
         p.error(f"--budget-mib: must be > 0, got {args.budget_mib}")
     if args.prefill_tokens is not None and args.prefill_tokens < 1:
         p.error(f"--prefill-tokens: must be >= 1, got {args.prefill_tokens}")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        p.error(f"--chunk-size: must be >= 1, got {args.chunk_size}")
+    if not math.isfinite(args.c):
+        p.error(f"--c: must be a finite number, got {args.c}")
     if args.window < 0:
         p.error(f"--window: must be >= 0 (0 = exact), got {args.window}")
     if args.dms_window < 0:

@@ -79,8 +79,9 @@ def parse_args(argv=None):
     for flag, value in (("--spread", args.spread), ("--compare-spread", args.compare_spread)):
         if value is not None and not 0 <= value < 1:
             p.error(f"{flag}: accepted 0 <= spread < 1, got {value}")
-    if args.cr < 1 or (args.compare_cr is not None and args.compare_cr < 1):
-        p.error(f"--cr / --compare-cr: accepted values >= 1, got {args.cr} / {args.compare_cr}")
+    if any(not (math.isfinite(cr) and cr >= 1) for cr in (args.cr, args.compare_cr or 1)):
+        p.error(f"--cr / --compare-cr: accepted finite values >= 1, got {args.cr} / "
+                f"{args.compare_cr}")
     return args
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 import warnings
@@ -76,8 +77,8 @@ def parse_args(argv=None):
         p.error(f"--gen-len: must be >= 3 (the engine step that ends the prefill draws a "
                 f"request's first two tokens; the costs are measured on the decode-only steps "
                 f"after it), got {args.gen_len}")
-    if args.cr < 1:
-        p.error(f"--cr: must be >= 1, got {args.cr}")
+    if not (math.isfinite(args.cr) and args.cr >= 1):
+        p.error(f"--cr: must be a finite number >= 1, got {args.cr}")
     try:  # the model's shape and the policies named, checked before anything is built
         model_config(args)
         mode_names(args)

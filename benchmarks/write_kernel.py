@@ -77,8 +77,8 @@ def parse_args(argv=None):
             p.error(f"{flag}: accepted values >= 1, got {value}")
     if args.head_dim < 2 or args.head_dim % 2:
         p.error(f"--head-dim: accepted even values >= 2, got {args.head_dim}")
-    if args.cr < 1:
-        p.error(f"--cr: accepted values >= 1, got {args.cr}")
+    if not (math.isfinite(args.cr) and args.cr >= 1):
+        p.error(f"--cr: accepted finite values >= 1, got {args.cr}")
     if args.merge_delay < 0:
         p.error(f"--merge-delay: accepted values >= 0, got {args.merge_delay}")
     return args

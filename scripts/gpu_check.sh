@@ -155,6 +155,8 @@ run() {
     if [ -z "$limit" ] || [ "$limit" -gt "$left" ]; then limit=$left; fi
   fi
   echo "== $name: $*${limit:+ (at most $limit s)}"
+  # a previous call's results into this folder must not pass for this step's
+  rm -f "$RESULTS/$name.json" "$RESULTS/$name.xml"
   if [ -n "$limit" ]; then
     timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
   else

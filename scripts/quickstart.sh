@@ -16,7 +16,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-python -c "import torch" >/dev/null 2>&1 || python -m pip install -q "torch==2.13.0"
+bash scripts/install_torch.sh
 python -m pip install -q -e .
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONWARNINGS=ignore
 

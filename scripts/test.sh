@@ -13,9 +13,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-if ! python -c "import torch" >/dev/null 2>&1; then
-  python -m pip install -q "torch==2.13.0"
-fi
+bash scripts/install_torch.sh
 python -m pip install -q -e ".[dev]"
 
 args=()

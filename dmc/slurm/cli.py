@@ -50,8 +50,10 @@ def write_sweep(sweep_file: Path, out: Path | None) -> tuple[dict, Path]:
     return manifest, root
 
 
-def submit(manifest: dict, sbatch: str = "sbatch") -> dict:
-    """Submits every job in order with ``sbatch --parsable``; fills in the job ids."""
+def submit(manifest: dict, path: Path, sbatch: str = "sbatch") -> dict:
+    """Submits every job in order with ``sbatch --parsable``; fills in the job ids, writing the
+    manifest to ``path`` after each one, so that a failure part way leaves the ids of the jobs
+    already queued (and :func:`write_sweep` refuses to submit the folder again)."""
     ids = {}
     for job in manifest["jobs"]:
         cmd = [sbatch, "--parsable"]
@@ -60,12 +62,17 @@ def submit(manifest: dict, sbatch: str = "sbatch") -> dict:
         cmd.append(job["script"])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
+            queued = ", ".join(f"{name} ({jid})" for name, jid in ids.items()) or "none"
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): "
-                               f"{proc.stderr.strip() or proc.stdout.strip()}")
+                               f"{proc.stderr.strip() or proc.stdout.strip()}; queued before it: "
+                               f"{queued} (recorded in {path}; cancel them or submit the rest "
+                               f"by hand)")
         ids[job["name"]] = proc.stdout.strip().split(";")[0]
         job["job_id"] = ids[job["name"]]
         job["submit_command"] = cmd
+        path.write_text(json.dumps(manifest, indent=1))
     manifest["submitted"] = True
+    path.write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
@@ -86,8 +93,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         if shutil.which("sbatch") is None:
             raise RuntimeError("--submit needs sbatch on PATH (a SLURM login node); the "
                                f"rendered jobs are in {root}, --dry-run only renders them")
-        manifest = submit(manifest)
-        (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        manifest = submit(manifest, root / "manifest.json")
     if args.json:
         print(json.dumps(manifest))
     else:

@@ -167,6 +167,8 @@ def test_fit_batch_is_the_largest_batch_within_the_budget():
     (["--budget-mib", "0"], "--budget-mib"),
     (["--preset", "tpu"], "--preset"),
     (["--prefill-tokens", "0"], "--prefill-tokens"),
+    (["--chunk-size", "-5"], "--chunk-size: must be >= 1"),
+    (["--c", "nan"], "--c: must be a finite number"),
     (["--overlap", "on"], "--overlap: on needs --cuda-graphs"),
     (["--overlap", "maybe", "--cuda-graphs"], "--overlap"),
     (["--groups", "0"], "model.num_query_groups: must be > 0"),

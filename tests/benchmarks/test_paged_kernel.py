@@ -55,7 +55,8 @@ def test_a_cpu_run_times_both_layouts(tmp_path, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--spread", "1"], "--spread: accepted 0 <= spread < 1"),
     (["--compare-spread", "-0.1"], "--compare-spread: accepted 0 <= spread < 1"),
-    (["--compare-cr", "0.5"], "--cr / --compare-cr: accepted values >= 1"),
+    (["--compare-cr", "0.5"], "--cr / --compare-cr: accepted finite values >= 1"),
+    (["--cr", "nan"], "--cr / --compare-cr: accepted finite values >= 1"),
     (["--write-tuning", "t.json"], "--write-tuning: needs --sweep on a CUDA device"),
     (["--sweep", "--write-tuning", "t.json"], "--write-tuning: needs --sweep on a CUDA device"),
     (["--page-size", "0"], "--page-size: accepted values >= 1, got 0"),

@@ -46,6 +46,7 @@ def test_policies_flag_picks_the_modes():
     (["--ffn", "0"], "model.ffn_hidden_size: must be > 0"),
     (["--heads", "-1"], "model.num_attention_heads: must be > 0"),
     (["--layers", "0"], "--layers: must be >= 1"),
+    (["--cr", "inf"], "--cr: must be a finite number >= 1"),
     (["--gen-len", "2"], "--gen-len: must be >= 3 (the engine step that ends the prefill"),
 ])
 def test_bad_flags_exit_2_naming_them(flags, named, capsys):

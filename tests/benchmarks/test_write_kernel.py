@@ -116,7 +116,8 @@ def test_a_cpu_run_writes_its_rows(tmp_path, capsys):
     (["--warps", "a"], "--warps: accepted comma separated powers of two"),
     (["--head-dim", "15"], "--head-dim: accepted even values >= 2"),
     (["--window", "0"], "--window: accepted values >= 1"),
-    (["--cr", "0.5"], "--cr: accepted values >= 1"),
+    (["--cr", "0.5"], "--cr: accepted finite values >= 1"),
+    (["--cr", "inf"], "--cr: accepted finite values >= 1"),
     (["--merge-delay", "-1"], "--merge-delay: accepted values >= 0"),
     (["--write-tuning", "t.json"], "--write-tuning: needs a CUDA device"),
 ])

@@ -197,3 +197,20 @@ def test_test_paths_and_train_rows_narrow_the_steps(tmp_path):
     assert collected == {"tests/ops/test_mask_gpu.py", "tests/inference/test_kernels_gpu.py"}
     rows = json.loads((results / "train_step.json").read_text())["results"]
     assert list(rows) == ["vanilla", "dmc-dense+compiled", "dmc-dense+compiled+delay3"]
+
+
+def test_a_step_stopped_early_leaves_no_earlier_calls_results(tmp_path):
+    """A results folder reused by a second call: a step killed before it wrote its files must
+    not be summarised from the first call's (the JUnit file, a benchmark's JSON)."""
+    results = tmp_path / "r"
+    results.mkdir()
+    (results / "gpu_tests.xml").write_text('<testsuites><testsuite tests="3" failures="0" '
+                                          'errors="0" skipped="3"/></testsuites>')
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DMC_WHEELS": str(tmp_path),
+           "DMC_CHECK_STEPS": "gpu_tests", "DMC_TIMEOUT_gpu_tests": "1"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(results)],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 1, done.stderr
+    assert not (results / "gpu_tests.xml").exists()
+    summary = json.loads((results / "summary.json").read_text())
+    assert (summary["gpu_tests"] or {}).get("tests", 0) != 3

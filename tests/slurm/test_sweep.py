@@ -123,6 +123,26 @@ def test_fake_sbatch_submissions_match_manifest(in_repo, tmp_path, monkeypatch):
     assert (tmp_path / "calls").read_text().splitlines() == calls
 
 
+def test_a_submission_failing_part_way_keeps_the_ids_of_the_queued_jobs(in_repo, tmp_path,
+                                                                          monkeypatch, capsys):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(FAKE_SBATCH.replace('echo "$n;cluster"', '[ "$n" -le 102 ] || '
+                                                     '{ echo "QOS limit" >&2; exit 1; }\n'
+                                                     'echo "$n;cluster"'))
+    (fake / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
+    out = tmp_path / "sweep"
+    assert main(["sweep", "configs/sweeps/tiny.yaml", "--submit", "--out", str(out)]) == 2
+    assert "queued before it: tiny-s1-zero_out (101)" in capsys.readouterr().err
+    manifest = _manifest(out)
+    assert [j["job_id"] for j in manifest["jobs"][:3]] == ["101", "102", None]
+    assert not manifest["submitted"]
+    with pytest.raises(ValueError, match="holds a submitted sweep"):  # never queued twice
+        write_sweep(Path("configs/sweeps/tiny.yaml"), out)
+
+
 def _run_rendered(script, tmp_path, rc):
     """Runs a rendered job script with fake srun/scontrol and a fake interpreter exiting rc."""
     bin_dir = tmp_path / "bin"
