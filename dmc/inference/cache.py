@@ -134,9 +134,8 @@ class PagedKVCache(SlotEviction):
 
     def sequence_bytes(self, seq_slot: int, dmc_state: bool = True) -> dict:
         """Bytes held for one sequence: ``kv`` (its pages of keys and values), ``metadata`` (a
-        4-byte block-table entry per page it uses and a 4-byte length per head; the engine's
-        tables are preallocated ``ceil(max_seq_len / page_size)`` entries wide for every
-        method, a size the engine's settings choose, not the cache) and, with
+        4-byte block-table entry per page it uses, not the table's preallocated width, and a
+        4-byte length per head) and, with
         ``dmc_state``, ``dmc_state``: the open slot's merge state of every (layer, KV head)
         (ring of ``window`` pre-RoPE keys and values in the ring dtype and their float32
         omegas, or the float32 running mean and ``z``, plus the int32 token count), allocated
