@@ -135,11 +135,10 @@ class PagedKVCache(SlotEviction):
     def sequence_bytes(self, seq_slot: int, dmc_state: bool = True) -> dict:
         """Bytes held for one sequence: ``kv`` (its pages of keys and values), ``metadata`` (a
         4-byte block-table entry per page it uses, not the table's preallocated width, and a
-        4-byte length per head) and, with
-        ``dmc_state``, ``dmc_state``: the open slot's merge state of every (layer, KV head)
-        (ring of ``window`` pre-RoPE keys and values in the ring dtype and their float32
-        omegas, or the float32 running mean and ``z``, plus the int32 token count), allocated
-        whether or not a head merges."""
+        4-byte length per head) and, with ``dmc_state``, ``dmc_state``: the open slot's merge
+        state of every (layer, KV head) (ring of ``window`` pre-RoPE keys and values in the
+        ring dtype and their float32 omegas, or the float32 running mean and ``z``, plus the
+        int32 token count), allocated whether or not a head merges."""
         self._settle_for([seq_slot])
         lengths = self.allocator.lengths[seq_slot].long()
         pages = int(pages_for(lengths, self.page_size).sum())
