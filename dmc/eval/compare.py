@@ -83,11 +83,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         "the same steps, data and LR as the DMC and GQA runs (a retrofit with "
                         "dmc.enabled=false)")
     parser.add_argument("--base", metavar="PATH", help="the pretrained base model (a row)")
-    parser.add_argument("--dmc", nargs="+", default=[], metavar="PATH",
+    parser.add_argument("--dmc", nargs="+", action="extend", default=[], metavar="PATH",
                         help="DMC or DMS checkpoints, labelled by their method (e.g. "
-                        "runs/dmc2/checkpoints/solidify)")
-    parser.add_argument("--gqa", nargs="+", default=[], metavar="PATH",
-                        help="GQA checkpoints (dmc baseline gqa, then up-trained)")
+                        "runs/dmc2/checkpoints/solidify); repeatable")
+    parser.add_argument("--gqa", nargs="+", action="extend", default=[], metavar="PATH",
+                        help="GQA checkpoints (dmc baseline gqa, then up-trained); repeatable")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
                         help="comma-separated KV policies run on the control at every --crs, "
                         "each NAME (its paper's schedule) or NAME@SCHEDULE (prefill, prefill/N: "

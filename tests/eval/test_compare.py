@@ -116,6 +116,17 @@ def test_workers_give_the_same_rows(setup, capsys):
             assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-7), (one["label"], key)
 
 
+def test_a_repeated_checkpoint_flag_adds_rows():
+    import argparse
+
+    from dmc.eval.compare import add_compare_arguments
+
+    parser = add_compare_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--control", "c", "--data", "d", "--dmc", "a", "b", "--dmc", "e",
+                              "--gqa", "g", "--gqa", "h"])
+    assert args.dmc == ["a", "b", "e"] and args.gqa == ["g", "h"]
+
+
 def test_dmc_checkpoints_are_labelled_by_their_method(setup):
     """A DMS model given with --dmc is a DMS row (a vanilla one: test_bad_flags_...)."""
     import argparse
