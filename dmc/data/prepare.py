@@ -220,7 +220,8 @@ def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, qui
     mask."""
     prefix = split_prefix(out, name)
     encoded_docs: list[list[int]] = []
-    masks: list[list[int]] = []  # per document: its loss mask (see prepare_data)
+    masked = retrieval is not None and retrieval["loss"] != "all"
+    masks: list[int | list[int]] = []  # per document: its loss mask, or its length (all ones)
 
     def encoded():  # the bar starts with the first document, once the writer is ready
         with tqdm(
@@ -234,17 +235,19 @@ def _write_split(out: Path, name: str, docs: list[Document], tok: Tokenizer, qui
                 ids = tok.encode(doc.text)
                 if retrieval is not None:
                     encoded_docs.append(ids)
-                    masks.append([1] * len(ids))
+                    masks.append(len(ids))
                 yield ids
                 bar.update(len(doc.text))
         if retrieval is not None:
             for document in _retrieval_documents(encoded_docs, tok, retrieval):
-                masks.append(_loss_mask(document, retrieval["loss"]))
+                if masked:
+                    masks.append(_loss_mask(document, retrieval["loss"]))
                 yield document.tokens
 
     counts = write_indexed_dataset(prefix, encoded(), tok.vocab_size, tok.eod)
-    if retrieval is not None and retrieval["loss"] != "all":
-        write_indexed_dataset(loss_mask_prefix(prefix), masks,
+    if masked:
+        write_indexed_dataset(loss_mask_prefix(prefix),
+                              ([1] * m if isinstance(m, int) else m for m in masks),
                               max(tok.vocab_size, retrieval["doc_tokens"] + 2), 1)
     return {"prefix": prefix.name, **counts}
 
