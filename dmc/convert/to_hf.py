@@ -74,7 +74,7 @@ def mcore_to_hf(checkpoint, out_folder, *, tokenizer=None, dtype: str | None = N
     loaded = load_model(checkpoint)
     model_config, dmc_config = loaded.model_config, loaded.dmc_config
     if dtype is None:
-        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        dtype = loaded.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     state = {k: v.detach().cpu() for k, v in loaded.model.state_dict().items()

@@ -251,7 +251,7 @@ def evaluate_method(method: Method, loaded, data: EvalData, reference: dict | No
     from dmc.eval.needle import evaluate_needle
     from dmc.eval.perplexity import evaluate_perplexity
 
-    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")  # the cache's
+    dtype = loaded.dtype  # the cache's
     if reference is not None and dtype != reference["dtype"]:
         raise ValueError(f"--{method.kind} {method.path}: its weights, and so its cache, are "
                          f"{dtype}, the control's {reference['dtype']}; the memory CR would count "

@@ -32,6 +32,12 @@ class LoadedModel:
     source: Path
     state: dict  # the checkpoint's state.json ({} for inference files)
 
+    @property
+    def dtype(self) -> str:
+        """Its weights' dtype, e.g. ``"bfloat16"`` (an engine's cache holds keys and values in
+        it)."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
 
 def resolve_checkpoint(path) -> Path:
     """The checkpoint folder ``path`` names (itself, its ``latest`` or ``checkpoints/latest``)."""
