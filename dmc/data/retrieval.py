@@ -130,7 +130,8 @@ def kv_document(stream: _Stream, doc_tokens: int, rng: random.Random,
                 separators: tuple[int, int]) -> RetrievalDocument:
     """``key : value`` lines, then a shuffled subset of them again, about ``doc_tokens`` long.
     Keys are distinct and neither keys nor values hold a separator (a span that would is
-    redrawn, 100 tries, else the line is left out), so every query line has one answer."""
+    redrawn, 100 tries, else the line is left out), so every query line has one answer. Raises
+    ValueError when not one line can be drawn."""
     sep, end = separators
     lines, keys, tries = [], set(), 0
     while sum(len(line) for line in lines) < 0.6 * doc_tokens and tries < 100 * doc_tokens:
@@ -140,6 +141,11 @@ def kv_document(stream: _Stream, doc_tokens: int, rng: random.Random,
             continue
         keys.add(tuple(key))
         lines.append(key + [sep] + value + [end])
+    if not lines:
+        raise ValueError(f"kv documents: no key : value line without a separator could be drawn "
+                         f"in {tries} tries (nearly every {KV_SPAN_TOKENS[0]}-"
+                         f"{KV_SPAN_TOKENS[1]} token span of the corpus holds ':' or a line end); "
+                         f"leave kv out of the retrieval kinds")
     order = rng.sample(range(len(lines)), len(lines))
     starts = list(itertools.accumulate((len(line) for line in lines), initial=0))
     out = [t for line in lines for t in line]

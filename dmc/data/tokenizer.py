@@ -95,7 +95,7 @@ class Tokenizer(ABC):
         return self.decode(ids)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     """Hex SHA-256 of a file's bytes."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -108,7 +108,11 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
-        self._ids = {"class": type(self).__name__, "sha256": _sha256(self.path)}
+        if self._sp.eos_id() < 0:
+            raise ValueError(f"{str(self.path)!r}: no end-of-document token (the model was "
+                             f"trained with eos_id=-1); accepted: a SentencePiece model with an "
+                             f"eos piece, which every document of the data ends with")
+        self._ids = {"class": type(self).__name__, "sha256": file_sha256(self.path)}
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -157,7 +161,12 @@ class HFTokenizer(Tokenizer):
                 "(or pass a SentencePiece .model file)"
             ) from err
         self.path = Path(path)
-        self._tok = _HFTokenizer.from_file(str(self.path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(self.path))
+        except Exception as err:  # tokenizers raises a bare Exception on a file it cannot parse
+            raise ValueError(f"{str(self.path)!r} is not a Hugging Face tokenizer.json ({err}); "
+                             f"accepted: a tokenizer.json, a SentencePiece .model or a folder "
+                             f"with one") from err
         config = _read_hf_config(self.path.with_name(HF_CONFIG_FILE))
         self._eod = self._special_id(config.get("eos_token"), _HF_EOS_NAMES)
         if self._eod < 0:
@@ -167,7 +176,8 @@ class HFTokenizer(Tokenizer):
             )
         self._bos = self._special_id(config.get("bos_token"), _HF_BOS_NAMES)
         self._pad = self._special_id(config.get("pad_token"), _HF_PAD_NAMES)
-        self._ids = {"class": type(self).__name__, "sha256": _sha256(self.path), "eod": self._eod}
+        self._ids = {"class": type(self).__name__, "sha256": file_sha256(self.path),
+                     "eod": self._eod}
 
     def _special_id(self, configured: str | None, names: tuple[str, ...]) -> int:
         """Id of the configured token, else of the first known name in the vocabulary, else -1."""
@@ -275,7 +285,8 @@ def train_sentencepiece(
     """Train a byte-fallback SentencePiece BPE model on the lines of ``texts``; write ``out_path``.
 
     Llama-style settings: identity normalisation and whitespace kept as is (so ``decode(encode(s))
-    == s`` for any string, unseen characters included), digits split, ids unk 0 / bos 1 / eos 2 /
+    == s`` for any string without SentencePiece's space mark U+2581, which decodes as a space;
+    unseen characters included), digits split, ids unk 0 / bos 1 / eos 2 /
     pad 3. The same texts, ``vocab_size`` and ``seed`` give the same model bytes.
     Raises ValueError when ``vocab_size`` is too small or too large for the corpus.
     """

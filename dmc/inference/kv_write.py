@@ -306,7 +306,7 @@ class DMCKV(KVWrite):
                   open_slot_prefix(self.cache.open_state(layer, [seq]), self.config.window))
         packed = compress_chunk(key[None], value[None], alpha[None], omega[None], positions,
                                 self.inv_freq, self.config.window, prefix,
-                                window_kernels(self.config.accumulate_backend, key.device))
+                                window_kernels(self.config.accumulate_backend, key))
         overwrite = (alpha[:, 0] > 0.5) if start else None  # first token merges: open slot
         return Chunk(None, packed.keys[0], packed.values[0],
                      bias_from_log_keep(log_keep_next(alpha)),

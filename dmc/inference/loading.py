@@ -187,5 +187,8 @@ def load_inference_state(path) -> dict:
             f"{path}: not a dmc inference state (a dict with 'model_config', 'dmc_config' and "
             f"'state_dict'; see dmc.inference.loading.save_inference_state)"
         )
+    if saved.get("format", STATE_FORMAT) != STATE_FORMAT:
+        raise ValueError(f"{path}: inference state format {saved['format']!r}; this dmc reads "
+                         f"format {STATE_FORMAT} (written by save_inference_state)")
     saved.setdefault("dmc_config", None)
     return saved

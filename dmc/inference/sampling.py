@@ -52,9 +52,14 @@ class SamplingParams:
             if value is not None and (isinstance(value, bool) or int(value) != value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             setattr(self, name, None if value is None else int(value))
-        if any(isinstance(t, bool) or int(t) != t for t in self.stop_tokens):
-            raise ValueError(f"stop_tokens must be integer token ids, got {self.stop_tokens!r}")
+        if isinstance(self.stop_tokens, (int, str)) or any(
+                isinstance(t, bool) or int(t) != t for t in self.stop_tokens):
+            raise ValueError(f"stop_tokens must be a sequence of integer token ids, got "
+                             f"{self.stop_tokens!r}")
         self.stop_tokens = tuple(int(t) for t in self.stop_tokens)
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature < math.inf:

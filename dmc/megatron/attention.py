@@ -173,7 +173,7 @@ class DMCSelfAttention(SelfAttention):
         alpha, log_keep = self._decisions(alpha_logit)
         key_acc, value_acc = partial_accumulate(
             to_bhsd(key), to_bhsd(value), alpha, omega, cfg.window,
-            windowed=window_kernels(cfg.accumulate_backend, key.device))
+            windowed=window_kernels(cfg.accumulate_backend, key))
         if cfg.merge_delay:
             return self._delayed_merge_attention(query, key, key_acc, value_acc, to_bhsd(value),
                                                  log_keep, rotary_pos_emb), alpha

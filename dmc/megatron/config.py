@@ -11,6 +11,10 @@ back, dicts written by older versions (fewer fields) included. A bad value raise
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass
 
 METHODS = ("dmc", "dms")
@@ -30,6 +34,51 @@ OPTIONAL_MODEL_FIELDS = {"params_dtype": None, "qk_layernorm": False, "kv_channe
 
 class ConfigError(ValueError):
     """A bad configuration key or value (the CLI exits with status 2)."""
+
+
+def check_type(key: str, value, hint):
+    """``value`` as the annotated type ``hint`` (``int``, ``float``, ``bool``, ``str``, or one
+    of them ``| None``): an integral float becomes an int, an integer or a numeric string a
+    float; anything else (a bool for a number, a string for a bool, NaN) raises ConfigError
+    naming ``key``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if value is None:
+        raise ConfigError(f"{key}: null is not allowed (expected {hint.__name__})")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _check_field_types(config, section: str) -> None:
+    """Each field of the dataclass instance ``config`` through :func:`check_type`, in place."""
+    for name, hint in typing.get_type_hints(type(config)).items():
+        setattr(config, name, check_type(f"{section}.{name}", getattr(config, name), hint))
 
 
 def _fields_from(cls, values: dict, what: str) -> dict:
@@ -72,6 +121,7 @@ class ModelConfig:
     kv_channels: int | None = None
 
     def __post_init__(self):
+        _check_field_types(self, "model")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "max_seq_length", "rotary_base", "norm_epsilon", "num_query_groups",
                      "vocab_size", "init_method_std"):
@@ -218,6 +268,7 @@ class DMCConfig:
     merge_delay: int = 0
 
     def __post_init__(self):
+        _check_field_types(self, "dmc")
         if self.method not in METHODS:
             raise ConfigError(f"dmc.method: {self.method!r} is not one of {', '.join(METHODS)}")
         if self.dms_decision not in DMS_DECISIONS:

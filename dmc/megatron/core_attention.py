@@ -21,10 +21,14 @@ class SDPACoreAttention(DotProductAttention):
     ``[sq, b, np * hn]`` like the parent class.
     """
 
-    def _fused(self, attention_mask, attn_mask_type) -> bool:
+    def _fused(self, query, key, attention_mask, attn_mask_type) -> bool:
+        """Whether SDPA's causal mask is the attention's: self-attention over one span (SDPA
+        aligns ``is_causal`` top left, so queries fewer than the keys would see the wrong ones;
+        the parent refuses that case) with none of what the fast path leaves out."""
         cfg = self.config
         mask_type = attn_mask_type or self.attn_mask_type
         return (attention_mask is None and mask_type == AttnMaskType.causal
+                and query.shape[0] == key.shape[0]
                 and not (self.training and cfg.attention_dropout)
                 and self.softmax_offset is None and cfg.window_size is None
                 and not cfg.apply_query_key_layer_scaling)
@@ -32,7 +36,7 @@ class SDPACoreAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if (attention_bias is not None or packed_seq_params is not None
-                or not self._fused(attention_mask, attn_mask_type)):
+                or not self._fused(query, key, attention_mask, attn_mask_type)):
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)
         group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition

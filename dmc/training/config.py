@@ -8,14 +8,20 @@ naming the key and the accepted values.
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from dmc.megatron.config import DMC_CHOICES, METHODS, ConfigError, DMCConfig, ModelConfig
+from dmc.megatron.config import (
+    DMC_CHOICES,
+    METHODS,
+    ConfigError,
+    DMCConfig,
+    ModelConfig,
+    check_type,
+)
 from dmc.training.validation import RUN_CHOICES, validate
 
 __all__ = ["ConfigError", "DMCSection", "DistillConfig", "ModelConfig", "RunConfig",
@@ -165,44 +171,6 @@ CHOICES = dict(RUN_CHOICES, **{f"dmc.{name}": c for name, c in DMC_CHOICES.items
                **{"dmc.method": METHODS})
 
 
-def _check_type(key: str, value, hint):
-    """Coerces ``value`` to the annotated type or raises ConfigError."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        hint = next(a for a in args if a is not type(None))
-    if value is None:
-        raise ConfigError(f"{key}: null is not allowed (expected {hint.__name__})")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-            return float(value)
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise ConfigError(f"{key}: unsupported type {hint}")
-
-
 def _build(cls, values: dict, prefix: str = ""):
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
@@ -221,7 +189,7 @@ def _build(cls, values: dict, prefix: str = ""):
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, key + ".")
         else:
-            kwargs[name] = _check_type(key, value, hint)
+            kwargs[name] = check_type(key, value, hint)
     return cls(**kwargs)
 
 

@@ -7,13 +7,8 @@ import random
 import pytest
 
 from dmc.data.indexed import read_indexed_dataset
-from dmc.data.prepare import (
-    add_prepare_arguments,
-    load_meta,
-    prepare_data,
-    run_prepare,
-    split_prefix,
-)
+from dmc.data.cli import add_prepare_arguments, run_prepare
+from dmc.data.prepare import load_meta, prepare_data, split_prefix
 from dmc.data.tokenizer import load_tokenizer
 
 WORDS = (
@@ -217,3 +212,42 @@ def test_cli_summary(prepared, tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"prepared {tmp_path}" in text and "train " in text and "valid " in text
     assert "sentencepiece (from" in text
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"vocab_size": 100000}, "vocab_size=100000 cannot be trained"),
+    ({"retrieval_fraction": 0.2, "retrieval_doc_tokens": 10}, "retrieval_doc_tokens must be >= 64"),
+    ({"retrieval_fraction": 0.2, "retrieval_kinds": ["repeat"]}, "corpus documents of at least"),
+])
+def test_a_failed_run_leaves_a_prepared_folder_as_it_was(prepared, tmp_path, kwargs, fragment):
+    """A run that fails after it started writing (a vocabulary the corpus cannot train; short
+    corpus documents, found while drawing retrieval documents) changes no file of the folder
+    it was to replace: the tokenizer, the data and meta.json still agree."""
+    corpus, out, meta = prepared
+    folder = tmp_path / "out"
+    prepare_data([corpus], folder, vocab_size=300, valid_fraction=0.2, seed=3, quiet=True)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "a.txt").write_text("Thou art.\n" * 40)
+    with pytest.raises(ValueError, match=fragment):
+        if "vocab_size" in kwargs:
+            prepare_data([corpus], folder, quiet=True, **kwargs)
+        else:
+            prepare_data([short], folder, tokenizer=out, split_lines=True, quiet=True, **kwargs)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert load_meta(folder) == meta
+    train = read_indexed_dataset(split_prefix(folder, "train"))
+    assert sum(map(len, train)) == meta["splits"]["train"]["tokens"]
+
+
+def test_a_bad_tokenizer_json_exits_2_naming_it(prepared, tmp_path, capsys):
+    from dmc.cli import main
+
+    pytest.importorskip("tokenizers")
+    corpus, _, _ = prepared
+    (tmp_path / "tokenizer.json").write_text('{"bos_token": "<s>" "eos"}')
+    code = main(["data", "prepare", "--input", str(corpus), "--output", str(tmp_path / "out"),
+                 "--tokenizer", str(tmp_path / "tokenizer.json"), "--quiet"])
+    assert code == 2
+    assert "tokenizer.json' is not a Hugging Face tokenizer.json" in capsys.readouterr().err

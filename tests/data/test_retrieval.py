@@ -113,6 +113,19 @@ def test_kv_keys_are_distinct_and_no_span_holds_a_separator():
     assert len(set(keys)) == len(keys)
 
 
+def test_a_corpus_with_no_line_for_kv_documents_is_an_error_not_a_hang():
+    """Every 2-6 token span holds a separator: not one key : value line can be drawn, which
+    made empty kv documents and, with kv alone, a loop that never reached its token count."""
+    rng = random.Random(3)
+    lines_only = [[rng.choice([1, SEP, END]) if i % 2 else END for i in range(3000)]
+                  for _ in range(3)]
+    with pytest.raises(ValueError, match="kv documents: no key : value line"):
+        kv_document(_Stream(lines_only, rng), 400, rng, (SEP, END))
+    with pytest.raises(ValueError, match="leave kv out of the retrieval kinds"):
+        make_retrieval_documents(lines_only, 2000, doc_tokens=400, kinds=["kv"],
+                                 separators=(SEP, END))
+
+
 def _split(tokens, end):
     lines, line = [], []
     for t in tokens:
@@ -278,7 +291,7 @@ def test_prepare_mixes_retrieval_documents_into_train_only(tmp_path):
 
     import argparse
 
-    from dmc.data.prepare import add_prepare_arguments, run_prepare
+    from dmc.data.cli import add_prepare_arguments, run_prepare
     args = add_prepare_arguments(argparse.ArgumentParser()).parse_args(
         ["--input", str(corpus_dir), "--output", str(tmp_path / "cli"), "--vocab-size", "300",
          "--retrieval-fraction", "0.5", "--retrieval-doc-tokens", "64",

@@ -179,6 +179,29 @@ def test_a_loss_mask_beside_the_data_weights_each_label_of_every_sample(sp, docs
         loss_mask_prefix(tmp_path / "ds")
 
 
+def test_an_index_cache_outside_the_data_is_not_reused_for_other_data(sp, docs, tmp_path):
+    """Megatron keys its sample-index cache by the path, seed and sizes, not the data: a
+    ``cache_dir`` kept across a folder prepared again must not serve the old indices."""
+    prefix, cache = tmp_path / "train_text_document", tmp_path / "elsewhere"
+    for n_docs in (40, 12):  # the same path and tokenizer, other data
+        encoded = [sp.encode(d) for d in docs[:n_docs]]
+        write_indexed_dataset(prefix, encoded, sp.vocab_size, sp.eod)
+        kept = build_gpt_dataset(prefix, 32, None, 1234, sp, cache_dir=cache)
+        fresh = build_gpt_dataset(prefix, 32, None, 1234, sp, cache_dir=tmp_path / f"new{n_docs}")
+        assert len(kept) == len(fresh)
+        assert all(torch.equal(kept[i]["tokens"], fresh[i]["tokens"]) for i in range(len(kept)))
+
+
+def test_a_sentencepiece_model_without_an_eos_piece_is_refused(docs, tmp_path):
+    import sentencepiece
+
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(docs), model_prefix=str(tmp_path / "noeos"), vocab_size=100,
+        eos_id=-1, minloglevel=2, hard_vocab_limit=False)
+    with pytest.raises(ValueError, match="noeos.model': no end-of-document token"):
+        load_tokenizer(tmp_path / "noeos.model")
+
+
 def test_gpt_dataset_needs_an_existing_prefix(sp, tmp_path):
     with pytest.raises(FileNotFoundError, match="dmc data prepare"):
         build_gpt_dataset(tmp_path / "missing", 16, 10, 0, sp)

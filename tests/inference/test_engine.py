@@ -393,6 +393,11 @@ def test_from_state_dict_file_and_cli(parallel_1x1, tmp_path, capsys):
     with pytest.raises(ValueError, match="notes.txt: not a dmc inference state"):
         run_generate(parser.parse_args(["--state-dict", str(tmp_path / "notes.txt"),
                                         "--prompt-ids", "1"]))
+    newer = tmp_path / "newer.pt"
+    torch.save(dict(torch.load(path, weights_only=True), format=2), newer)
+    with pytest.raises(ValueError, match="newer.pt: inference state format 2; this dmc reads "
+                                         "format 1"):
+        run_generate(parser.parse_args(["--state-dict", str(newer), "--prompt-ids", "1"]))
 
 
 @pytest.mark.parametrize("ids, message", [

@@ -32,3 +32,16 @@ def test_sdpa_matches_megatron(parallel_1x1, groups):
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-10)
     for mine, theirs in zip(grads[1], grads[0]):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
+
+
+def test_fewer_queries_than_keys_take_megatrons_path(parallel_1x1):
+    """Queries of the last 2 of 6 positions: SDPA's causal mask would align them with keys 0-1;
+    the class hands the case to megatron, which refuses it (as it did before SDPA)."""
+    config = llama_transformer_config(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                      ffn_hidden_size=128, params_dtype=torch.float64)
+    attention = SDPACoreAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                  attention_type="self")
+    query = torch.randn(2, 1, 4, 16, dtype=torch.float64)
+    key, value = (torch.randn(6, 1, 4, 16, dtype=torch.float64) for _ in range(2))
+    with pytest.raises(AssertionError, match="causal mask is only for self attention"):
+        attention(query, key, value, None)

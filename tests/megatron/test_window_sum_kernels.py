@@ -2,6 +2,8 @@
 against the PyTorch path (:func:`dmc.ops.accumulate.windowed_accumulate`) and float64, forward
 and backward; on the CPU through the Triton interpreter (the root conftest sets
 ``TRITON_INTERPRET=1``), on CUDA under the gpu mark."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -172,17 +174,22 @@ def test_a_train_step_through_the_kernels_is_the_pytorch_paths(parallel_1x1, del
 
 def test_the_backend_setting_is_checked(monkeypatch):
     """Bad values name the field; not part of the model; "triton" on the CPU needs the
-    interpreter."""
+    interpreter; a float64 model takes the PyTorch path ("auto" on CUDA went to the kernels,
+    which failed to cast their float32 sums to float64)."""
     from dmc.megatron.accumulate_backend import window_kernels
 
     with pytest.raises(ValueError, match="accumulate_backend"):
         DMCConfig(accumulate_backend="cuda")
     assert "accumulate_backend" not in DMCConfig(accumulate_backend="torch").to_dict()
-    assert window_kernels("auto", torch.device("cpu")) is None
+    assert window_kernels("auto", torch.zeros(1)) is None
+    cuda64 = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float64)  # as keys
+    assert window_kernels("auto", cuda64) is None
+    with pytest.raises(ValueError, match="'triton' sums in float32 and takes no float64"):
+        window_kernels("triton", cuda64)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="accumulate_backend: 'triton' on the CPU needs "
                                          "TRITON_INTERPRET=1"):
-        window_kernels("triton", torch.device("cpu"))
+        window_kernels("triton", torch.zeros(1))
 
 
 @pytest.mark.gpu
