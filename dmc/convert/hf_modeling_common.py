@@ -58,6 +58,9 @@ class CompressedCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.__init__(self.window)
 
+    def crop(self, max_length: int) -> None:  # assisted decoding: merges cannot be undone
+        raise NotImplementedError(f"a compressed cache cannot be cut back to {max_length} tokens")
+
     def _select(self, index: torch.Tensor) -> None:
         for name in self.state_names:
             setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
@@ -83,8 +86,8 @@ class CompressedCache(Cache):
 
     def __init__(self, layers: list):
         super().__init__(layers=layers)
-        self.seen = 0
-        self.next_position = None
+        self.seen, self.next_position = 0, None
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
@@ -276,10 +279,13 @@ class CompressedLlamaModel(CompressedPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=False, **kwargs):
-        """Hidden states ``[batch, n, hidden]`` and the cache (a ``cache_class`` or None)."""
+        """Hidden states ``[batch, n, hidden]`` and the cache (a ``cache_class`` or None). A
+        ``past_key_values`` given is read and extended whatever ``use_cache`` says, as Llama's
+        model does (dropping it ran the new tokens as a sequence of their own)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        cache = as_cache(past_key_values, self.config, self.cache_class) if use_cache else None
+        cache = (as_cache(past_key_values, self.config, self.cache_class)
+                 if use_cache or past_key_values is not None else None)
         return run_model(self, inputs_embeds, attention_mask, position_ids, cache)
 
 
@@ -312,6 +318,10 @@ class CompressedLlamaForCausalLM(CompressedPreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         """Causal-LM logits ``[batch, n, vocab]`` (float32 cast of the head's output), loss for
         ``labels`` (shifted inside), and the compressed cache when ``use_cache``."""
+        asked = [f for f in ("output_attentions", "output_hidden_states")
+                 if kwargs.get(f, getattr(self.config, f, False))]
+        if asked:
+            raise NotImplementedError(f"{', '.join(asked)}: only logits and the cache are returned")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         hidden, cache = self.model(input_ids, attention_mask, position_ids, past_key_values,
                                    inputs_embeds, use_cache=use_cache)
@@ -331,8 +341,7 @@ def real_tokens(attention_mask, batch, n, device, prefill) -> torch.Tensor:
     if attention_mask is None:
         return torch.ones(batch, n, dtype=torch.bool, device=device)
     if attention_mask.dim() != 2:
-        raise ValueError("compressed models take a 2-D attention_mask [batch, seq] (1 = token, "
-                         "0 = pad)")
+        raise ValueError("compressed models take a 2-D attention_mask [batch, seq] (1 = token)")
     mask = attention_mask[:, -n:].to(device).bool()
     if prefill:
         if (mask[:, :-1] & ~mask[:, 1:]).any():
@@ -371,8 +380,7 @@ def run_model(model, inputs_embeds, attention_mask, position_ids, cache):
 
 
 def _run_layers(model, x, positions, real, cache, prefill):
-    # computed per call: from_pretrained builds modules on the meta device, so a buffer
-    # would have to be re-initialised after loading
+    # per call: from_pretrained builds modules on the meta device, where a buffer stays unset
     inv_freq = rope_inv_freq(model.head_dim, model.config.rope_theta,
                              llama3_scaling=model.config.rope_llama3_scaling).to(x.device)
     for i, layer in enumerate(model.layers):

@@ -41,10 +41,10 @@ COMMON_FILE = "hf_modeling_common.py"
 # COMMON_FILE import relatively, shipped next to it, auto_map)
 METHOD_FILES = {
     "dmc": ("hf_modeling_dmc.py", "modeling_dmc.py",
-            ("algorithm1.py", "accumulate.py", "decisions.py", "rope.py"),
+            ("algorithm1.py", "accumulate.py", "decisions.py", "mask.py", "rope.py"),
             {"AutoConfig": "modeling_dmc.DMCLlamaConfig",
              "AutoModelForCausalLM": "modeling_dmc.DMCLlamaForCausalLM"}),
-    "dms": ("hf_modeling_dms.py", "modeling_dms.py", ("decisions.py", "rope.py"),
+    "dms": ("hf_modeling_dms.py", "modeling_dms.py", ("decisions.py", "mask.py", "rope.py"),
             {"AutoConfig": "modeling_dms.DMSLlamaConfig",
              "AutoModelForCausalLM": "modeling_dms.DMSLlamaForCausalLM"}),
 }

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dmc.ops.mask import log_keep_next, log_keep_next_from_logits
+from .mask import log_keep_next, log_keep_next_from_logits
 
 DECISION_CHANNEL = -1
 OMEGA_MIN = 1e-6

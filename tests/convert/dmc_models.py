@@ -1,4 +1,8 @@
 """Tiny DMC megatron checkpoints for the conversion tests."""
+import os
+import subprocess
+import sys
+
 import torch
 
 from dmc.convert.mcore_io import write_checkpoint
@@ -115,19 +119,55 @@ def export_tiny(model, cfg, dmc, tmp_path):
     return hf, info
 
 
+WITHOUT_DMC = """
+import importlib.abc, sys
+
+class NoDmc(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "dmc" or name.startswith("dmc."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, NoDmc())
+import torch, transformers
+folder, ids, out = sys.argv[1:]
+hf = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+with torch.no_grad():
+    torch.save(hf(torch.load(ids)).logits, out)
+"""
+
+
+def logits_without_dmc(folder, ids, tmp_path):
+    """The logits of ``ids`` from the export at ``folder`` loaded where ``dmc`` cannot be
+    imported (a user with transformers alone: the export must carry every file its code
+    imports), in a subprocess."""
+    script, ids_file, out = tmp_path / "without_dmc.py", tmp_path / "ids.pt", tmp_path / "out.pt"
+    script.write_text(WITHOUT_DMC)
+    torch.save(ids, ids_file)
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "hf_modules"), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, str(script), str(folder), str(ids_file), str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
 def check_hf_logits(hf, model, ids, prefix, label):
     """The HF model's logits on ``ids [batch, n]`` equal the megatron ``model``'s to 1e-5, both
     from one full forward and teacher-forced through its compressed cache (``prefix`` tokens,
-    then one at a time). Returns the cache after the last token."""
+    then one at a time, the last with ``use_cache=False``). Returns the cache after the last
+    token."""
     want = megatron_logits(model, ids)
     with torch.no_grad():
         got = hf(ids, use_cache=False).logits
         cached = hf(ids[:, :prefix], use_cache=True)
         steps, cache = [cached.logits], cached.past_key_values
-        for t in range(prefix, ids.shape[1]):
+        for t in range(prefix, ids.shape[1] - 1):
             out = hf(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
             cache = out.past_key_values
+        out = hf(ids[:, -1:], past_key_values=cache, use_cache=False)  # as Llama's: a cache
+        steps.append(out.logits)  # given is read and extended whatever use_cache says
+        cache = out.past_key_values
     diff = (got - want).abs().max().item()
     diff_cache = (torch.cat(steps, dim=1) - want).abs().max().item()
     print(f"max |logit diff| HF {label} vs megatron eval: {diff:.2e}; through the HF cache: "

@@ -1,7 +1,8 @@
 """DMC export to transformers: the exported folder loads with trust_remote_code, its logits equal
 the eval-mode megatron model's, and generate() with its compressed cache produces the greedy
 tokens and the per-head slot counts of dmc.inference.Engine (batched, left-padded included);
-the tokenizer's bos / eos / pad ids go with the export, so generate() stops at </s>."""
+the tokenizer's bos / eos / pad ids go with the export, so generate() stops at </s>; the export
+loads where dmc is not installed."""
 import json
 
 import pytest
@@ -11,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from dmc.convert import mcore_to_hf  # noqa: E402
 from dmc_models import (VOCAB, check_generate_matches_engine, check_hf_logits,  # noqa: E402
-                        export_tiny, megatron_logits, save_tiny, tiny_dmc)
+                        export_tiny, logits_without_dmc, megatron_logits, save_tiny, tiny_dmc)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 NEW = 16
@@ -31,7 +32,9 @@ def test_exported_dmc_model_matches_megatron_and_engine(tmp_path, groups, window
 
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert type(hf(ids).past_key_values).__name__ == "DMCCache"  # config.use_cache default
+        out = hf(ids)
+    assert type(out.past_key_values).__name__ == "DMCCache"  # config.use_cache default
+    torch.testing.assert_close(logits_without_dmc(tmp_path / "hf", ids, tmp_path), out.logits)
     cache = check_hf_logits(hf, model, ids, 25, f"DMC ({groups} groups, window {window})")
     assert (cache.slot_counts() < 40).any()
     check_generate_matches_engine(hf, model, [ids[0, :11].tolist(), ids[1, :19].tolist()], NEW)
@@ -127,3 +130,18 @@ def test_export_reads_a_hugging_face_tokenizers_special_ids(tmp_path):
     assert "pad_token_id" not in config
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation == {"eos_token_id": [7, 2]}
+
+
+def test_what_a_compressed_cache_cannot_give_is_refused(tmp_path):
+    """Hidden states and attentions are not returned, and assisted or prompt-lookup decoding
+    (which cut a cache back) cannot run: each says so instead of returning None or failing
+    on a missing method."""
+    model, cfg, dmc = tiny_dmc(2, 4)
+    hf, _ = export_tiny(model, cfg, dmc, tmp_path)
+    ids = torch.randint(1, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))  # no pad
+    for flag in ("output_hidden_states", "output_attentions"):
+        with pytest.raises(NotImplementedError, match=f"{flag}: only logits and the cache"):
+            hf(ids, **{flag: True})
+    with pytest.raises(NotImplementedError, match="cannot be cut back"):
+        hf.generate(torch.cat([ids, ids], 1), max_new_tokens=8, do_sample=False,
+                    prompt_lookup_num_tokens=3, pad_token_id=0)

@@ -3,7 +3,8 @@ exported folder loads with trust_remote_code, its logits equal the eval-mode
 ``DMSSelfAttention`` model's (full forward and teacher-forced through the HF cache), generate()
 produces dmc.inference.Engine's greedy tokens (one sequence and a left-padded batch), and the HF
 cache holds exactly each head's survivors plus the window, as the engine does; its weights map
-back to the megatron ones. Borrowed-channel and adapter decisions (``dms_decision``)."""
+back to the megatron ones; it loads where dmc is not installed. Borrowed-channel and adapter
+decisions (``dms_decision``)."""
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from dmc.convert.hf_io import read_hf_weights  # noqa: E402
 from dmc.convert.mapping import hf_to_mcore_state  # noqa: E402
 from dmc.megatron.config import ModelConfig  # noqa: E402
 from dmc_models import (VOCAB, check_generate_matches_engine, check_hf_logits,  # noqa: E402
-                        export_tiny, full_state, model_config, tiny_dms)
+                        export_tiny, full_state, logits_without_dmc, model_config, tiny_dms)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 NEW = 16
@@ -73,6 +74,8 @@ def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert type(hf(ids[:, :5], use_cache=True).past_key_values).__name__ == "DMSCache"
+        want = hf(ids).logits
+    torch.testing.assert_close(logits_without_dmc(tmp_path / "hf", ids, tmp_path), want)
     cache = check_hf_logits(hf, model, ids, 25, f"DMS ({groups} groups, window {window})")
     for row in range(2):
         want_held = held_reference(hf, ids[row:row + 1])
