@@ -5,6 +5,16 @@ import argparse
 import json
 
 
+def kv_factor(path) -> tuple[int, int]:
+    """``(source KV heads, factor)`` of the GQA conversion at ``path``: the factor is the source's
+    KV heads over the converted model's (``heads / groups`` for an MHA source)."""
+    from dmc.megatron.checkpoint import read_state
+
+    state = read_state(path)
+    source = state["source_num_query_groups"]
+    return source, source // state["model_config"]["num_query_groups"]
+
+
 def run_gqa(args: argparse.Namespace) -> int:
     from dmc.baselines.gqa import convert_to_gqa
 
@@ -13,10 +23,13 @@ def run_gqa(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"GQA model with {args.num_query_groups} KV heads written to {path}; up-train it "
-              f"with: dmc retrofit --config configs/models/<model>.yaml --config "
-              f"configs/retrofit/gqa2.yaml model.num_query_groups={args.num_query_groups} "
-              f"checkpoint.load_base={path}")
+        source, factor = kv_factor(path)
+        print(f"GQA model with {args.num_query_groups} KV heads ({factor}x fewer than the "
+              f"source's {source}) written to {path}; up-train it with the {factor}x recipe: "
+              f"dmc retrofit --config configs/models/<model>.yaml --config "
+              f"configs/retrofit/gqa{factor}.yaml model.num_query_groups={args.num_query_groups} "
+              f"checkpoint.load_base={path} (for an equal training budget, with the schedule of "
+              f"the DMC {factor}x run it is compared with)")
     return 0
 
 

@@ -1,9 +1,11 @@
 """``dmc sweep FILE.yaml [--dry-run | --submit]``: a CR / GQA sweep as chains of SLURM jobs.
 
 Writes ``<output>/<name>/`` with ``jobs/<job>.sbatch``, ``submit.sh``, ``logs/`` and
-``manifest.json`` (points, jobs, commands, dependencies, output paths and, after ``--submit``,
-the job ids). ``--dry-run`` (the default) writes everything but submits nothing; ``--submit``
-calls ``sbatch --parsable [--dependency=afterok:IDS]`` job by job in dependency order.
+``manifest.json`` (points with their training budgets, jobs, commands, dependencies, output
+paths and, after ``--submit``, the job ids). ``--dry-run`` (the default) writes everything but
+submits nothing; ``--submit`` calls ``sbatch --parsable [--dependency=afterok:IDS]`` job by job
+in dependency order. ``--submit`` and ``submit.sh`` record each queued job in ``job_ids.txt``
+and refuse a folder that has one, so no folder is submitted twice.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 
 from dmc.slurm.plan import plan_sweep
-from dmc.slurm.render import render_job, render_submit
+from dmc.slurm.render import JOB_IDS, render_job, render_submit, submitted_message
 from dmc.slurm.spec import load_sweep
 
 
@@ -25,10 +27,9 @@ def write_sweep(sweep_file: Path, out: Path | None) -> tuple[dict, Path]:
     spec = load_sweep(sweep_file)
     root = (Path(out) if out else Path(spec.output) / spec.name).resolve()
     manifest_path = root / "manifest.json"
-    if manifest_path.is_file() and any(
-            j.get("job_id") for j in json.loads(manifest_path.read_text())["jobs"]):
-        raise ValueError(f"{root} holds a submitted sweep (manifest.json has job ids); "
-                         f"pass another --out or remove the folder")
+    if (root / JOB_IDS).exists() or (manifest_path.is_file() and any(  # or by an older dmc
+            j.get("job_id") for j in json.loads(manifest_path.read_text())["jobs"])):
+        raise ValueError(submitted_message(root))
     jobs, points = plan_sweep(spec, root)
     for sub in ("jobs", "logs"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -36,7 +37,7 @@ def write_sweep(sweep_file: Path, out: Path | None) -> tuple[dict, Path]:
     for job in jobs:
         scripts[job.name] = root / "jobs" / f"{job.name}.sbatch"
         scripts[job.name].write_text(render_job(job, spec.slurm, spec.name, root, Path.cwd()))
-    (root / "submit.sh").write_text(render_submit(jobs, scripts, spec.name))
+    (root / "submit.sh").write_text(render_submit(jobs, scripts, spec.name, root))
     shutil.copyfile(sweep_file, root / "sweep.yaml")
     manifest = {
         "sweep": spec.name, "sweep_file": str(Path(sweep_file).resolve()), "root": str(root),
@@ -51,9 +52,12 @@ def write_sweep(sweep_file: Path, out: Path | None) -> tuple[dict, Path]:
 
 
 def submit(manifest: dict, path: Path, sbatch: str = "sbatch") -> dict:
-    """Submits every job in order with ``sbatch --parsable``; fills in the job ids, writing the
-    manifest to ``path`` after each one, so that a failure part way leaves the ids of the jobs
-    already queued (and :func:`write_sweep` refuses to submit the folder again)."""
+    """Submits every job in order with ``sbatch --parsable``; appends each job id to the
+    folder's ``job_ids.txt`` (as ``submit.sh`` does) and fills it in the manifest at ``path``
+    as the job is queued, so that a failure part way leaves the ids of the jobs already queued
+    (and :func:`write_sweep` and ``submit.sh`` refuse to submit the folder again)."""
+    if (path.parent / JOB_IDS).exists():
+        raise ValueError(submitted_message(path.parent))
     ids = {}
     for job in manifest["jobs"]:
         cmd = [sbatch, "--parsable"]
@@ -68,6 +72,8 @@ def submit(manifest: dict, path: Path, sbatch: str = "sbatch") -> dict:
                                f"{queued} (recorded in {path}; cancel them or submit the rest "
                                f"by hand)")
         ids[job["name"]] = proc.stdout.strip().split(";")[0]
+        with open(path.parent / JOB_IDS, "a") as record:
+            record.write(f"{job['name']} {ids[job['name']]}\n")
         job["job_id"] = ids[job["name"]]
         job["submit_command"] = cmd
         path.write_text(json.dumps(manifest, indent=1))

@@ -3,9 +3,12 @@
 Per (model, seed): one ``zero_out`` job, shared by every target CR (the zero-out phase does
 not depend on the CR); per CR: ``retrofit`` (continuing from the shared zero-out checkpoint
 through ``checkpoint.init_from``) -> ``solidify``. Per (model, GQA factor): one conversion job
-(``dmc baseline gqa``), shared by the seeds; per seed an up-training job. Each training job's
-config is validated with :func:`dmc.training.config.load_config` and its parallel layout
-against the job's GPUs before anything is written.
+(``dmc baseline gqa``), shared by the seeds; per seed an up-training job. A comparison holds
+only at equal training budget: a GQA factor equal to one of the sweep's CRs up-trains with the
+schedule of the DMC point at that CR (its zero-out + retrofit + solidify steps) and must share
+its batch shape. Each training job's config is validated with
+:func:`dmc.training.config.load_config` and its parallel layout against the job's GPUs before
+anything is written; point and job names must be unique.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ from pathlib import Path
 from dmc.slurm.spec import SweepError, SweepSpec
 from dmc.training.resume import INIT_FROM_SAME, flat_dict, under
 from dmc.training.config import ConfigError, load_config, to_dict
+from dmc.training.phases import PhasePlan
+
+SCHEDULE_STEPS = ("zero_out_steps", "retrofit_steps", "solidify_steps")
+BATCH_SHAPE = ("global_batch_size", "seq_length")
 
 
 @dataclass
@@ -33,7 +40,8 @@ class Job:
 
 @dataclass
 class Point:
-    """One sweep point (a DMC CR or a GQA baseline) and the jobs that produce it."""
+    """One sweep point (a DMC CR or a GQA baseline), the jobs that produce it, its result
+    checkpoint and its training ``budget`` (:func:`budget`)."""
 
     name: str
     kind: str
@@ -43,10 +51,44 @@ class Point:
     run_dir: str
     jobs: list
     result: str
+    budget: dict
 
 
 def _fmt(value: float) -> str:
+    """A CR or factor as it appears in names: 6 significant digits (2, 2.5, 1.23457). The exact
+    value goes to ``dmc.target_cr``; :func:`plan_sweep` refuses names that collide."""
     return f"{value:g}"
+
+
+def budget(cfg) -> dict:
+    """The training budget of a run: all its steps (zero-out + retrofit or up-training +
+    solidify), its batch shape and ``tokens`` = steps x global batch x sequence length."""
+    steps = sum(getattr(cfg.schedule, key) for key in SCHEDULE_STEPS)
+    shape = {key: getattr(cfg.data, key) for key in BATCH_SHAPE}
+    return {"steps": steps, **shape, "tokens": steps * shape["global_batch_size"]
+            * shape["seq_length"]}
+
+
+def last_phase(cfg, job: str) -> str:
+    """The last phase of ``cfg``'s retrofit run that has steps: its checkpoint folder
+    (``checkpoints/<phase>``) holds the run's result."""
+    try:
+        ranges = PhasePlan(cfg, "retrofit").ranges
+    except ConfigError as err:
+        raise SweepError(f"job {job}: {err}") from None
+    return [phase for phase, (start, end) in ranges.items() if end > start][-1]
+
+
+def _check_unique(what: str, names: list) -> None:
+    """Raises :class:`SweepError` when two of ``names`` are equal (two chains, one run_dir)."""
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise SweepError(
+                f"target_crs / models[].name: two sweep {what}s are named {name}; names show a "
+                f"CR to 6 significant digits (2 and 2.0000001 both give cr2), so use values that "
+                f"differ there")
+        seen.add(name)
 
 
 def _check_layout(cfg, nodes: int, gpus: int, job: str) -> None:
@@ -69,6 +111,7 @@ class _Planner:
         self.jobs: list[Job] = []
         self.points: list[Point] = []
         self.zero_out: dict = {}
+        self.dmc_configs: dict = {}  # (model name, CR) -> (recipe, config) of its DMC points
 
     def config(self, files, overrides, job):
         try:
@@ -112,8 +155,9 @@ class _Planner:
             files = [model.preset, spec.recipe.format(cr=_fmt(cr))]
             if not Path(files[1]).is_file():
                 raise SweepError(f"recipe: {files[1]} (target CR {_fmt(cr)}) does not exist")
-            keys = [*spec.overrides, f"seed={seed}", f"dmc.target_cr={_fmt(cr)}"]
+            keys = [*spec.overrides, f"seed={seed}", f"dmc.target_cr={cr!r}"]
             cfg = self.config(files, keys, point)
+            self.dmc_configs[name, cr] = (files[1], cfg)
             run_dir = self.root / "runs" / point
             chain = []
             if cfg.schedule.zero_out_steps:
@@ -133,7 +177,28 @@ class _Planner:
             if not chain:
                 raise SweepError(f"recipe {files[1]}: the schedule has no steps")
             self.points.append(Point(point, "dmc", name, seed, cr, str(run_dir),
-                                     [j.name for j in chain], chain[-1].outputs["checkpoint"]))
+                                     [j.name for j in chain], chain[-1].outputs["checkpoint"],
+                                     budget(cfg)))
+
+    def equal_budget(self, name, factor, seed, point, recipe, cfg) -> None:
+        """Raises :class:`SweepError` when GQA ``point`` (config ``cfg``) and the DMC point at
+        CR = ``factor`` train on batches of another shape (their budgets would differ)."""
+        dmc_recipe, dmc_cfg = self.dmc_configs[name, float(factor)]
+        for key in BATCH_SHAPE:
+            ours, theirs = getattr(cfg.data, key), getattr(dmc_cfg.data, key)
+            if ours != theirs:
+                raise SweepError(
+                    f"{point} ({recipe}) and {name}-cr{_fmt(factor)}-s{seed} ({dmc_recipe}): "
+                    f"data.{key} is {ours} vs {theirs}; an equal training budget needs the same "
+                    f"batch shape: make data.{key} equal in the two recipes")
+
+    def gqa_schedule(self, name, factor) -> list:
+        """Overrides giving a GQA factor's up-training the schedule of the DMC point at
+        CR = ``factor`` (none without such a point: the GQA recipe's schedule stands)."""
+        twin = self.dmc_configs.get((name, float(factor)))
+        if twin is None:
+            return []
+        return [f"schedule.{key}={getattr(twin[1].schedule, key)}" for key in SCHEDULE_STEPS]
 
     def gqa_chains(self, model, name):
         spec = self.spec
@@ -153,17 +218,22 @@ class _Planner:
                            str(converted)],
                           [], 1, 1, spec.slurm.convert_time, {"checkpoint": str(converted)})
             self.jobs.append(convert)
+            schedule = self.gqa_schedule(name, factor)
             for seed in spec.seeds:
                 point = f"{name}-gqa{factor}-s{seed}"
                 run_dir = self.root / "runs" / point
-                up = self.train_job(
-                    f"{point}-uptrain", [model.preset, recipe],
-                    [*spec.overrides, f"seed={seed}", f"model.num_query_groups={groups // factor}",
-                     f"checkpoint.load_base={converted}", f"run_dir={run_dir}"],
-                    [convert.name],
-                    {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints/solidify")})
+                files = [model.preset, recipe]
+                keys = [*spec.overrides, *schedule, f"seed={seed}",
+                        f"model.num_query_groups={groups // factor}",
+                        f"checkpoint.load_base={converted}", f"run_dir={run_dir}"]
+                cfg = self.config(files, keys, point)
+                if schedule:
+                    self.equal_budget(name, factor, seed, point, recipe, cfg)
+                result = run_dir / "checkpoints" / last_phase(cfg, point)
+                up = self.train_job(f"{point}-uptrain", files, keys, [convert.name],
+                                    {"run_dir": str(run_dir), "checkpoint": str(result)})
                 self.points.append(Point(point, "gqa", name, seed, factor, str(run_dir),
-                                         [convert.name, up.name], up.outputs["checkpoint"]))
+                                         [convert.name, up.name], str(result), budget(cfg)))
 
 
 def plan_sweep(spec: SweepSpec, root: Path) -> tuple[list[Job], list[Point]]:
@@ -182,4 +252,6 @@ def plan_sweep(spec: SweepSpec, root: Path) -> tuple[list[Job], list[Point]]:
                 planner.dmc_chains(model, name, seed)
         if spec.gqa_factors:
             planner.gqa_chains(model, name)
+    _check_unique("point", [p.name for p in planner.points])
+    _check_unique("job", [j.name for j in planner.jobs])
     return planner.jobs, planner.points

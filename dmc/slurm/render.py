@@ -14,6 +14,15 @@ from dmc.slurm.spec import SlurmSpec
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "retrofit.sbatch"
 BODY_START = "set -uo pipefail"
+# The submission record of a run folder: one "<job name> <job id>" line per job queued, written
+# by `dmc sweep --submit` and by submit.sh as each job is queued; its presence means submitted.
+JOB_IDS = "job_ids.txt"
+
+
+def submitted_message(root: Path) -> str:
+    """The refusal of ``dmc sweep`` and ``submit.sh`` for a folder holding :data:`JOB_IDS`."""
+    return (f"{root} holds a submitted sweep ({root / JOB_IDS} lists the job ids queued); pass "
+            f"another --out or remove the folder")
 
 
 def template_body(template: Path = TEMPLATE) -> str:
@@ -66,12 +75,18 @@ def job_variable(index: int) -> str:
     return f"job_{index}"
 
 
-def render_submit(jobs: list[Job], scripts: dict[str, Path], sweep: str) -> str:
-    """A bash script doing what ``dmc sweep --submit`` does (submission in dependency order,
-    ``--dependency=afterok:<ids>``), printing ``<job name> <job id>`` lines."""
+def render_submit(jobs: list[Job], scripts: dict[str, Path], sweep: str, root: Path) -> str:
+    """A bash script doing what ``dmc sweep --submit`` does: refuses a folder holding
+    :data:`JOB_IDS`, submits in dependency order (``--dependency=afterok:<ids>``) and appends
+    each ``<job name> <job id>`` line to :data:`JOB_IDS` (and prints it) as the job is queued."""
     index = {job.name: i for i, job in enumerate(jobs)}
+    record = shlex.quote(str(root / JOB_IDS))
     lines = ["#!/bin/bash", f"# Submits sweep {sweep} (same as `dmc sweep FILE --submit`).",
-             "set -euo pipefail"]
+             "set -euo pipefail",
+             f"if [ -e {record} ]; then",
+             f"  echo {shlex.quote('submit.sh: error: ' + submitted_message(root))} >&2",
+             "  exit 2",
+             "fi"]
     for i, job in enumerate(jobs):
         dep = ""
         if job.after:
@@ -79,5 +94,6 @@ def render_submit(jobs: list[Job], scripts: dict[str, Path], sweep: str) -> str:
             dep = f"--dependency=afterok:{ids} "
         lines.append(f"{job_variable(i)}=$(sbatch --parsable {dep}"
                      f"{shlex.quote(str(scripts[job.name]))})")
-        lines.append(f"echo {shlex.quote(job.name)} \"${{{job_variable(i)}%%;*}}\"")
+        lines.append(f"echo {shlex.quote(job.name)} \"${{{job_variable(i)}%%;*}}\" "
+                     f"| tee -a {record}")
     return "\n".join(lines) + "\n"

@@ -3,7 +3,7 @@
 ```yaml
 name: llama2-7b-cr                # run folder: <output>/<name>
 output: runs/sweeps
-recipe: configs/retrofit/cr4.yaml # DMC recipe (may hold {cr}); each point sets dmc.target_cr
+recipe: configs/retrofit/cr4.yaml # DMC recipe ({cr} its only placeholder); sets dmc.target_cr
 target_crs: [2, 3, 4]
 seeds: [1234]
 models:
@@ -11,7 +11,7 @@ models:
     base_checkpoint: checkpoints/llama2-7b
 gqa_factors: [2, 4]               # GQA baselines: num_query_groups = groups / factor
 gqa_recipe: configs/retrofit/gqa{factor}.yaml
-overrides: [data.path=data/redpajama]
+overrides: [data.path=data/redpajama]   # not the keys of PLANNER_KEYS
 slurm: {nodes: 4, gpus_per_node: 8, time: "24:00:00", ...}
 ```
 An unknown key or a bad value raises :class:`SweepError` naming the key and what it accepts.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,11 @@ class SweepSpec:
 
 
 TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+NAME = re.compile(r"[A-Za-z0-9._-]+")
+# Keys the planner sets per job (each chain's run_dir, checkpoints, seed, CR, KV heads): an
+# override of one would put every chain on the same value.
+PLANNER_KEYS = ("checkpoint.dir", "checkpoint.init_from", "checkpoint.load_base", "run_dir",
+                "seed", "dmc.target_cr", "dmc.enabled", "model.num_query_groups")
 
 
 def _fields(cls, values, where: str) -> dict:
@@ -119,22 +125,75 @@ def _positive_list(key: str, values, kind) -> list:
     return out
 
 
-def parse_sweep(tree: dict) -> SweepSpec:
-    values = _fields(SweepSpec, tree, "sweep")
-    name = _typed("name", values["name"], str)
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-        raise SweepError(f"name: use letters, digits, '.', '_' and '-' only, got {name!r}")
+def _name(key: str, value: str) -> str:
+    """``value`` if it is usable in paths and job names (letters, digits, '.', '_', '-')."""
+    if not NAME.fullmatch(value):
+        raise SweepError(f"{key}: use letters, digits, '.', '_' and '-' only, got {value!r}")
+    return value
+
+
+def _template(key: str, value: str, placeholder: str) -> str:
+    """``value`` if its only ``{...}`` field is ``{placeholder}`` (no format spec)."""
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(value)
+                  if name is not None]
+    except ValueError as err:
+        raise SweepError(f"{key}: {err} in {value!r}; the one placeholder accepted is "
+                         f"{{{placeholder}}}") from None
+    for name, spec, conv in fields:
+        if name != placeholder or spec or conv:
+            shown = name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "")
+            raise SweepError(f"{key}: unknown placeholder {{{shown}}} in {value!r}; the one "
+                             f"placeholder accepted is {{{placeholder}}}")
+    return value
+
+
+def _overrides(values) -> list:
+    """The ``KEY=VALUE`` strings of ``overrides``, none of them a :data:`PLANNER_KEYS` key."""
+    out = [_typed("overrides item", o, str) for o in _typed("overrides", values, list)]
+    for item in out:
+        key = item.split("=", 1)[0].strip()
+        if key in PLANNER_KEYS:
+            raise SweepError(f"overrides: {key} is set by the planner for each job; remove "
+                             f"{item!r} (planner keys: {', '.join(PLANNER_KEYS)})")
+    return out
+
+
+def _slurm_time(key: str, value) -> None:
+    """Raises :class:`SweepError` unless ``value`` is a SLURM time string such as 24:00:00."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise SweepError(f"{key}: expected a SLURM time such as \"24:00:00\", got the number "
+                         f"{value}: quote it (YAML reads an unquoted 24:00:00 as 86400 seconds)")
+    if not isinstance(value, str) or not TIME.match(value):
+        raise SweepError(f"{key}: expected a SLURM time such as 24:00:00 or 1-12:00:00, got "
+                         f"{value!r}")
+
+
+def _models(values) -> list:
+    """``models`` as :class:`ModelEntry` items (at least one)."""
     models = []
-    for i, entry in enumerate(_typed("models", values["models"], list)):
+    for i, entry in enumerate(_typed("models", values, list)):
         m = _fields(ModelEntry, entry, f"models[{i}]")
         for key in m:
             _typed(f"models[{i}].{key}", m[key], str, allow_none=key == "name")
+        if m.get("name") is not None:
+            _name(f"models[{i}].name", m["name"])
         models.append(ModelEntry(**m))
     if not models:
         raise SweepError("models: list at least one model preset")
+    return models
+
+
+def parse_sweep(tree: dict) -> SweepSpec:
+    values = _fields(SweepSpec, tree, "sweep")
+    name = _name("name", _typed("name", values["name"], str))
+    models = _models(values["models"])
     slurm = _fields(SlurmSpec, values.get("slurm", {}) or {}, "slurm")
     for f in dataclasses.fields(SlurmSpec):
         if f.name not in slurm:
+            continue
+        if f.name in ("time", "convert_time"):
+            _slurm_time(f"slurm.{f.name}", slurm[f.name])
             continue
         kind = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int,
                 "extra_sbatch": list, "setup": list}.get(f.name, str)
@@ -144,22 +203,21 @@ def parse_sweep(tree: dict) -> SweepSpec:
         if kind is list:
             for item in slurm[f.name]:
                 _typed(f"slurm.{f.name} item", item, str)
-    for key in ("time", "convert_time"):
-        if key in slurm and not TIME.match(slurm[key]):
-            raise SweepError(f"slurm.{key}: expected a SLURM time such as 24:00:00 or "
-                             f"1-12:00:00, got {slurm[key]!r}")
     spec = SweepSpec(
         name=name, models=models,
-        recipe=_typed("recipe", values.get("recipe", SweepSpec.recipe), str),
+        recipe=_template("recipe", _typed("recipe", values.get("recipe", SweepSpec.recipe), str),
+                         "cr"),
         target_crs=_positive_list("target_crs", values.get("target_crs", []), float),
         seeds=_positive_list("seeds", values.get("seeds", [1234]), int),
         gqa_factors=_positive_list("gqa_factors", values.get("gqa_factors", []), int),
-        gqa_recipe=_typed("gqa_recipe", values.get("gqa_recipe", SweepSpec.gqa_recipe), str),
-        overrides=[_typed("overrides item", o, str) for o in
-                   _typed("overrides", values.get("overrides", []), list)],
+        gqa_recipe=_template("gqa_recipe", _typed("gqa_recipe", values.get(
+            "gqa_recipe", SweepSpec.gqa_recipe), str), "factor"),
+        overrides=_overrides(values.get("overrides", [])),
         output=_typed("output", values.get("output", SweepSpec.output), str),
         slurm=SlurmSpec(**slurm),
     )
+    if not spec.seeds:
+        raise SweepError("seeds: list at least one seed, e.g. [1234]")
     if any(cr < 1 for cr in spec.target_crs):
         raise SweepError(f"target_crs: every CR must be >= 1, got {spec.target_crs}")
     if any(f < 2 for f in spec.gqa_factors):

@@ -117,6 +117,19 @@ def test_converted_model_equals_hand_built_gqa(mha_file, tmp_path, groups):
     assert engine.score(ids[0].tolist()).token_logprobs.shape == (39,)
 
 
+@pytest.mark.parametrize("groups, factor", [(2, 2), (1, 4)])
+def test_cli_suggests_the_recipe_of_the_factor_converted(mha_file, tmp_path, capsys, groups,
+                                                         factor):
+    path, _ = mha_file
+    assert main(["baseline", "gqa", "--checkpoint", str(path), "--num-query-groups",
+                 str(groups), "--output", str(tmp_path / "gqa")]) == 0
+    out = capsys.readouterr().out
+    assert f"({factor}x fewer than the source's {HEADS})" in out
+    assert (f"--config configs/retrofit/gqa{factor}.yaml model.num_query_groups={groups} "
+            f"checkpoint.load_base={tmp_path / 'gqa'}") in out
+    assert out.count("configs/retrofit/gqa") == 1
+
+
 def test_convert_errors_name_the_flag(mha_file, tmp_path):
     path, _ = mha_file
     with pytest.raises(ValueError, match=r"--num-query-groups must divide.*accepted: \[1, 2, 4\]"):

@@ -67,7 +67,7 @@ def test_llama_dry_run_renders_chains(in_repo, tmp_path, capsys):
         solid = jobs[f"llama2-7b-cr{cr}-s1234-solidify"]
         assert retro["after"] == zero_out and solid["after"] == [retro["name"]]
         assert retro["argv"][retro["argv"].index("--phase") + 1] == "retrofit"
-        assert f"dmc.target_cr={cr}" in retro["argv"]
+        assert f"dmc.target_cr={float(cr)!r}" in retro["argv"]  # the exact value
         assert f"checkpoint.init_from={shared}" in retro["argv"]
         header = _header(Path(retro["script"]))
         for opt in ("--nodes=8", "--ntasks-per-node=8", "--gpus-per-node=8", "--time=24:00:00",
@@ -116,11 +116,14 @@ def test_fake_sbatch_submissions_match_manifest(in_repo, tmp_path, monkeypatch):
     assert after["tiny-cr3-s2-retrofit"] == ["tiny-s2-zero_out"]
     with pytest.raises(ValueError, match="holds a submitted sweep"):
         write_sweep(Path("configs/sweeps/tiny.yaml"), out)
-    # submit.sh does the same submissions
+    # submit.sh does the same submissions (in a folder not submitted yet)
     (tmp_path / "calls").unlink()
     (tmp_path / "count").unlink()
-    subprocess.run(["bash", str(out / "submit.sh")], check=True, capture_output=True)
-    assert (tmp_path / "calls").read_text().splitlines() == calls
+    other = tmp_path / "other"
+    _sweep("configs/sweeps/tiny.yaml", "--dry-run", "--out", str(other))
+    subprocess.run(["bash", str(other / "submit.sh")], check=True, capture_output=True)
+    assert [c.replace(str(other), str(out)) for c in
+            (tmp_path / "calls").read_text().splitlines()] == calls
 
 
 def test_a_submission_failing_part_way_keeps_the_ids_of_the_queued_jobs(in_repo, tmp_path,
@@ -217,3 +220,179 @@ def test_bad_points_fail_before_rendering(in_repo, tmp_path, capsys, change, mes
     assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def _tiny_variant(tmp_path, change):
+    """configs/sweeps/tiny.yaml with ``change`` applied, written to a temporary file."""
+    tree = yaml.safe_load((ROOT / "configs/sweeps/tiny.yaml").read_text())
+    tree.update(change)
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _fake_sbatch(tmp_path, monkeypatch):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(FAKE_SBATCH)
+    (fake / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
+
+
+def _calls(tmp_path):
+    return (tmp_path / "calls").read_text().splitlines()
+
+
+def test_gqa_uptrains_with_the_schedule_of_the_dmc_point_at_its_factor(in_repo, tmp_path):
+    """Equal training budget: GQA 2x gets DMC 2x's steps (cr4.yaml's schedule for every CR),
+    not gqa2.yaml's; every point's budget is in the manifest."""
+    _sweep("configs/sweeps/llama2-7b-cr.yaml", "--dry-run", "--out", str(tmp_path))
+    manifest = _manifest(tmp_path)
+    jobs = {j["name"]: j for j in manifest["jobs"]}
+    points = {p["name"]: p for p in manifest["points"]}
+    schedule = ["schedule.zero_out_steps=250", "schedule.retrofit_steps=6000",
+                "schedule.solidify_steps=2000"]
+    for factor in (2, 4):
+        argv = jobs[f"llama2-7b-gqa{factor}-s1234-uptrain"]["argv"]
+        start = argv.index(schedule[0])
+        assert argv[start:start + 3] == schedule  # after the recipes, overriding theirs
+        assert argv.index(f"configs/retrofit/gqa{factor}.yaml") < start
+    tokens = 8250 * 1024 * 4096
+    for name in ("cr2", "cr3", "cr4", "gqa2", "gqa4"):
+        assert points[f"llama2-7b-{name}-s1234"]["budget"] == {
+            "steps": 8250, "global_batch_size": 1024, "seq_length": 4096, "tokens": tokens}
+
+
+def test_gqa_without_a_dmc_point_at_its_factor_keeps_its_recipe_schedule(in_repo, tmp_path):
+    path = _tiny_variant(tmp_path, {"overrides": ["precision=fp32"], "target_crs": [3],
+                                    "recipe": "configs/retrofit/cr4.yaml"})
+    _sweep(str(path), "--dry-run", "--out", str(tmp_path / "out"))
+    manifest = _manifest(tmp_path / "out")
+    up = next(j for j in manifest["jobs"] if j["name"] == "tiny-gqa2-s1-uptrain")
+    assert not [key for key in up["argv"] if key.startswith("schedule.")]
+    budgets = {p["name"]: p["budget"]["steps"] for p in manifest["points"]}
+    assert budgets["tiny-gqa2-s1"] == 250 + 2000 + 2000  # configs/retrofit/gqa2.yaml
+    assert budgets["tiny-cr3-s1"] == 250 + 6000 + 2000  # configs/retrofit/cr4.yaml
+
+
+@pytest.mark.parametrize("key, value", [("global_batch_size", 16), ("seq_length", 128)])
+def test_gqa_and_dmc_points_on_other_batches_are_refused(in_repo, tmp_path, capsys, key, value):
+    recipe = yaml.safe_load((ROOT / "configs/retrofit/gqa2.yaml").read_text())
+    recipe["data"] = {key: value}
+    (tmp_path / "gqa2.yaml").write_text(yaml.safe_dump(recipe))
+    path = _tiny_variant(tmp_path, {"gqa_recipe": str(tmp_path / "gqa{factor}.yaml")})
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert (f"tiny-gqa2-s1 ({tmp_path}/gqa2.yaml) and tiny-cr2-s1 (configs/retrofit/cr2.yaml): "
+            f"data.{key} is {value} vs") in err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_submit_sh_records_the_job_ids_and_no_folder_is_submitted_twice(in_repo, tmp_path,
+                                                                         monkeypatch, capsys):
+    _fake_sbatch(tmp_path, monkeypatch)
+    out = tmp_path / "sweep"
+    _sweep("configs/sweeps/tiny.yaml", "--dry-run", "--out", str(out))
+    proc = subprocess.run(["bash", str(out / "submit.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    jobs = [j["name"] for j in _manifest(out)["jobs"]]
+    record = [f"{name} {101 + i}" for i, name in enumerate(jobs)]
+    assert (out / "job_ids.txt").read_text().splitlines() == record
+    assert proc.stdout.splitlines() == record
+    message = (f"{out} holds a submitted sweep ({out}/job_ids.txt lists the job ids queued); "
+               f"pass another --out or remove the folder")
+    again = subprocess.run(["bash", str(out / "submit.sh")], capture_output=True, text=True)
+    assert again.returncode == 2 and again.stderr == f"submit.sh: error: {message}\n"
+    assert main(["sweep", "configs/sweeps/tiny.yaml", "--submit", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"dmc sweep: error: {message}\n"
+    assert len(_calls(tmp_path)) == len(jobs)  # nothing queued twice
+    # and the other way round: submit.sh refuses a folder submitted with --submit
+    other = tmp_path / "other"
+    _sweep("configs/sweeps/tiny.yaml", "--submit", "--out", str(other))
+    assert len((other / "job_ids.txt").read_text().splitlines()) == len(jobs)
+    proc = subprocess.run(["bash", str(other / "submit.sh")], capture_output=True, text=True)
+    assert proc.returncode == 2 and f"{other} holds a submitted sweep" in proc.stderr
+    assert len(_calls(tmp_path)) == 2 * len(jobs)
+
+
+def test_submit_sh_failing_part_way_records_the_jobs_queued(in_repo, tmp_path, monkeypatch):
+    _fake_sbatch(tmp_path, monkeypatch)
+    (tmp_path / "bin" / "sbatch").write_text(FAKE_SBATCH.replace(
+        'echo "$n;cluster"', '[ "$n" -le 102 ] || exit 1\necho "$n;cluster"'))
+    out = tmp_path / "sweep"
+    _sweep("configs/sweeps/tiny.yaml", "--dry-run", "--out", str(out))
+    proc = subprocess.run(["bash", str(out / "submit.sh")], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert (out / "job_ids.txt").read_text().splitlines() == ["tiny-s1-zero_out 101",
+                                                              "tiny-cr2-s1-retrofit 102"]
+    with pytest.raises(ValueError, match="holds a submitted sweep"):
+        write_sweep(Path("configs/sweeps/tiny.yaml"), out)
+
+
+def test_target_crs_are_passed_exactly_and_names_must_not_collide(in_repo, tmp_path, capsys):
+    path = _tiny_variant(tmp_path, {"target_crs": [1.23456789]})
+    _sweep(str(path), "--dry-run", "--out", str(tmp_path / "out"))
+    manifest = _manifest(tmp_path / "out")
+    point = next(p for p in manifest["points"] if p["kind"] == "dmc")
+    assert point["name"] == "tiny-cr1.23457-s1" and point["value"] == 1.23456789
+    retro = next(j for j in manifest["jobs"] if j["name"] == "tiny-cr1.23457-s1-retrofit")
+    assert "dmc.target_cr=1.23456789" in retro["argv"]
+    path = _tiny_variant(tmp_path, {"target_crs": [2, 2.0000001]})
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out2")]) == 2
+    assert "target_crs / models[].name: two sweep points are named tiny-cr2-s1" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("steps, dmc_phase, gqa_phase", [
+    ((20, 200, 0), "retrofit", "uptrain"),
+    ((0, 0, 50), "solidify", "solidify"),
+    ((20, 200, 50), "solidify", "solidify"),
+])
+def test_results_are_the_last_phase_with_steps(in_repo, tmp_path, steps, dmc_phase, gqa_phase):
+    overrides = [f"schedule.{key}={n}" for key, n in
+                 zip(("zero_out_steps", "retrofit_steps", "solidify_steps"), steps)]
+    path = _tiny_variant(tmp_path, {"overrides": [*overrides, "precision=fp32"]})
+    _sweep(str(path), "--dry-run", "--out", str(tmp_path / "out"))
+    points = {p["name"]: p for p in _manifest(tmp_path / "out")["points"]}
+    run_dir = tmp_path / "out" / "runs"
+    assert points["tiny-cr2-s1"]["result"] == str(run_dir / f"tiny-cr2-s1/checkpoints/{dmc_phase}")
+    assert points["tiny-gqa2-s1"]["result"] == str(
+        run_dir / f"tiny-gqa2-s1/checkpoints/{gqa_phase}")
+    assert points["tiny-gqa2-s1"]["budget"]["steps"] == sum(steps)
+
+
+@pytest.mark.parametrize("change, message", [
+    *[({"target_crs": [2], "overrides": [f"{key}=x"]},
+       f"overrides: {re.escape(key)} is set by the planner for each job")
+      for key in ("checkpoint.dir", "checkpoint.init_from", "checkpoint.load_base", "run_dir",
+                  "seed", "dmc.target_cr", "dmc.enabled", "model.num_query_groups")],
+    ({"target_crs": [2], "recipe": "cr{target_cr}.yaml"},
+     r"recipe: unknown placeholder \{target_cr\} .* accepted is \{cr\}"),
+    ({"target_crs": [2], "recipe": "cr{cr:.1f}.yaml"}, r"recipe: unknown placeholder \{cr:.1f\}"),
+    ({"target_crs": [2], "recipe": "cr{cr.yaml"}, r"recipe: .* accepted is \{cr\}"),
+    ({"gqa_factors": [2], "gqa_recipe": "gqa{factor}-{seed}.yaml"},
+     r"gqa_recipe: unknown placeholder \{seed\} .* accepted is \{factor\}"),
+    ({"target_crs": [2], "seeds": []}, "seeds: list at least one seed"),
+    ({"target_crs": [2], "models": [{"preset": "p", "base_checkpoint": "b", "name": "a/b"}]},
+     r"models\[0\].name: use letters, digits, '.', '_' and '-' only, got 'a/b'"),
+    ({"target_crs": [2], "models": [{"preset": "p", "base_checkpoint": "b", "name": "a b"}]},
+     r"models\[0\].name: use letters"),
+    ({"target_crs": [2], "slurm": {"time": 86400}}, "slurm.time: .* 86400: quote it"),
+    ({"target_crs": [2], "slurm": {"convert_time": 3600}}, "slurm.convert_time: .* quote it"),
+])
+def test_more_bad_sweep_files_name_the_field(change, message):
+    tree = {"name": "t", "models": [{"preset": "p.yaml", "base_checkpoint": "b"}]}
+    tree.update(change)
+    with pytest.raises(SweepError, match=message):
+        parse_sweep(tree)
+
+
+def test_an_unquoted_time_in_a_file_says_quote_it(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: t\nmodels: [{preset: p.yaml, base_checkpoint: b}]\ntarget_crs: [2]\n"
+                    "slurm:\n  time: 24:00:00\n")
+    assert main(["sweep", str(path)]) == 2
+    assert "slurm.time: expected a SLURM time such as \"24:00:00\", got the number 86400: " \
+           "quote it" in capsys.readouterr().err
