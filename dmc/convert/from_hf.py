@@ -21,6 +21,7 @@ from dmc.megatron.config import DMCConfig, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+PAPER_SEQ_LENGTH, PAPER_GLOBAL_BATCH = 4096, 1024  # DMC paper Sec. 4 (and NVIDIA's train.sh)
 YAML_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
              "ffn_hidden_size", "vocab_size", "max_seq_length", "rotary_base", "norm_epsilon",
              "share_embeddings", "rope_scaling_factor", "qk_layernorm", "kv_channels")
@@ -76,11 +77,16 @@ def convert_hf_folder(hf_folder: Path, out_folder, model_config: ModelConfig,
 
 
 def write_model_yaml(folder: Path, model_config: ModelConfig, source: str) -> Path:
-    """``folder/model.yaml``: the ``model`` section, ``precision`` and ``checkpoint.load_base``."""
+    """``folder/model.yaml``: the ``model`` section, the paper's batch (``data``: 1024
+    sequences of 4096 tokens, or of the model's context when shorter: Sec. 4 of the DMC
+    paper, the batch the retrofit recipes' token budgets are stated at), ``precision`` and
+    ``checkpoint.load_base``."""
     folder = Path(folder).resolve()
     fields = model_config.to_dict()
     model = {k: fields[k] for k in YAML_KEYS if fields.get(k) is not None}
-    body = {"model": model, "checkpoint": {"load_base": str(folder)},
+    data = {"seq_length": min(PAPER_SEQ_LENGTH, model_config.max_seq_length),
+            "micro_batch_size": 1, "global_batch_size": PAPER_GLOBAL_BATCH}
+    body = {"model": model, "data": data, "checkpoint": {"load_base": str(folder)},
             "precision": PRECISION.get(model_config.params_dtype, "auto")}
     header = (f"# Converted from {source} by `dmc convert`.\n"
               f"# Retrofit: dmc data prepare --tokenizer {folder} ...; then\n"

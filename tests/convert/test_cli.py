@@ -21,7 +21,9 @@ def test_convert_cli_and_model_yaml(tmp_path, capsys):
                  "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert "tokenizer.json" in summary["tokenizer"]
-    cfg = load_config([summary["yaml"]], ["data.path=somewhere", "data.seq_length=32"])
+    cfg = load_config([summary["yaml"]], ["data.path=somewhere"])
+    assert (cfg.data.seq_length, cfg.data.global_batch_size) == (  # the paper's batch, at most
+        min(4096, cfg.model.max_seq_length), 1024)                 # the model's context long
     assert cfg.model.num_query_groups == 2 and cfg.model.rope_scaling_factor == 8.0
     assert cfg.model.rotary_base == 500000.0 and cfg.checkpoint.load_base == str(
         (tmp_path / "mc").resolve())
