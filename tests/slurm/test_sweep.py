@@ -189,6 +189,23 @@ def test_rendered_script_requeues_only_after_preemption(in_repo, tmp_path, rc):
     ({"seeds": [1, 1], "target_crs": [2]}, "seeds: duplicate values"),
     ({"slurm": {"time": "tomorrow"}, "target_crs": [2]}, "slurm.time: expected a SLURM time"),
     ({"target_crs": [], "gqa_factors": []}, "the sweep is empty"),
+    *[({"target_crs": [2], "overrides": [f"{key}=x"]},
+       f"overrides: {re.escape(key)} is set by the planner for each job")
+      for key in ("checkpoint.dir", "checkpoint.init_from", "checkpoint.load_base", "run_dir",
+                  "seed", "dmc.target_cr", "dmc.enabled", "model.num_query_groups")],
+    ({"target_crs": [2], "recipe": "cr{target_cr}.yaml"},
+     r"recipe: unknown placeholder \{target_cr\} .* accepted is \{cr\}"),
+    ({"target_crs": [2], "recipe": "cr{cr:.1f}.yaml"}, r"recipe: unknown placeholder \{cr:.1f\}"),
+    ({"target_crs": [2], "recipe": "cr{cr.yaml"}, r"recipe: .* accepted is \{cr\}"),
+    ({"gqa_factors": [2], "gqa_recipe": "gqa{factor}-{seed}.yaml"},
+     r"gqa_recipe: unknown placeholder \{seed\} .* accepted is \{factor\}"),
+    ({"target_crs": [2], "seeds": []}, "seeds: list at least one seed"),
+    ({"target_crs": [2], "models": [{"preset": "p", "base_checkpoint": "b", "name": "a/b"}]},
+     r"models\[0\].name: use letters, digits, '.', '_' and '-' only, got 'a/b'"),
+    ({"target_crs": [2], "models": [{"preset": "p", "base_checkpoint": "b", "name": "a b"}]},
+     r"models\[0\].name: use letters"),
+    ({"target_crs": [2], "slurm": {"time": 86400}}, "slurm.time: .* 86400: quote it"),
+    ({"target_crs": [2], "slurm": {"convert_time": 3600}}, "slurm.convert_time: .* quote it"),
 ])
 def test_bad_sweep_files_name_the_field(change, message):
     tree = {"name": "t", "models": [{"preset": "p.yaml", "base_checkpoint": "b"}]}
@@ -361,32 +378,6 @@ def test_results_are_the_last_phase_with_steps(in_repo, tmp_path, steps, dmc_pha
     assert points["tiny-gqa2-s1"]["result"] == str(
         run_dir / f"tiny-gqa2-s1/checkpoints/{gqa_phase}")
     assert points["tiny-gqa2-s1"]["budget"]["steps"] == sum(steps)
-
-
-@pytest.mark.parametrize("change, message", [
-    *[({"target_crs": [2], "overrides": [f"{key}=x"]},
-       f"overrides: {re.escape(key)} is set by the planner for each job")
-      for key in ("checkpoint.dir", "checkpoint.init_from", "checkpoint.load_base", "run_dir",
-                  "seed", "dmc.target_cr", "dmc.enabled", "model.num_query_groups")],
-    ({"target_crs": [2], "recipe": "cr{target_cr}.yaml"},
-     r"recipe: unknown placeholder \{target_cr\} .* accepted is \{cr\}"),
-    ({"target_crs": [2], "recipe": "cr{cr:.1f}.yaml"}, r"recipe: unknown placeholder \{cr:.1f\}"),
-    ({"target_crs": [2], "recipe": "cr{cr.yaml"}, r"recipe: .* accepted is \{cr\}"),
-    ({"gqa_factors": [2], "gqa_recipe": "gqa{factor}-{seed}.yaml"},
-     r"gqa_recipe: unknown placeholder \{seed\} .* accepted is \{factor\}"),
-    ({"target_crs": [2], "seeds": []}, "seeds: list at least one seed"),
-    ({"target_crs": [2], "models": [{"preset": "p", "base_checkpoint": "b", "name": "a/b"}]},
-     r"models\[0\].name: use letters, digits, '.', '_' and '-' only, got 'a/b'"),
-    ({"target_crs": [2], "models": [{"preset": "p", "base_checkpoint": "b", "name": "a b"}]},
-     r"models\[0\].name: use letters"),
-    ({"target_crs": [2], "slurm": {"time": 86400}}, "slurm.time: .* 86400: quote it"),
-    ({"target_crs": [2], "slurm": {"convert_time": 3600}}, "slurm.convert_time: .* quote it"),
-])
-def test_more_bad_sweep_files_name_the_field(change, message):
-    tree = {"name": "t", "models": [{"preset": "p.yaml", "base_checkpoint": "b"}]}
-    tree.update(change)
-    with pytest.raises(SweepError, match=message):
-        parse_sweep(tree)
 
 
 def test_an_unquoted_time_in_a_file_says_quote_it(tmp_path, capsys):
