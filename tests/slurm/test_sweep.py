@@ -94,12 +94,7 @@ def test_llama_dry_run_renders_chains(in_repo, tmp_path, capsys):
 
 
 def test_fake_sbatch_submissions_match_manifest(in_repo, tmp_path, monkeypatch):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "sbatch").write_text(FAKE_SBATCH)
-    (fake / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
+    _fake_sbatch(tmp_path, monkeypatch)
     out = tmp_path / "sweep"
     _sweep("configs/sweeps/tiny.yaml", "--submit", "--out", str(out))
     manifest = _manifest(out)
