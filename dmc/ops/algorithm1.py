@@ -91,7 +91,7 @@ class CompressedChunk(NamedTuple):
 
 
 class KeyDecision(NamedTuple):
-    """Algorithm 1's decision (line 2) still in the key's last channel: ``alpha = [k[..., -1] -
+    """Algorithm 1's decision (line 1) still in the key's last channel: ``alpha = [k[..., -1] -
     c > 0]``, the channel zeroed before the key is used (what :func:`hard_decisions` does to
     the key), left to whoever writes the key (the Triton decode write reads it in place)."""
 
@@ -104,7 +104,7 @@ class KeyDecision(NamedTuple):
 
 def hard_decisions(query: torch.Tensor, key: torch.Tensor, c: float,
                    omega_offset: float = 0.0) -> HardDecisions:
-    """Eval-mode decisions (Algorithm 1, line 2-3): ``alpha = [k[..., -1] - c > 0]`` and
+    """Eval-mode decisions (Algorithm 1, lines 1-3): ``alpha = [k[..., -1] - c > 0]`` and
     ``omega = sigmoid(mean over the query group of q[..., -1] + c) + omega_offset``
     (:func:`dmc.ops.split_decision_channels`), both channels zeroed.
 
@@ -119,7 +119,7 @@ def hard_decisions(query: torch.Tensor, key: torch.Tensor, c: float,
 def merge_into_open_slot(state: OpenSlot, append: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, omega: torch.Tensor, window: int | None
                          ) -> tuple[OpenSlot, torch.Tensor, torch.Tensor]:
-    """One token per head (Algorithm 1, lines 4-10; Eq. 9 with hard alpha): ``append`` opens a
+    """One token per head (Algorithm 1, lines 4-12; Eq. 9 with hard alpha): ``append`` opens a
     slot holding the token alone, otherwise the token merges into the open slot.
 
     Args:

@@ -75,10 +75,11 @@ def gumbel_sigmoid(
 
 
 def relaxed_logits(logits: torch.Tensor, noise: torch.Tensor, tau: float) -> torch.Tensor:
-    """Eq. 8's argument ``(logits + g1 - g2) / tau`` in float32, ``noise = g1 - g2`` drawn
-    Logistic(0, 1): its sigmoid is the relaxed decision, its ``logsigmoid(-.)`` the stable
-    ``log(1 - alpha)`` of App. H."""
-    return (logits.float() + noise.float()) / tau
+    """Eq. 8's argument ``(logits + g1 - g2) / tau`` in float32 (float64 stays float64),
+    ``noise = g1 - g2`` drawn Logistic(0, 1): its sigmoid is the relaxed decision, its
+    ``logsigmoid(-.)`` the stable ``log(1 - alpha)`` of App. H."""
+    work = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return (logits.to(work) + noise.to(work)) / tau
 
 
 def relaxed_decisions(alpha_logit: torch.Tensor, noise: torch.Tensor, tau: float,
@@ -89,7 +90,7 @@ def relaxed_decisions(alpha_logit: torch.Tensor, noise: torch.Tensor, tau: float
     ``alpha = sigmoid((alpha_logit + noise) / tau)`` (Eq. 8) in the logits' dtype, with
     ``alpha_0 = 0`` (the first token opens a slot), and ``log(1 - alpha_{j+1})`` computed
     stably from the same sample (App. H, :func:`dmc.ops.mask.log_keep_next_from_logits`), both
-    computed in float32. ``hard``: both rounded straight-through (forward ``alpha > 0.5``,
+    computed in float32 (float64 logits in float64). ``hard``: both rounded straight-through (forward ``alpha > 0.5``,
     gradient the soft one's). :func:`gumbel_sigmoid` and :func:`log_one_minus_gumbel_sigmoid`
     are the same sample's two halves, for one tensor and without ``alpha_0 = 0``; all three
     take Eq. 8's argument from :func:`relaxed_logits`."""
@@ -97,7 +98,7 @@ def relaxed_decisions(alpha_logit: torch.Tensor, noise: torch.Tensor, tau: float
     soft = torch.sigmoid(scaled)
     log_keep = log_keep_next_from_logits(scaled)
     if hard:
-        log_keep = log_keep_next((soft > 0.5).float()) + (log_keep - log_keep.detach())
+        log_keep = log_keep_next((soft > 0.5).to(soft.dtype)) + (log_keep - log_keep.detach())
         soft = straight_through_round(soft)
     alpha = soft.to(alpha_logit.dtype)
     first = torch.ones_like(alpha)

@@ -42,8 +42,9 @@ def log_keep_next(alpha: torch.Tensor) -> torch.Tensor:
 
 def log_keep_next_from_logits(scaled_logits: torch.Tensor) -> torch.Tensor:
     """As :func:`log_keep_next` with ``alpha = sigmoid(scaled_logits)``, computed stably as
-    ``logsigmoid(-x)`` (exact even where alpha rounds to 1)."""
-    log_keep = F.logsigmoid(-scaled_logits.float())
+    ``logsigmoid(-x)`` (exact even where alpha rounds to 1); float32, float64 stays float64."""
+    work = torch.float64 if scaled_logits.dtype == torch.float64 else torch.float32
+    log_keep = F.logsigmoid(-scaled_logits.to(work))
     return torch.cat([log_keep[..., 1:], log_keep.new_zeros(log_keep.shape[:-1] + (1,))], dim=-1)
 
 

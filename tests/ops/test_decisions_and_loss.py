@@ -53,6 +53,25 @@ def test_relaxed_decisions_against_a_float64_loop(hard):
     torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
 
 
+def test_eq8_keeps_float64_in_float64():
+    """Eq. 8's sample, App. H's log(1 - alpha) and the training forward's decisions computed in
+    float64 for float64 logits (they went through float32: gradcheck failed), float32 for
+    lower precisions."""
+    from dmc.ops import log_one_minus_gumbel_sigmoid
+
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 3, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    noise = torch.randn(2, 3, 9, generator=gen, dtype=torch.float64)
+    for fn in (lambda x: gumbel_sigmoid(x, 0.1, noise=noise),
+               lambda x: log_one_minus_gumbel_sigmoid(x, 0.1, noise),
+               lambda x: relaxed_decisions(x, noise, 0.1)):
+        assert torch.autograd.gradcheck(fn, (logits,))
+    alpha, log_keep = relaxed_decisions(logits, noise, 0.1)
+    assert alpha.dtype == log_keep.dtype == torch.float64
+    alpha, log_keep = relaxed_decisions(logits.bfloat16(), noise.float(), 0.1)
+    assert (alpha.dtype, log_keep.dtype) == (torch.bfloat16, torch.float32)
+
+
 def test_gumbel_reproducible_and_hard_straight_through():
     logits = torch.randn(64, requires_grad=True)
     a1 = gumbel_sigmoid(logits, 0.1, torch.Generator().manual_seed(7))

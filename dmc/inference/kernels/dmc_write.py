@@ -83,7 +83,7 @@ def _write_slot(
     num_pages, DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Algorithm 1's write (lines 4-10, Eq. 9 with hard alpha) of one token into the flat
+    """Algorithm 1's write (lines 4-12, Eq. 9 with hard alpha) of one token into the flat
     (sequence, layer, KV head) ``head``: its pre-RoPE halves ``k_lo, k_hi, v_lo, v_hi``
     (float32), importance ``omega``, ``append`` (opens slot ``slot``, else merges into it) and
     ``position``; where ``active`` is false nothing is stored.
