@@ -90,10 +90,10 @@ def relaxed_decisions(alpha_logit: torch.Tensor, noise: torch.Tensor, tau: float
     ``alpha = sigmoid((alpha_logit + noise) / tau)`` (Eq. 8) in the logits' dtype, with
     ``alpha_0 = 0`` (the first token opens a slot), and ``log(1 - alpha_{j+1})`` computed
     stably from the same sample (App. H, :func:`dmc.ops.mask.log_keep_next_from_logits`), both
-    computed in float32 (float64 logits in float64). ``hard``: both rounded straight-through (forward ``alpha > 0.5``,
-    gradient the soft one's). :func:`gumbel_sigmoid` and :func:`log_one_minus_gumbel_sigmoid`
-    are the same sample's two halves, for one tensor and without ``alpha_0 = 0``; all three
-    take Eq. 8's argument from :func:`relaxed_logits`."""
+    computed in float32 (float64 logits in float64). ``hard``: both rounded straight-through
+    (forward ``alpha > 0.5``, gradient the soft one's). :func:`gumbel_sigmoid` and
+    :func:`log_one_minus_gumbel_sigmoid` are the same sample's two halves, for one tensor and
+    without ``alpha_0 = 0``; all three take Eq. 8's argument from :func:`relaxed_logits`."""
     scaled = relaxed_logits(alpha_logit, noise, tau)
     soft = torch.sigmoid(scaled)
     log_keep = log_keep_next_from_logits(scaled)
