@@ -25,7 +25,8 @@ def evaluate_needle(engine, examples: Sequence[NeedleExample]) -> dict:
          "answer_nll" (mean per answer token), "examples",
          "per_length": {tokens: {"accuracy", "accuracy_ci", "examples"}},
          "per_depth": {depth: {"accuracy", "accuracy_ci", "examples"}},
-         "compression": {"cr", ...} (the caches after each whole example, summed),
+         "compression": {"cr", ...} (the caches after each whole example, summed; per the
+             model's own KV heads, see :class:`dmc.inference.CompressionStats`),
          "cache_bytes": {"kv", ..., "total"} (summed)}
     """
     from dmc.inference import CompressionStats

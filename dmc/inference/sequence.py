@@ -15,7 +15,10 @@ class CompressionStats:
 
     tokens: tokens written into every (layer, KV head), summed over sequences.
     slots: ``[layers, kv_heads]`` slots kept, summed over sequences.
-    CR = tokens / slots (per head), ``tokens * heads / sum(slots)`` per layer and overall.
+    CR = tokens / slots (per head), ``tokens * heads / sum(slots)`` per layer and overall:
+    against the model's own KV heads, so a GQA model that keeps every token reads 1.0 (its
+    saving against the heads of the model it was pooled from is ``slots_cr`` in
+    :func:`dmc.eval.compare.evaluate_method`'s result).
     """
 
     tokens: int

@@ -223,6 +223,14 @@ def test_sampling_is_reproducible_and_tiny_top_p_is_greedy(parallel_1x1):
     assert sampled != run(temperature=1.0, top_p=0.9, seed=8)
     assert run(temperature=1.0, top_p=1e-6, seed=3) == run()
 
+    # a request without a seed draws with the engine's seed + its request id: two of them with
+    # one prompt differ, and each equals the request given that seed
+    engine = Engine(model, page_size=4, max_batch=3, chunk_size=8, seed=11)
+    twice = [r.tokens for r in engine.generate(prompt_list[:1] * 2, SamplingParams(
+        max_new_tokens=12, temperature=1.0))]
+    assert twice[0] != twice[1]
+    assert twice == [run(temperature=1.0, seed=11 + i)[0] for i in (0, 1)]
+
     # reproducible whatever the batch: a request alone samples what it sampled in the batch
     alone = Engine(model, page_size=4, max_batch=1).generate(
         prompt_list[1:2], SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7))
@@ -249,7 +257,9 @@ def test_stop_tokens_finish_sequences_independently(parallel_1x1):
     engine = Engine(model, page_size=4, max_batch=3)
     free = engine.generate(prompt_list, SamplingParams(max_new_tokens=20))
     stop = free[0].tokens[4]  # request 0 stops at its 5th token (or earlier)
-    results = engine.generate(prompt_list, SamplingParams(max_new_tokens=20, stop_tokens=(stop,)))
+    never = next(t for t in range(VOCAB) if all(t not in f.tokens for f in free))
+    results = engine.generate(prompt_list, SamplingParams(max_new_tokens=20,
+                                                          stop_tokens=(never, stop)))
     for f, r in zip(free, results):
         cut = f.tokens.index(stop) + 1 if stop in f.tokens else len(f.tokens)
         assert r.tokens == f.tokens[:cut]

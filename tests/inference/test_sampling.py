@@ -128,6 +128,21 @@ def test_filtered_scores_match_filtered_probs_row_by_row():
             logits[row], float(temperature[row]), float(top_p[row]), int(top_k[row])))
 
 
+@pytest.mark.parametrize("top_p, expected", [(0.5, [1.0, 0.0, 0.0]), (0.75, [2 / 3, 1 / 3, 0.0]),
+                                              (0.8, [0.5, 0.25, 0.25])])
+def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_it(top_p, expected):
+    """Holtzman et al. (2020), Eq. 2: the nucleus is the smallest set of most likely tokens
+    whose mass is >= p. Probabilities 1/2, 1/4, 1/4 (exact in float32) put the mass at the
+    boundary: at p = 1/2 the first token alone, at 3/4 the first two."""
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.25]))
+    want = torch.tensor(expected)
+    torch.testing.assert_close(filtered_probs(logits, 1.0, top_p), want)
+    scores, ids = filtered_scores(logits[None], torch.ones(1), torch.zeros(1, dtype=torch.long),
+                                  torch.tensor([top_p]))
+    got = torch.zeros(1, 3).scatter_(-1, ids, torch.softmax(scores, dim=-1))
+    torch.testing.assert_close(got[0], want)
+
+
 def test_a_row_samples_the_same_alone_and_in_any_batch():
     """Also the unsorted path: rows 5 and 7 (no top-k, no top-p) alone skip the sort that the
     batch, holding filtered rows, runs."""

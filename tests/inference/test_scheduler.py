@@ -131,3 +131,28 @@ def test_the_runner_takes_decode_segments_first():
     engine = Engine(model, page_size=4, max_batch=2, chunk_size=8)
     with pytest.raises(ValueError, match="decode segments must come first"):
         engine.runner.forward([Segment(0, [1, 2], 0), Segment(1, [3], 5, decode=True)])
+
+
+@pytest.mark.parametrize("extra_pages, admitted", [(0, False), (1, True)])
+def test_a_prompt_is_admitted_beside_others_only_with_a_page_per_head_to_spare(extra_pages,
+                                                                               admitted):
+    """While a sequence decodes, a waiting prompt of 24 tokens (6 pages of 4 at CR 1, one
+    layer of one KV head) is admitted only when the pages left hold its estimate plus one
+    page per head: with exactly 6 free it waits, with 7 it is prefilled."""
+    from dmc.inference.cache import PagedKVCache
+    from dmc.inference.scheduler import Scheduler
+    from dmc.inference.sequence import Sequence
+
+    cache = PagedKVCache(1, 1, 8, num_pages=10 + extra_pages, page_size=4, max_seqs=4,
+                         window=None, dtype=torch.float32, max_seq_len=64)
+    scheduler = Scheduler(cache, max_batch=4, chunk_size=8, step_tokens=12)
+    running = Sequence(0, list(range(13)), SamplingParams(max_new_tokens=8), 0, generated=[1])
+    running.slot, running.cached, running.decoding = cache.add_sequence(), 13, True
+    cache.allocator.grow(torch.tensor([running.slot]), 0, torch.tensor([[13]]))  # 4 pages
+    scheduler.running.append(running)
+    scheduler.add(Sequence(1, list(range(24)), SamplingParams(max_new_tokens=8), 1))
+    assert cache.free_pages == 6 + extra_pages
+    plan = scheduler.schedule()
+    assert plan.decode == [running]
+    assert [seq.request_id for seq, _ in plan.prefill] == ([1] if admitted else [])
+    assert len(scheduler.running) == 1 + admitted

@@ -111,6 +111,25 @@ def test_adakv_over_snapkv_matches_reference(window):
         assert any(a != b for a, b in lengths)
 
 
+def test_adakv_safeguard_keeps_floor_of_its_share_in_a_head_that_scores_low():
+    """Over KNorm (no protected slots), with head 1's keys 10x longer so that the layer-wide
+    ranking gives it nothing: after an eviction the head holds floor(0.2 b) of its own best
+    slots (b = 8 ... 13: 0.2 b is not an integer but at b = 10), as the float64 reference's
+    Alg. 1."""
+    q, k, v = inputs(0)
+    k[:, 1] *= 10.0
+    got = drive(get_policy("adakv", 2.0, base="knorm", schedule="streaming"), q, k, v)
+    want = reference.run("knorm", q[0], k[0], v[0], PROMPT, 2.0, SCALE, safeguard=0.2)
+    at_floor = 0
+    for step, ((kept, _, _), (ref_kept, _)) in enumerate(zip(got, want)):
+        assert kept[0] == ref_kept, f"step {step}"
+        b = math.ceil((PROMPT + step) / 2)
+        low, high = len(kept[0][1]), len(kept[0][0])
+        assert low >= math.floor(0.2 * b) and low + high <= KV * b
+        at_floor += low == math.floor(0.2 * b)
+    assert at_floor >= len(got) // 2
+
+
 def test_random_priorities_are_uniform_fixed_by_the_seed_and_evict_the_lowest():
     q, k, v = inputs(0)
     runs = [drive(get_policy("random", 2.0, seed=seed, schedule="streaming"), q, k, v)
@@ -191,9 +210,10 @@ def test_streamingllm_keeps_sinks_and_recent_with_cache_positions(prompt):
     got = drive(get_policy("streamingllm", 2.0, sinks=4), q, k, v, prompt=prompt)
     for step, (kept, _, cache) in enumerate(got):
         n = prompt + step
+        b = math.ceil(n / 2)
+        assert all(len(head) == b for head in kept[0])  # the budget, also when b < the sinks
         if prompt < 8:  # budgets below the sinks at first: later tokens took sink slots
             continue
-        b = math.ceil(n / 2)
         expected = list(range(min(4, b))) + list(range(n - (b - min(4, b)), n))
         assert kept[0] == [expected] * KV
     cache = got[-1][2]
