@@ -380,6 +380,24 @@ def test_roofline_counts_and_bound(parallel_1x1):
     assert measured.read_bytes_per_s > 0 and measured.gemm_flops_per_s > 0
 
 
+def test_measure_machine_rates_are_bytes_and_gemm_flops_over_the_timed_seconds(monkeypatch):
+    """With the timer pinned (the read timed at 0.5 s, the GEMM at 0.25 s): read bandwidth is
+    the buffer's bytes / 0.5 s, the GEMM rate 2 n^3 flops of an [n, n] @ [n, n] / 0.25 s."""
+    import dmc.eval.roofline as roofline
+
+    timed = []
+
+    def pinned(fn, device, repeats):
+        timed.append((fn().shape, repeats))
+        return 0.5 if len(timed) == 1 else 0.25
+
+    monkeypatch.setattr(roofline, "_best_seconds", pinned)
+    got = roofline.measure_machine(torch.device("cpu"), torch.float32, read_mib=4, gemm_size=64,
+                                   repeats=3)
+    assert timed == [(torch.Size([]), 3), (torch.Size([64, 64]), 3)]  # the sum, then the matmul
+    assert got == roofline.Machine(4 * 2**20 / 0.5, 2 * 64**3 / 0.25)
+
+
 def test_trained_checkpoint_with_model(parallel_1x1, tmp_path):
     from dmc.inference import save_inference_state
 

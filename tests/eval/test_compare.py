@@ -224,3 +224,35 @@ def test_policies_are_spelled_with_their_schedule():
     _row_labels(results)
     assert [r["row"] for r in results] == ["SNAPKV (prefill)", "SNAPKV@STREAMING",
                                            "D2O (prefill/1)", "OMNIKV@PREFILL (attends 1/4)"]
+
+
+def test_nominal_cr_of_gqa_is_the_kv_head_ratio_and_of_dmc_its_target():
+    """GQA is reported at control KV heads / its KV heads; DMC at its checkpoint's target_cr,
+    or, with none recorded, the measured CR rounded to the nearest 0.5."""
+    from types import SimpleNamespace
+
+    from dmc.eval.compare import Method, nominal_cr
+
+    def loaded(kv_heads, **state):
+        return SimpleNamespace(model_config=SimpleNamespace(kv_heads=kv_heads), state=state)
+
+    gqa = Method("gqa", "GQA", "x")
+    assert nominal_cr(gqa, loaded(1), 8, 7.9) == 8.0
+    assert nominal_cr(gqa, loaded(2), 8, 3.9) == 4.0
+    dmc = Method("dmc", "DMC", "x")
+    assert nominal_cr(dmc, loaded(8, target_cr=4), 8, 3.3) == 4.0
+    for measured, nominal in [(3.3, 3.5), (3.2, 3.0), (6.8, 7.0), (1.74, 1.5)]:
+        assert nominal_cr(dmc, loaded(8), 8, measured) == nominal
+
+
+def test_prefill_tokens_leave_at_least_one_decoded_prediction():
+    """round(fraction * seq_len), at least 1 and at most seq_len - 2, so that
+    evaluate_perplexity's 1 <= prefill_tokens < seq_len - 1 holds."""
+    from dmc.eval.compare import prefill_tokens
+
+    assert prefill_tokens(100, 0.999) == 98
+    assert prefill_tokens(100, 0.5) == 50
+    assert prefill_tokens(100, 0.001) == 1
+    for seq_len in range(3, 40):
+        for fraction in (0.01, 0.3, 0.9, 0.99):
+            assert 1 <= prefill_tokens(seq_len, fraction) < seq_len - 1

@@ -99,3 +99,54 @@ def test_compare_scores_a_delayed_merge_model(models, capsys):
     assert [r["label"] for r in rows] == ["control", "DMC", "DMC delay 5"]
     assert rows[2]["slots_cr"] < rows[1]["slots_cr"]  # the raw window costs slots
     assert 0 <= rows[2]["needle_accuracy"] <= 1 and rows[2]["perplexity"] > 1
+
+
+@pytest.mark.parametrize("mode,training", [("train", True), ("zero_out", False)])
+def test_scoring_restores_the_runtime_mode_and_training_flag(models, mode, training):
+    """Scoring runs the forward in eval mode with hard decisions, then hands the model back as
+    it came: the DMC runtime's mode and ``model.training`` restored (a training loop that
+    evaluates between steps keeps training with soft decisions)."""
+    from dmc.megatron.attention import dmc_layers
+
+    loaded = load_model(models / "dmc.pt")
+    runtime = dmc_layers(loaded.model)[0].dmc
+    runtime.set_mode(mode)
+    loaded.model.train(training)
+    scorer = ForwardScorer(loaded, max_batch=1)
+    seen, forward = [], scorer._forward
+
+    def spy(tokens):
+        seen.append((runtime.mode, loaded.model.training))
+        return forward(tokens)
+
+    scorer._forward = spy
+    scorer.score_batch(_sequences((20,)))
+    assert seen and set(seen) == {("eval", False)}
+    assert (runtime.mode, loaded.model.training) == (mode, training)
+
+
+def test_delayed_merge_bytes_when_merged_slots_fill_whole_pages(models):
+    """Under merge_delay d = 5 the pages hold slots - (d + 1) merged slots per (layer, head):
+    14, 22, 6, 9 slots -> 8, 16, 0, 3 merged -> 1 + 2 + 0 + 1 pages of 8 (counted by hand)."""
+    scorer = ForwardScorer(load_model(models / "delayed.pt"), page_size=8)
+    got = scorer._bytes(torch.tensor([[14, 22], [6, 9]]))
+    head_dim, heads, pages = 16, 4, 4  # hidden 64 / 4 query heads; 2 layers x 2 KV heads
+    open_slot = 3 * (2 * head_dim * 4 + 4) + 4  # window 3: keys, values, omegas; the count
+    ring = 6 * (2 * head_dim * 4 + 2 * 4)  # d + 1 raw keys and values, their alpha and omega
+    assert got == {"kv": pages * 8 * 2 * head_dim * 4, "metadata": pages * 4 + heads * 4,
+                   "dmc_state": heads * (open_slot + ring), "policy_state": 0, "host": 0,
+                   "total": pages * 8 * 2 * head_dim * 4 + pages * 4 + heads * 4
+                   + heads * (open_slot + ring)}
+
+
+@pytest.mark.parametrize("prefill", [0, -1, 21])
+def test_prefill_tokens_out_of_range_are_refused_like_the_engine(models, prefill):
+    """prefill_tokens must be None or in [1, n] (as Engine.score_batch checks it)."""
+    loaded = load_model(models / "vanilla.pt")
+    tokens = _sequences((20,))
+    message = r"prefill_tokens must be None or in \[1, 20\]"
+    with pytest.raises(ValueError, match=message):
+        ForwardScorer(loaded, max_batch=1).score_batch(tokens, prefill_tokens=prefill)
+    with pytest.raises(ValueError, match=message):
+        Engine(loaded.model, max_batch=1, max_seq_len=32, page_size=8).score_batch(
+            tokens, prefill_tokens=prefill)

@@ -27,6 +27,16 @@ def test_few_probed_sequences_give_the_batch_times_the_largest():
     assert batch_pages_bound(probed)(137) == 137 * 10889
 
 
+def test_eight_probed_sequences_are_enough_for_the_prediction_bound():
+    """From 8 probed sequences on the bound is Student's, batch * m + t * s * sqrt(batch +
+    batch^2 / n) with t for 7 degrees of freedom; 7 give the batch times the largest."""
+    probed = [100, 101, 99, 100, 102, 98, 100, 104]
+    mean, spread = statistics.fmean(probed), statistics.stdev(probed)
+    want = math.ceil(50 * mean + student_quantile(3, 7) * spread * math.sqrt(50 + 50**2 / 8))
+    assert batch_pages_bound(probed)(50) == want < 50 * max(probed)
+    assert batch_pages_bound(probed[:7])(50) == 50 * 102
+
+
 def test_many_probed_sequences_give_the_prediction_bound_of_the_sum():
     gen = torch.Generator().manual_seed(0)
     probed = (10463 + 500 * torch.randn(64, generator=gen)).round().int().tolist()
@@ -41,12 +51,15 @@ def test_many_probed_sequences_give_the_prediction_bound_of_the_sum():
         batch_pages_bound([])
 
 
-@pytest.mark.parametrize("dof, exact", [(7, 4.52997), (10, 3.95694), (15, 3.58642),
-                                        (31, 3.26094), (63, 3.12352)])
+# The exact t quantiles at the level Phi(3) = 0.998650..., solved once with mpmath at 30 digits
+# from Student's CDF 1 - I_{dof / (dof + t^2)}(dof / 2, 1 / 2) / 2 (regularised incomplete beta).
+@pytest.mark.parametrize("dof, exact", [(7, 4.529973679), (10, 3.956936660), (15, 3.586423226),
+                                        (31, 3.260941919), (63, 3.123517016)])
 def test_student_quantile_at_three_sigma(dof, exact):
-    """Against the exact quantile at the level Phi(3) (mpmath's regularised incomplete beta,
-    computed once)."""
-    assert student_quantile(3.0, dof) == pytest.approx(exact, rel=5e-3)
+    """Against the exact quantile at the level Phi(3), within the first term the expansion
+    leaves out (A&S 26.7.5's g4(3) / dof^4 = 38.6 / dof^4, about 12.9 / dof^4 of t ~ 3)."""
+    assert student_quantile(3.0, dof) == pytest.approx(exact, rel=20 / dof**4)
+    assert student_quantile(3.0, dof) == pytest.approx(exact, rel=5e-3)  # the docstring's 0.5%
 
 
 @pytest.mark.parametrize("probed, batch", [(8, 137), (16, 137), (64, 137), (64, 20)])
@@ -83,3 +96,16 @@ def test_fit_batch_takes_a_bound_over_the_whole_batch():
 
     assert pages >= 18 * batch + 10 + 4 and used(batch, pages) <= budget
     assert used(batch + 1, 18 * (batch + 1) + 10 + 4) > budget
+
+
+def test_a_budget_of_exactly_three_sequences_fits_three():
+    """A batch fits when its cache plus state is at most (<=) the budget: a budget of exactly
+    three sequences' bytes fits three, with their 60 pages; a byte less fits two."""
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, window=12,
+                 dtype=torch.float32, max_seq_len=64)
+    exact = cache_allocation(num_pages=3 * 20, max_seqs=3, **shape)["total"] + 3 * 100
+    assert fit_batch(exact, 20, 100, shape) == (3, 60)
+    assert fit_batch(exact, lambda b: 20 * b, 100, shape) == (3, 60)
+    assert fit_batch(exact - 1, 20, 100, shape)[0] == 2
+    with_headroom = cache_allocation(num_pages=3 * 20 + 4, max_seqs=3, **shape)["total"] + 300
+    assert fit_batch(with_headroom, 20, 100, shape, headroom_pages=4) == (3, 64)

@@ -196,3 +196,56 @@ def test_decoded_only_perplexity_and_kl_against_float64(parallel_1x1, window):
     assert itself["kl"] == pytest.approx(0.0, abs=1e-6) and itself["top1_agreement"] == 1.0
     with pytest.raises(ValueError, match="leaves no decoded prediction"):
         evaluate_perplexity(engine, sequences, prefill_tokens=39)
+
+
+class _StubScorer:
+    """An engine whose score_batch hands back fixed float64 token log-probabilities and
+    float32 logits per sequence (looked up by its first token), two sequences at a time."""
+    max_batch, chunk_size, page_size, dmc = 2, 16, 8, None
+
+    def __init__(self, logprobs, logits):
+        self.logprobs, self.logits = logprobs, logits
+
+    def score_batch(self, seqs, *, prefill_tokens=None, return_logits=False):
+        from dmc.inference import CompressionStats, ScoreResult
+
+        return [ScoreResult(self.logprobs[s[0]], self.logits[s[0]] if return_logits else None,
+                            CompressionStats(len(s), torch.full((1, 1), len(s))),
+                            {"kv": len(s), "total": len(s)}) for s in seqs]
+
+
+def test_unequal_lengths_pool_nll_and_top1_over_tokens():
+    """Sequences of unequal lengths: NLL is pooled per scored token (sum of NLLs / tokens, a
+    float64 reference), not a mean of per-sequence means, and top1_ci is the token-weighted
+    bootstrap interval of the per-sequence agreement, around the pooled agreement."""
+    from dmc.eval.stats import mean_interval
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = [6, 60, 9, 45, 12, 70, 7]
+    sequences = [[i] + [1] * (n - 1) for i, n in enumerate(lengths)]
+    # long sequences are harder, and agree with the reference on fewer of their predictions
+    logprobs = [-(1 + n / 10) * torch.rand(n - 1, generator=gen, dtype=torch.float64)
+                for n in lengths]
+    logits = [torch.randn(n, 5, generator=gen) for n in lengths]
+    agree = [n - 1 if n < 20 else n // 10 for n in lengths]
+    reference = []
+    for n, k, scores in zip(lengths, agree, logits):
+        ref = torch.log_softmax(scores[:-1].double(), dim=-1)
+        ref[k:] = ref[k:].roll(1, dims=-1)  # another argmax from row k on
+        reference.append(ref)
+    result = evaluate_perplexity(_StubScorer(logprobs, logits), sequences, reference=reference)
+    tokens = sum(n - 1 for n in lengths)
+    nll = -float(torch.cat(logprobs).sum()) / tokens
+    assert result["tokens"] == tokens
+    assert result["nll"] == pytest.approx(nll, rel=1e-12)
+    assert result["perplexity"] == pytest.approx(math.exp(nll), rel=1e-12)
+    counts = [n - 1 for n in lengths]
+    per_seq = [-float(lp.sum()) / c for lp, c in zip(logprobs, counts)]
+    assert result["per_sequence_nll"] == pytest.approx(per_seq, rel=1e-12)
+    low, high = mean_interval(per_seq, counts)
+    assert result["perplexity_ci"] == pytest.approx([math.exp(low), math.exp(high)], rel=1e-12)
+    top1 = sum(agree) / tokens
+    assert result["top1_agreement"] == top1
+    assert result["top1_ci"] == list(mean_interval([a / c for a, c in zip(agree, counts)],
+                                                   counts))
+    assert result["top1_ci"][0] <= top1 <= result["top1_ci"][1]

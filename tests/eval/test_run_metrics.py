@@ -5,9 +5,10 @@ import pytest
 from dmc.eval.run_metrics import steps_to_cr
 
 
-def _write(path, crs):
-    path.write_text("".join(json.dumps({"step": i, "phase": "retrofit", "measured_cr": cr,
-                                        "target_cr": 4.0}) + "\n" for i, cr in enumerate(crs))
+def _write(path, crs, steps=None):
+    steps = range(len(crs)) if steps is None else steps
+    path.write_text("".join(json.dumps({"step": step, "phase": "retrofit", "measured_cr": cr,
+                                        "target_cr": 4.0}) + "\n" for step, cr in zip(steps, crs))
                     + json.dumps({"run_dir": "x", "valid_ppl": 1.0}) + "\n")
     return path
 
@@ -50,3 +51,24 @@ def test_add_steps_to_cr_marks_the_trained_rows_only(tmp_path):
     add_steps_to_cr(rows, [final])
     assert rows[0]["steps_to_cr"] == 5
     assert "steps_to_cr" not in rows[1] and "steps_to_cr" not in rows[2]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_steps_to_cr_reports_the_logged_step_not_the_row(tmp_path, seed):
+    """A resumed run logged every 10 steps from step 500: the answer is the logged ``step`` of
+    the window's first row (the slow reference's row mapped through the log), not its index."""
+    import random
+
+    rng = random.Random(seed)
+    crs = [1 + 3.5 * i / 80 + rng.uniform(-0.4, 0.4) for i in range(100)]
+    steps = [500 + 10 * i for i in range(100)]
+    got = steps_to_cr(_write(tmp_path / "m.jsonl", crs, steps), 4.0, 0.95, 10)
+    start = _slow_reference(crs, 4.0, 0.95, 10)
+    assert start is not None and got == steps[start]
+
+
+def test_a_run_exactly_at_the_target_counts_from_its_first_step(tmp_path):
+    """The window's mean need only reach (>=) fraction * target: a run whose CR is exactly the
+    target, fraction 1.0, is there from its first logged step."""
+    path = _write(tmp_path / "m.jsonl", [4.0] * 12, [30 + 2 * i for i in range(12)])
+    assert steps_to_cr(path, 4.0, fraction=1.0, window=10) == 30

@@ -37,3 +37,22 @@ def test_mean_interval_brackets_the_mean_and_matches_a_direct_bootstrap():
     means = sorted(sum(values[rng.randrange(20)] for _ in range(20)) / 20 for _ in range(500))
     assert (low, high) == (means[12], means[math.ceil(0.975 * 499)])
     assert mean_interval([2.0]) == (2.0, 2.0)
+
+
+def test_weighted_mean_interval_matches_a_direct_weighted_bootstrap():
+    """With weights, each resample's mean is sum(w_i v_i) / sum(w_i) over the drawn units (as
+    evaluate_perplexity weights per-sequence NLL by scored tokens), not the plain mean."""
+    source = random.Random(2)
+    values = [source.gauss(3.0, 1.0) for _ in range(12)]
+    weights = [source.choice([1, 5, 40, 200]) for _ in range(12)]
+    low, high = mean_interval(values, weights, seed=3, samples=400)
+    rng = random.Random(3)
+    means = []
+    for _ in range(400):
+        picks = [rng.randrange(12) for _ in range(12)]
+        means.append(sum(values[i] * weights[i] for i in picks)
+                     / sum(weights[i] for i in picks))
+    means.sort()
+    assert (low, high) == (means[int(0.025 * 399)], means[math.ceil(0.975 * 399)])
+    point = sum(v * w for v, w in zip(values, weights)) / sum(weights)
+    assert low < point < high

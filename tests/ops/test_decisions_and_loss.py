@@ -72,6 +72,44 @@ def test_eq8_keeps_float64_in_float64():
     assert (alpha.dtype, log_keep.dtype) == (torch.bfloat16, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_log_one_minus_gumbel_sigmoid_against_float64(dtype):
+    """log(1 - alpha) of Eq. 8's sample, alpha = sigmoid((x + noise) / tau), computed stably
+    (App. H), equals float64 log1p(-sigmoid((x + noise) / tau)) with the same noise."""
+    from dmc.ops import log_one_minus_gumbel_sigmoid
+
+    gen = torch.Generator().manual_seed(8)
+    # |(x + noise) / tau| <= 15, where float64 1 - sigmoid keeps ~9 significant digits
+    logits = (3 * torch.randn(4, 25, generator=gen, dtype=torch.float64)).clamp(-6, 6).to(dtype)
+    uniform = torch.rand(4, 25, generator=gen, dtype=torch.float64).clamp(0.01, 0.99)
+    noise = uniform.logit().to(dtype)  # Logistic(0, 1)
+    want = torch.log1p(-torch.sigmoid((logits.double() + noise.double()) / 0.7))
+    got = log_one_minus_gumbel_sigmoid(logits, 0.7, noise)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=1e-6 if dtype == torch.float32 else 1e-8,
+                               atol=1e-7 if dtype == torch.float32 else 1e-12)
+    # the same sample as gumbel_sigmoid's: exp() of it is 1 - alpha
+    torch.testing.assert_close(got.exp(), 1 - gumbel_sigmoid(logits, 0.7, noise=noise))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_importance_is_floored_at_omega_min(dtype):
+    """omega = max(sigmoid(omega_logit + c) + offset, OMEGA_MIN) (Sec. 3.2, the floor keeping
+    Eq. 9's running weight z > 0), against float64 math, logits that reach the floor included."""
+    from dmc.ops import importance
+    from dmc.ops.decisions import OMEGA_MIN
+
+    logits = [-300.0, -60.0, -20.0, -19.0, -14.5, -5.0, 0.0, 2.0]  # sigmoid(-15) = 3.1e-7
+    for offset in (0.0, 2**-7):
+        got = importance(torch.tensor(logits, dtype=dtype), 5.0, offset)
+        want = [max(1 / (1 + math.exp(-(x + 5.0))) + offset, OMEGA_MIN) for x in logits]
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64),
+                                   rtol=1e-6, atol=0)
+        if offset == 0.0:
+            assert got[:4].eq(torch.tensor(OMEGA_MIN, dtype=dtype)).all()  # at the floor
+
+
 def test_gumbel_reproducible_and_hard_straight_through():
     logits = torch.randn(64, requires_grad=True)
     a1 = gumbel_sigmoid(logits, 0.1, torch.Generator().manual_seed(7))
@@ -131,6 +169,17 @@ def test_compression_loss_equals_reference(cr, prior, cap):
     assert got == pytest.approx(want, abs=1e-12)
     if cap == 1.5:
         assert got > compression_loss(alpha, cr, prior).item()
+
+
+@pytest.mark.parametrize("prior", ["global", "local"])
+def test_bf16_alpha_is_summed_in_float32(prior):
+    """bf16 decisions (as trained) give a float32 loss equal to Eq. 10's float64 reference of
+    the same bf16 values: the kept-slot sums run in float32, not bf16."""
+    alpha = torch.rand(2, 2, 2, 700, generator=torch.Generator().manual_seed(9)).bfloat16()
+    got = compression_loss(alpha, 4.0, prior, head_cr_cap=1.5)
+    assert got.dtype == torch.float32
+    want = compression_loss_reference(alpha.double(), 4.0, prior, 1.5)
+    assert want > 0.1 and got.item() == pytest.approx(want, abs=1e-6)
 
 
 def test_head_cap_penalises_only_heads_above_the_cap():

@@ -290,3 +290,21 @@ def test_every_flex_backend_wired_end_to_end(monkeypatch, backend, delay):
             assert not got[..., -1].any()
             got, want = got[..., :-1], want[..., :-1]
         torch.testing.assert_close(got, want, **tol, msg=name)
+
+
+def test_row_dot_sums_bf16_products_in_float32():
+    """row_dot on bf16: each product rounded once to bf16 (exact in float32 before rounding),
+    then summed in float32, equal to a float64 sum of those rounded products; broadcasting as
+    the swapped pass uses it ([.., 1, keys, d] against [.., group, keys, d])."""
+    from dmc.ops.flex_bias_grad import row_dot
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, 1, 40, 256, generator=gen).bfloat16()
+    y = torch.randn(2, 3, 4, 40, 256, generator=gen).bfloat16()
+    got = row_dot(x, y)
+    products = (x.double() * y.double()).bfloat16()  # what x * y gives in bf16
+    want = products.double().sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 4, 40)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert torch.equal(row_dot(x.double(), y.double(), torch.float64),
+                       (x.double() * y.double()).sum(-1))

@@ -61,3 +61,28 @@ def test_dmc_attention_rejects_unknown_backend():
     x = torch.zeros(1, 1, 2, 4)
     with pytest.raises(ValueError, match="dense"):
         dmc_attention(x, x, x, torch.zeros(1, 1, 2), backend="sdpa")
+
+
+@pytest.mark.parametrize("seq,q_len,delay", [(9, 3, 0), (9, 1, 0), (10, 4, 2), (7, 7, 1)])
+def test_bias_masks_of_the_last_queries_against_explicit_loops(seq, q_len, delay):
+    """The queries are the last q_len positions i = seq - q_len + r: key j weighted by
+    log(1 - alpha_{j+1}) when i - j > delay, seen unweighted when 0 <= i - j <= delay, masked
+    (-inf) when j > i; bias_from_log_keep's rows are those of the full bias."""
+    from dmc.ops.mask import bias_from_log_keep, bias_masks
+
+    weighted, visible = bias_masks(seq, q_len, delay)
+    log_keep = -torch.rand(2, 3, seq, generator=torch.Generator().manual_seed(4),
+                           dtype=torch.float64)
+    bias = bias_from_log_keep(log_keep, q_len, delay)
+    assert weighted.shape == visible.shape == (q_len, seq)
+    assert bias.shape == (2, 3, q_len, seq)
+    for r in range(q_len):
+        i = seq - q_len + r
+        for j in range(seq):
+            assert bool(weighted[r, j]) == (i - j > delay)
+            assert bool(visible[r, j]) == (j <= i)
+            want = (log_keep[..., j] if i - j > delay
+                    else torch.zeros(2, 3, dtype=torch.float64) if j <= i
+                    else torch.full((2, 3), -math.inf, dtype=torch.float64))
+            assert torch.equal(bias[..., r, j], want)
+    assert torch.equal(bias, bias_from_log_keep(log_keep, None, delay)[..., -q_len:, :])

@@ -1,5 +1,7 @@
 """dmc.ops.rope's tables from megatron-core's angles, and the rotation without the decision
 channel (dmc.ops.decisions.without_decision_channel) against float64 loops."""
+import math
+
 import pytest
 import torch
 
@@ -57,3 +59,46 @@ def test_without_decision_channel_is_zeroing_around_the_rotation(dim):
     x.requires_grad_()
     rotate(x, *without_decision_channel(*rotation_tables(angles, torch.float64))).sum().backward()
     assert x.grad[..., -1].eq(0).all() and x.grad[..., :-1].abs().sum() > 0
+
+
+def _llama3_inv_freq_loop(dim, base, factor, low, high, old_len):
+    """Meta's ``apply_scaling`` (Llama 3.1 reference code) frequency by frequency in float64:
+    wavelengths under ``old_len / high`` kept, over ``old_len / low`` divided by ``factor``, the
+    band between interpolated with ``smooth = (old_len / wavelen - low) / (high - low)``."""
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / base ** (i / dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(freq)
+        elif wavelen > old_len / low:
+            out.append(freq / factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dim,base,scaling,medium", [
+    # Llama 3.1 8B: 6 of its 64 frequencies in the interpolated band
+    (128, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}, 6),
+    (64, 10000.0, {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 2048}, 5),
+    (64, 500000.0, {"factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                    "original_max_position_embeddings": 8192}, 3),
+])
+def test_llama3_inv_freq_equals_metas_apply_scaling_in_every_band(dim, base, scaling, medium):
+    """Every entry of rope_inv_freq with llama3 scaling equals a float64 loop of Meta's
+    apply_scaling, the medium (interpolated) band included."""
+    want = _llama3_inv_freq_loop(dim, base, scaling["factor"], scaling["low_freq_factor"],
+                                 scaling["high_freq_factor"],
+                                 scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi * base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    old_len = scaling["original_max_position_embeddings"]
+    in_band = (wavelen >= old_len / scaling["high_freq_factor"]) & (
+        wavelen <= old_len / scaling["low_freq_factor"])
+    assert int(in_band.sum()) == medium  # the interpolated band is exercised
+    got = rope_inv_freq(dim, base, llama3_scaling=scaling)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0)
