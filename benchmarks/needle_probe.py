@@ -1,7 +1,7 @@
 """Needle error analysis of one checkpoint with its full cache (a plain forward, greedy).
 
     python benchmarks/needle_probe.py CHECKPOINT DATA_DIR [--lengths 256,512,1024] [--needles 40]
-        [--token-keys] [--attention-scale FACTOR[@LAYERS]]
+        [--token-keys] [--attention-scale FACTOR[@LAYERS]] [--heads] [--json PATH]
 
 Per context length, on ``--needles`` examples of :func:`dmc.data.needle.make_needle_examples`
 (8-token key, 4-token value, corpus spans of DATA_DIR's held-out split, depths cycling through
@@ -20,13 +20,19 @@ Exact match is also given per needle depth. Two diagnostics: ``--token-keys`` dr
 tokens one by one (no n-gram of the key recurs in the haystack more than by chance, so a miss is
 not a partial match on a text span); ``--attention-scale 1.3@2,3`` multiplies the attention
 logits (the softmax scale) of layers 2 and 3 (0-based; all layers without ``@``) by 1.3: what
-sharper attention would find. Prints a table; ``--json PATH`` writes the numbers.
+sharper attention would find. ``--heads`` adds, per length, each head's attention weight on the
+value's first token from the query that predicts it, for the needles found and missed, and how
+often the first token is predicted given the largest such weight of any head: a needle missed
+although a head looks at its value is a copy that does not win over the rest of the model, one
+missed where no head looks is a needle not found. Prints tables; ``--json PATH`` writes the
+numbers.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,6 +44,7 @@ from dmc.inference.loading import load_model
 
 
 COPY_SPAN = 24
+MASS_BINS = (0.0, 0.3, 0.6, 0.8, 1.01)
 
 
 def copy_accuracy(model, stream: list[int], length: int, count: int, seed: int) -> float:
@@ -86,6 +93,67 @@ def scale_attention(model, spec: str) -> None:
         cores[i].softmax_scale *= factor
 
 
+def needle_attention(model, examples) -> dict:
+    """Where the heads look when the model predicts a needle's first value token: per (layer,
+    head), the mean attention weight of that query (the query's last key token, at
+    ``prompt_len - 1``) on the value's first token (the token an induction head must copy),
+    over the examples whose first value token is predicted (``hit``) and missed (``miss``);
+    and, by the largest such weight of any head (bins ``MASS_BINS``), how many examples, the
+    share predicted and the median probability of the value's first token. The weights are
+    the softmax of the core attention's own queries and keys (after RoPE, GQA groups
+    expanded, its softmax scale)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cores = [m for m in model.modules() if isinstance(m, DotProductAttention)]
+    captured: dict[int, tuple] = {}
+
+    def capture(layer):
+        def hook(module, args):
+            captured[layer] = (args[0].detach(), args[1].detach(), module.softmax_scale)
+        return hook
+
+    handles = [core.register_forward_pre_hook(capture(i)) for i, core in enumerate(cores)]
+    mass = {"hit": [], "miss": []}
+    found = []  # (largest weight on the value, hit, p(value's first token))
+    try:
+        for example in examples:
+            tokens = torch.tensor([list(example.tokens)])
+            with torch.no_grad():
+                logits = model(tokens, torch.arange(tokens.shape[1])[None], None)[0]
+            at, value = example.prompt_len - 1, example.needle_start + example.key_len
+            weights = torch.stack([attention_row(*captured[i], at)[:, value]
+                                   for i in range(len(cores))])  # [layers, heads]
+            probs = torch.softmax(logits[at].double(), dim=-1)
+            hit = int(probs.argmax()) == example.answer[0]
+            mass["hit" if hit else "miss"].append(weights)
+            found.append((float(weights.max()), hit, float(probs[example.answer[0]])))
+    finally:
+        for handle in handles:
+            handle.remove()
+    bins = []
+    for low, high in zip(MASS_BINS, MASS_BINS[1:]):
+        chosen = [(hit, p) for top, hit, p in found if low <= top < high]
+        if chosen:
+            bins.append({"from": low, "to": min(high, 1.0), "examples": len(chosen),
+                         "hit": sum(h for h, _ in chosen) / len(chosen),
+                         "median_p": statistics.median(p for _, p in chosen)})
+    return {kind: {"examples": len(rows),
+                   "mass": torch.stack(rows).mean(0).tolist() if rows else None}
+            for kind, rows in mass.items()} | {"by_largest_mass": bins}
+
+
+def attention_row(query: torch.Tensor, key: torch.Tensor, scale: float | None,
+                  at: int) -> torch.Tensor:
+    """Attention weights ``[heads, at + 1]`` of the query at position ``at`` over the keys
+    ``0..at``, from a megatron core attention's inputs (query ``[seq, 1, heads, dim]``, key
+    ``[seq, 1, groups, dim]``; query head ``h`` reads group ``h // (heads / groups)``), in
+    float64."""
+    q = query[at, 0].double()
+    k = key[:at + 1, 0].double().repeat_interleave(q.shape[0] // key.shape[2], dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.softmax(torch.einsum("hd,shd->hs", q, k) * scale, dim=-1)
+
+
 def probe(model, stream: list[int], length: int, count: int, seed: int,
           token_keys: bool = False) -> dict:
     """The accuracies above for ``count`` needles in ``length``-token prompts."""
@@ -123,6 +191,25 @@ def probe(model, stream: list[int], length: int, count: int, seed: int,
             "copy": copy_accuracy(model, stream, length, count, seed)}
 
 
+def print_heads(length: int, heads: dict) -> None:
+    """Markdown tables of :func:`needle_attention`'s result."""
+    hit, miss = heads["hit"], heads["miss"]
+    print(f"\n{length} tokens: attention weight on the value's first token, predicted "
+          f"({hit['examples']}) / missed ({miss['examples']})")
+    layers = hit["mass"] or miss["mass"]
+    print("| layer | " + " | ".join(f"head {h}" for h in range(len(layers[0]))) + " |")
+    print("|---" * (len(layers[0]) + 1) + "|")
+    for i in range(len(layers)):
+        cells = [" / ".join("-" if part["mass"] is None else f"{part['mass'][i][h]:.2f}"
+                            for part in (hit, miss)) for h in range(len(layers[0]))]
+        print(f"| {i} | " + " | ".join(cells) + " |")
+    print("| largest weight of a head | needles | predicted | median p(first value token) |")
+    print("|---|---|---|---|")
+    for b in heads["by_largest_mass"]:
+        print(f"| [{b['from']:.1f}, {b['to']:.1f}) | {b['examples']} | {b['hit']:.2f} | "
+              f"{b['median_p']:.2f} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint")
@@ -132,6 +219,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--token-keys", action="store_true")
     parser.add_argument("--attention-scale", metavar="FACTOR[@LAYERS]")
+    parser.add_argument("--heads", action="store_true",
+                        help="also the attention of each head on the needle's value")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     try:
@@ -169,6 +258,10 @@ def main(argv=None) -> int:
               f"({r['unique_last_key_token']} unique) | {r['first_token_misses']}: "
               f"{r['misses_wrong_copy']} / {r['misses_not_in_prompt']} | {r['copy']:.2f} | "
               + " / ".join(f"{v:.2f}" for v in r["exact_by_depth"].values()) + " |")
+    for r in rows if args.heads else []:
+        r["heads"] = needle_attention(model, make_needle_examples(
+            stream, r["length"], args.needles, seed=args.seed, token_keys=args.token_keys))
+        print_heads(r["length"], r["heads"])
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"checkpoint": args.checkpoint, "token_keys": args.token_keys,
