@@ -104,9 +104,22 @@ def test_export_carries_the_tokenizers_special_ids(tiny_data, tmp_path):
     assert out[0, 3:].tolist() == [2]  # stopped at the end-of-sequence token
 
 
+def test_special_token_ids_of_a_sentencepiece_model_are_its_bos_eos_and_pad(tiny_data):
+    """special_token_ids on a copied tokenizer.model alone: the SentencePiece model's bos / eos /
+    pad ids (dmc.data.tokenizer trains 1, 2, 3; unk 0 is not one of them)."""
+    from dmc.convert.to_hf import special_token_ids
+    from dmc.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+    assert (BOS_ID, EOS_ID, PAD_ID, UNK_ID) == (1, 2, 3, 0)
+    assert special_token_ids(tiny_data, ["tokenizer.model"]) == {
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+
+
 def test_export_reads_a_hugging_face_tokenizers_special_ids(tmp_path):
     """A copied HF tokenizer: the ids of the tokens its tokenizer_config.json names, looked up
-    in tokenizer.json (added tokens, then the vocabulary); its own generation_config.json is
+    in tokenizer.json (added tokens, then the vocabulary), over a conflicting
+    special_tokens_map.json (as AutoTokenizer does for a tokenizer_config.json that holds
+    added_tokens_decoder, as save_pretrained writes it); its own generation_config.json is
     kept as it is."""
     from dmc.convert.mcore_io import write_checkpoint
     from dmc.inference import build_model_from_config
@@ -118,8 +131,11 @@ def test_export_reads_a_hugging_face_tokenizers_special_ids(tmp_path):
         "added_tokens": [{"id": 7, "content": "<|end|>", "special": True}],
         "model": {"type": "BPE", "vocab": {"<s>": 0, "a": 1, "b": 2}, "merges": []}}))
     (tok / "tokenizer_config.json").write_text(json.dumps({
+        "added_tokens_decoder": {"7": {"content": "<|end|>", "special": True}},
         "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "<|end|>",
         "pad_token": None}))
+    (tok / "special_tokens_map.json").write_text(json.dumps({"bos_token": "a",
+                                                             "eos_token": {"content": "b"}}))
     (tok / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
     torch.manual_seed(0)
     cfg = model_config(2)

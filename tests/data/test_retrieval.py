@@ -416,3 +416,37 @@ def test_answerable_loss_keeps_a_query_in_the_windows_that_hold_its_needle(tmp_p
             kept += value > 1 and expected
             dropped += value > 1 and not expected
     assert kept > 0 and dropped > 0
+
+
+def test_answerable_mask_keeps_a_query_exactly_in_the_windows_from_its_needles_start():
+    """--retrieval-loss answerable on a hand-built needle document: in every training window
+    (tokens a..a+n), a query token's label keeps its loss iff the needle it repeats starts at
+    or after a (found by searching the body), text between queries always, the body never."""
+    from dmc.data.indexed import window_weights
+    from dmc.data.prepare import _loss_mask
+    from dmc.data.retrieval import RetrievalDocument
+
+    needle = [100, 101, 102]
+    body = [50, 51, 52] + needle + [53, 54, 55, 56]
+    gap, start = [57, 58], len(body)
+    tokens = body + gap + needle
+    sources = [0] * len(gap) + [p - 3 for p in range(start + len(gap), len(tokens))]
+    mask = _loss_mask(RetrievalDocument(tokens, start, tuple(sources)), "answerable")
+    assert len(mask) == len(tokens) and mask[:start] == [0] * start
+    origin = occurrences(body, needle)[0]  # where a query's answer starts
+    assert origin == 3
+    decided = set()
+    for a in range(len(tokens)):
+        for n in range(1, len(tokens) - a):
+            weights = window_weights(mask[a + 1:a + n + 1]).tolist()
+            for j, weight in enumerate(weights):
+                place = a + 1 + j  # label j is token a + 1 + j
+                if place < start:
+                    want = 0.0
+                elif place < start + len(gap):
+                    want = 1.0
+                else:
+                    want = float(a <= origin)
+                    decided.add(want)
+                assert weight == want, (a, n, j)
+    assert decided == {0.0, 1.0}

@@ -248,6 +248,30 @@ def test_train_mode_extra_cr_terms_are_the_float64_loss(parallel_1x1, terms):
     torch.testing.assert_close(alphas[-1].grad.double(), last.grad, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("hard_loss", [False, True])
+def test_measured_cr_is_tokens_over_kept_slots_of_the_forwards_alphas(parallel_1x1, hard_loss):
+    """After one train-mode forward each layer's measured CR per head is batch * seq / sum(1 -
+    alpha) in float64 over the alphas it drew (rounded under hard_loss), every token counted."""
+    _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0, hard_loss=hard_loss))
+    spread_decisions(dmc, scale=2.0)
+    runtime.set_mode("train")
+    runtime.target_cr = 1.5
+    tokens, positions = _batch(batch=3)
+    alphas = _capture_alphas(dmc)
+    for layer in dmc_layers(dmc):
+        layer.reset_cr_stats()
+    with torch.no_grad():
+        dmc(tokens, positions, None)
+    runtime.pop_cr_losses()
+    assert len(alphas) == len(dmc_layers(dmc))
+    for layer, alpha in zip(dmc_layers(dmc), alphas):
+        alpha = alpha.detach().double()  # [batch, kv_heads, seq]
+        counted = (alpha > 0.5).double() if hard_loss else alpha
+        want = alpha.shape[0] * SEQ / (1 - counted).sum(dim=(0, 2))
+        assert alpha.shape[0] * alpha.shape[2] == 3 * SEQ and (want > 1.05).all()
+        torch.testing.assert_close(layer.measured_cr().double(), want, rtol=1e-6, atol=0)
+
+
 def test_noise_is_keyed_by_step_and_microbatch(parallel_1x1):
     _, dmc, runtime = _pair(2, DMCConfig(window=4, c=0.0))
     spread_decisions(dmc, scale=0.5)

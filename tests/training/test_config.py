@@ -84,6 +84,32 @@ def test_bad_values_name_the_key_and_accepted_values(override, message):
         load_config([], [override])
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["model.max_seq_length=64", "data.seq_length=65"],
+     r"data.seq_length \(65\) exceeds model.max_seq_length \(64\)"),
+    (["model.num_layers=3", "parallel.pipeline=2"],
+     r"parallel.pipeline \(2\) must divide model.num_layers \(3\)"),
+    (["data.global_batch_size=6", "data.micro_batch_size=4"],
+     r"data.global_batch_size \(6\) must be a multiple of data.micro_batch_size \(4\)"),
+], ids=["seq-one-past-max", "layers-not-split-by-pipeline", "global-not-multiple-of-micro"])
+def test_inconsistent_sizes_name_both_fields(overrides, message):
+    """Sizes that cannot go together are refused naming both fields and their values."""
+    with pytest.raises(ConfigError, match=message):
+        load_config([], overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.max_seq_length=64", "data.seq_length=64"],
+    ["model.num_layers=4", "parallel.pipeline=2"],
+    ["data.global_batch_size=8", "data.micro_batch_size=4"],
+], ids=["seq-equal-to-max", "layers-split-by-pipeline", "global-multiple-of-micro"])
+def test_sizes_at_the_bounds_are_accepted(overrides):
+    """The consistent neighbours of the refused sizes load as given."""
+    cfg = flatten(load_config([], overrides))
+    for key, value in map(parse_override, overrides):
+        assert cfg[key] == value
+
+
 def test_cr_loss_grad_decisions_refuses_a_qk_norm():
     assert load_config([], ["dmc.cr_loss_grad=decisions"]).dmc.cr_loss_grad == "decisions"
     with pytest.raises(ConfigError, match="dmc.cr_loss_grad: 'decisions' .* model.qk_layernorm"):

@@ -1,5 +1,6 @@
 """Tiny retrofits on CPU: phases, CR, checkpoints at CR crossings, exact resume."""
 import json
+import math
 import warnings
 
 import pytest
@@ -196,3 +197,111 @@ def test_bf16_on_cpu_is_autocast_over_float32_parameters(tiny_data, tmp_path, ki
     assert len(fp32) == len(bf16) == 3
     assert bf16 != fp32  # bfloat16 matmuls really ran
     assert bf16 == pytest.approx(fp32, rel=2e-2)
+
+
+def _pretrain_lr(lr, floor, warmup, total, step):
+    """Closed form of a pretrain's LR at ``step``: linear warmup from 0 over ``warmup`` steps,
+    then cosine from ``lr`` down to ``floor`` at ``total``."""
+    if step <= warmup:
+        return lr * step / warmup
+    return floor + 0.5 * (math.cos(math.pi * (step - warmup) / (total - warmup)) + 1) * (lr - floor)
+
+
+def test_pretrain_lr_warms_up_for_exactly_warmup_steps_then_cosine_decays(tiny_data, tmp_path):
+    """Every pretrain step logs the closed-form warmup + cosine LR (optim.warmup_steps,
+    min_lr_ratio): step ``warmup`` is the first at the peak LR."""
+    lr, ratio, warmup, total = 1e-2, 0.1, 2, 6
+    trainer = Trainer(_cfg(tiny_data, tmp_path, **{
+        "schedule.pretrain_steps": total, "optim.warmup_steps": warmup, "optim.lr": lr,
+        "optim.min_lr_ratio": ratio, "dmc.enabled": False, "checkpoint.save_interval": 0,
+        "logging.log_interval": 1, "logging.heatmap": False}), "pretrain")
+    results = trainer.run()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.step for r in results] == [r["step"] for r in logged] == list(range(total))
+    for r, record in zip(results, logged):
+        want = _pretrain_lr(lr, lr * ratio, warmup, total, r.step)
+        assert r.lr == pytest.approx(want, rel=1e-12, abs=1e-15), r.step
+        assert record["lr"] == pytest.approx(want, rel=1e-12, abs=1e-15), r.step
+    assert results[warmup].lr == pytest.approx(lr, rel=1e-12)
+
+
+def test_cr_checkpoints_record_the_target_cr_of_the_step_they_follow(full_run):
+    """A cr_X checkpoint saved after ``step`` steps records the target CR that its last step
+    trained with (the float64 linear anneal 1 -> 2 over the 12 retrofit steps 3..14)."""
+    trainer, results, run_dir = full_run
+    states = [ckpt.read_state(path) for path in sorted((run_dir / "checkpoints").glob("cr_*"))]
+    assert len(states) >= 2
+    for state in states:
+        last = state["step"] - 1  # the step the checkpoint was saved after
+        want = 1.0 + (2.0 - 1.0) * min(last - 3 + 1, 12) / 12
+        assert state["target_cr"] == pytest.approx(want, abs=1e-12), state["step"]
+        assert state["target_cr"] == results[last].target_cr
+    assert any(state["step"] < 15 for state in states)  # inside the anneal: the target moves
+
+
+class _IndexedSamples:
+    """A stand-in train set whose sample ``k`` is ``seq`` copies of token ``k`` (k < 300)."""
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    def __len__(self):
+        return 300
+
+    def __getitem__(self, k):
+        return {"tokens": torch.full((self.seq,), k), "labels": torch.full((self.seq,), k),
+                "loss_mask": torch.ones(self.seq), "position_ids": torch.arange(self.seq)}
+
+
+def test_each_step_reads_its_global_batch_of_samples_once_split_over_dp_ranks(tiny_data,
+                                                                             tmp_path):
+    """Step s reads samples s * gbs .. s * gbs + gbs - 1, each once, micro-batch i of DP rank r
+    the mbs samples from s * gbs + (r * num_micro + i) * mbs on (gbs 8, mbs 2)."""
+    trainer = Trainer(_cfg(tiny_data, tmp_path, **{
+        "data.global_batch_size": 8, "data.micro_batch_size": 2,
+        "schedule.retrofit_steps": 3, "checkpoint.save_interval": 0}), "retrofit")
+    trainer.train_data = _IndexedSamples(trainer.cfg.data.seq_length)
+    assert trainer.num_micro == 4
+
+    def samples(step):
+        return [b["tokens"][:, 0].tolist() for b in trainer._train_microbatches(step)]
+
+    for step in range(3):
+        assert samples(step) == [[8 * step + 2 * i, 8 * step + 2 * i + 1] for i in range(4)]
+    trainer.num_micro = 2  # as one of two DP ranks
+    for step in range(3):
+        ranks = []
+        for trainer.dp_rank in (0, 1):
+            ranks += samples(step)
+        assert ranks == [[8 * step + 2 * i, 8 * step + 2 * i + 1] for i in range(4)]
+
+
+def test_dp_ranks_draw_the_noise_of_the_single_process_micro_batch(tiny_data, tmp_path):
+    """The Gumbel noise key of micro-batch i on DP rank r is r * num_micro + i, the index of the
+    same samples in a single-process step, so each (rank, micro-batch) draws its own noise and
+    a DP=2 step computes the single-process losses."""
+    trainer = Trainer(_cfg(tiny_data, tmp_path, **{
+        "schedule.zero_out_steps": 0, "schedule.retrofit_steps": 2,
+        "checkpoint.save_interval": 0}), "retrofit")
+    keys = []
+    trainer.module.register_forward_pre_hook(lambda *_: keys.append(trainer.runtime.microbatch))
+    trainer.runtime.start_step(0, "train", 1.5, 0.0)
+    batches = trainer._train_microbatches(0)
+    assert len(batches) == 2
+
+    def losses(batches):
+        keys.clear()
+        with torch.no_grad():
+            out = [r["lm_loss"].item() for r in trainer._forward_backward(batches, True)]
+        trainer.runtime.pop_cr_losses()
+        return out
+
+    single = losses(batches)
+    assert keys == [0, 1]
+    trainer.num_micro = 1  # as one of two DP ranks, one micro-batch each
+    by_rank = {}
+    for trainer.dp_rank in (0, 1):
+        by_rank[trainer.dp_rank] = (losses(batches[trainer.dp_rank:trainer.dp_rank + 1]), keys[:])
+    assert by_rank == {0: ([single[0]], [0]), 1: ([single[1]], [1])}
+    trainer.dp_rank = 0  # the second micro-batch under the first one's key: other noise
+    assert losses(batches[1:]) != [single[1]]
