@@ -145,6 +145,25 @@ def test_convert_errors_name_the_flag(mha_file, tmp_path):
         convert_to_gqa(path, 1, done)
 
 
+def test_an_output_holding_another_checkpoints_conversion_is_refused(mha_file, tmp_path):
+    """--output holding the conversion of another --checkpoint (same KV heads) is not taken
+    for this one's: the call raises and leaves the folder as it was."""
+    path, _ = mha_file
+    other, _ = build_tiny(4, seed=8)
+    other_path = tmp_path / "other.pt"
+    save_inference_state(other_path, other, {
+        "num_layers": 2, "hidden_size": HIDDEN, "num_attention_heads": HEADS,
+        "num_query_groups": 4, "ffn_hidden_size": 96, "vocab_size": VOCAB,
+        "max_seq_length": 160})
+    done = convert_to_gqa(path, 2, tmp_path / "gqa")
+    written = (done / "state.json").read_text()
+    with pytest.raises(ValueError, match="--output .* already exists .*no conversion of "
+                                         ".*other.pt to 2 KV heads"):
+        convert_to_gqa(other_path, 2, done)
+    assert (done / "state.json").read_text() == written
+    assert json.loads(written)["source"] == str(path)
+
+
 def test_convert_rejects_dmc_model(parallel_1x1, tmp_path):
     model, _ = build_tiny(2, window=3)
     path = tmp_path / "dmc.pt"
@@ -166,6 +185,11 @@ def test_gqa_uptraining_from_a_converted_pretrain_run(tiny_data, tmp_path, capsy
     assert main(["baseline", "gqa", "--checkpoint", str(base), "--num-query-groups", "1",
                  "--output", str(tmp_path / "gqa"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_query_groups"] == 1
+    converted_state = json.loads((tmp_path / "gqa" / "state.json").read_text())
+    assert json.loads((base / "state.json").read_text())["config"]["model"][
+        "num_query_groups"] == 2
+    assert converted_state["model_config"]["num_query_groups"] == 1
+    assert converted_state["config"]["model"]["num_query_groups"] == 1  # the training config too
 
     def uptrain_cfg(**extra):
         values = {"checkpoint.load_base": tmp_path / "gqa", "schedule.zero_out_steps": 1,

@@ -537,3 +537,30 @@ def test_many_probed_sequences_size_the_batch_by_the_bound_of_their_spread(tmp_p
     assert bench.probe_pages(bench.parse_mode("dmc:4"), bench.parse_args(TINY), 12) == math.ceil(
         1.5 * 12 * 1 * 2 * math.ceil((24 + 64) / 16) / 4) + 12 * 2  # 1.5x at 4x, a page a head
     assert bench.probe_pages(bench.parse_mode("vanilla"), bench.parse_args(TINY), 12) is None
+
+
+@pytest.mark.parametrize("cr, tokens, ring", [(4.0, 1024, 65), (2.0, 48, 9), (3.0, 100, 1),
+                                              (1.5, 33, 17), (8.0, 4096, 13)])
+def test_window_keep_fraction_reaches_the_cr_at_the_full_length(cr, tokens, ring):
+    """The ring plus the kept share of the older tokens is tokens / cr (float64), a share in
+    [0, 1]."""
+    from dmc.eval.decode_modes import window_keep_fraction
+
+    keep = window_keep_fraction(cr, tokens, ring)
+    assert 0.0 < keep < 1.0
+    assert ring + keep * (tokens - ring) == pytest.approx(tokens / cr, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("cr, tokens, ring, keep", [
+    (4.0, 100, 26, 0.0),  # the window alone (26) is more than tokens / cr (25): keep none
+    (4.0, 100, 25, 0.0),  # the window alone is tokens / cr
+    (1.0, 100, 9, 1.0),  # 1x keeps every older token
+    (2.0, 9, 9, 1.0),  # no token older than the window
+    (2.0, 5, 9, 1.0),
+])
+def test_window_keep_fraction_clamps(cr, tokens, ring, keep):
+    """0 when the window alone reaches tokens / cr, 1 at 1x and when no token is older than
+    the window."""
+    from dmc.eval.decode_modes import window_keep_fraction
+
+    assert window_keep_fraction(cr, tokens, ring) == keep

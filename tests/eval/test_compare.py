@@ -159,6 +159,7 @@ def test_dmc_checkpoints_are_labelled_by_their_method(setup):
     (["--crs", "2,inf"], "--crs: expected comma-separated distinct numbers in [1, inf)"),
     (["--needles-per-cell", "400"], "--needle-lengths 40 / --needles-per-cell 400 over --data"),
     (["--base", "BF16"], "its weights, and so its cache, are bfloat16, the control's float32"),
+    (["--base", "DMC"], "dmc.pt is a DMC model"),
 ])
 def test_bad_flags_name_the_flag(setup, capsys, flags, message):
     torch.save(torch.zeros(4, 30, dtype=torch.long), setup / "rows.pt")
@@ -166,7 +167,8 @@ def test_bad_flags_name_the_flag(setup, capsys, flags, message):
         vanilla, _ = build_tiny(4, seed=1)
         save_inference_state(setup / "bf16.pt", vanilla.to(torch.bfloat16),
                              dict(CONFIG, num_query_groups=4, params_dtype="bfloat16"))
-    paths = {"VANILLA": setup / "vanilla.pt", "ROWS": setup / "rows.pt", "BF16": setup / "bf16.pt"}
+    paths = {"VANILLA": setup / "vanilla.pt", "ROWS": setup / "rows.pt", "BF16": setup / "bf16.pt",
+             "DMC": setup / "dmc.pt"}
     flags = [str(paths[f]) if f in paths else f for f in flags]
     assert run(setup, "--policies", "none", *flags) == 2  # a later --policies wins
     assert message in capsys.readouterr().err
@@ -256,3 +258,49 @@ def test_prefill_tokens_leave_at_least_one_decoded_prediction():
     for seq_len in range(3, 40):
         for fraction in (0.01, 0.3, 0.9, 0.99):
             assert 1 <= prefill_tokens(seq_len, fraction) < seq_len - 1
+
+
+REPORT_ROW = {"method": "dmc", "label": "DMC", "requested_cr": None, "nominal_cr": 4.0,
+              "perplexity": 10.0, "perplexity_ci": [9.0, 11.0], "kl": 0.1,
+              "top1_agreement": 0.9, "slots_cr": 4.0, "memory_cr": 3.5}
+
+
+def _cells(line):
+    return [cell.strip() for cell in line.split("|")[1:-1]]
+
+
+def test_table_cells_sit_under_their_headers():
+    """Each cell of format_table's row under its own header (slots CR and memory CR differ)."""
+    from dmc.eval.compare_report import format_table
+
+    row = dict(REPORT_ROW, needle_accuracy=0.625, needle_ci=[0.3, 0.85])
+    lines = format_table([row]).splitlines()
+    assert lines[1] == "|" + "---|" * 8
+    assert dict(zip(_cells(lines[0]), _cells(lines[2]))) == {
+        "method": "DMC", "CR": "4x", "ppl [95% CI]": "10.00 [9.00, 11.00]",
+        "KL vs control": "0.1000", "top-1 agree": "90.0%", "needle % [95% CI]": "62.5 [30.0, 85.0]",
+        "slots CR": "4.00x", "memory CR": "3.50x"}
+
+
+def test_needle_table_gives_percent_per_length():
+    """format_needle_table: accuracy and its Wilson interval in whole percent, per length."""
+    from dmc.eval.compare_report import format_needle_table
+
+    row = dict(REPORT_ROW, needle={"per_length": {
+        "40": {"accuracy": 0.75, "accuracy_ci": [0.3, 0.95]},
+        "48": {"accuracy": 0.2, "accuracy_ci": [0.02, 0.47]}}})
+    lines = format_needle_table([row]).splitlines()
+    assert _cells(lines[0]) == ["method", "CR", "40 tokens", "48 tokens"]
+    assert _cells(lines[2]) == ["DMC", "4x", "75 [30, 95]", "20 [2, 47]"]
+    assert format_needle_table([REPORT_ROW]) == ""
+
+
+def test_a_label_at_two_crs_gets_no_number_and_a_repeat_at_one_cr_does():
+    """Row names: one policy at 2x and 4x keeps its label in both rows; a second result with
+    the same label and CR is "#2"."""
+    from dmc.eval.compare_report import _row_labels
+
+    rows = [dict(REPORT_ROW, method="policy", label="H2O", requested_cr=cr, nominal_cr=cr)
+            for cr in (2.0, 4.0, 2.0)]
+    _row_labels(rows)
+    assert [r["row"] for r in rows] == ["H2O", "H2O", "H2O #2"]

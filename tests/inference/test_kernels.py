@@ -669,3 +669,101 @@ def test_triton_decode_counts_slots_past_the_block_tables_width():
     out = paged_decode(q, k_pages, v_pages, tables, longer, 0.25, faults=faults)
     assert int(faults[0]) == 3
     torch.testing.assert_close(out, expected)
+
+
+def test_compiled_decode_weights_are_exp_of_the_score_gaps():
+    """The compiled kernel's softmax weights against float64: two slots per head scoring 0 and
+    a gap in [-20, 0], one-hot values, so out[1] / out[0] = exp(gap). Measured: 1.1e-7 at
+    worst (float32 rounding of the two outputs); 1e-6 bounds it."""
+    if native_kernels.load_library() is None:
+        pytest.skip("no compiled kernels: the PyTorch paths run")
+    heads, dim, size = 2001, 16, 4  # a gap every 0.01: every reduced argument |r| <= ln2 / 2
+    gaps = torch.linspace(-20.0, 0.0, heads, dtype=torch.float64).float()
+    k_pages, v_pages = torch.zeros(heads, size, dim), torch.zeros(heads, size, dim)
+    k_pages[:, 1, 0] = gaps  # the query is e_0: slot 0 scores 0, slot 1 scores the gap
+    v_pages[:, 0, 0], v_pages[:, 1, 1] = 1.0, 1.0
+    q = torch.zeros(heads, 1, dim)
+    q[:, 0, 0] = 1.0
+    tables = torch.arange(heads, dtype=torch.int32).view(heads, 1, 1)
+    lengths = torch.full((heads, 1), 2, dtype=torch.int32)
+    out, _ = native_kernels.native_paged_decode(q, k_pages, v_pages, tables, lengths, 1.0)
+    ratio = out[:, 0, 1].double() / out[:, 0, 0].double()
+    torch.testing.assert_close(ratio, gaps.double().exp(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(out[:, 0, 0].double(), 1 / (1 + gaps.double().exp()),
+                               rtol=1e-6, atol=0)
+
+
+def test_compiled_write_rounds_bfloat16_ties_to_even():
+    """A bfloat16 write of float32 values halfway between two bfloat16 values (and some that
+    are not) stores, bit for bit, what torch's .to(bfloat16) and the reference store: ties go
+    to the even mantissa (1 + 2^-8 to 1, 1 + 3 * 2^-8 up to 1 + 2^-6)."""
+    if native_kernels.load_library() is None:
+        pytest.skip("no compiled kernels: the PyTorch paths run")
+    ties = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.5 + 2**-10, 3 + 2**-7, 2**-100 * (1 + 2**-8)]
+    rest = [1 + 2**-8 + 2**-20, 1 + 2**-9]  # above a tie (rounds up), below one (down)
+    row = torch.tensor(ties + rest, dtype=torch.float32)
+    dim = row.numel()
+    assert dim % 2 == 0 and torch.equal(row.double(), torch.tensor(ties + rest,
+                                                                   dtype=torch.float64))
+
+    def state():
+        return [torch.zeros(4, 4, dim, dtype=torch.bfloat16),
+                torch.zeros(4, 4, dim, dtype=torch.bfloat16),
+                torch.arange(4, dtype=torch.int32).view(1, 1, 1, 4),
+                torch.zeros(1, 1, 1, 3, dim), torch.zeros(1, 1, 1, 3, dim),
+                torch.ones(1, 1, 1, 3), torch.zeros(1, 1, 1, dtype=torch.int32)]
+
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2).float() / dim)
+    step = (torch.tensor([0]), torch.tensor([[0]]), torch.tensor([[True]]), row.view(1, 1, dim),
+            row.view(1, 1, dim), torch.ones(1, 1), torch.tensor([0]))  # position 0: no rotation
+    reference, compiled = state(), state()
+    dmc_write_reference(*reference, inv_freq, 3, 0, *step)
+    assert native_kernels.native_dmc_write(*compiled, inv_freq, 3, 0, *step)
+    want = row.to(torch.bfloat16).view(torch.int16)
+    assert want[0] == torch.tensor(1.0, dtype=torch.bfloat16).view(torch.int16)  # down to even
+    for pool in (0, 1):  # keys (RoPE at position 0 leaves them as they are) and values
+        assert torch.equal(compiled[pool][0, 0].view(torch.int16), want)
+        assert torch.equal(reference[pool][0, 0].view(torch.int16), want)
+
+
+def test_compiled_write_refuses_a_slot_past_its_heads_block_table_row():
+    """KV head 0's slot 17 is page column 4 of a 4-column row: the write raises naming the row
+    instead of writing through head 1's first entry; only head 1's own slot is written."""
+    if native_kernels.load_library() is None:
+        pytest.skip("no compiled kernels: the PyTorch paths run")
+    dim, heads, size = 8, 2, 4
+    gen = torch.Generator().manual_seed(2)
+    pools = [torch.randn(8, size, dim, generator=gen) for _ in range(2)]
+    before = [p.clone() for p in pools]
+    tables = torch.arange(8, dtype=torch.int32).view(1, 1, heads, 4)  # head 1: pages 4 .. 7
+    rings = [torch.zeros(1, 1, heads, 3, dim), torch.zeros(1, 1, heads, 3, dim),
+             torch.ones(1, 1, heads, 3), torch.zeros(1, 1, heads, dtype=torch.int32)]
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2).float() / dim)
+    token = torch.stack([torch.full((dim,), 2.0), torch.full((dim,), 3.0)])[None]
+    with pytest.raises(native_kernels.UnreservedPageError,
+                       match="DMC write: 1 \\(sequence, KV head\\) row.*sequence slot 0, "
+                             "layer 0, KV head 0"):
+        native_kernels.native_dmc_write(*pools, tables, *rings, inv_freq, 3, 0,
+                                        torch.tensor([0]), torch.tensor([[17, 0]]),
+                                        torch.ones(1, heads, dtype=torch.bool), token, token,
+                                        torch.ones(1, heads), torch.tensor([0]))
+    for pool, old in zip(pools, before):
+        assert torch.equal(pool[4, 0], torch.full((dim,), 3.0))  # head 1's token, unrotated
+        pool[4, 0] = old[4, 0]
+        assert torch.equal(pool, old)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 4, 5])
+def test_triton_decode_splits_lengths_of_more_blocks_than_splits(num_splits):
+    """block_n 16 and up to 90 slots: 6 blocks of slots over 1 .. 5 splits, each split a
+    ceil(6 / splits)-block chunk; the output equals float64 attention."""
+    from dmc.inference.kernels.paged_decode import paged_decode
+
+    gen = torch.Generator().manual_seed(num_splits)
+    lengths = torch.tensor([[90, 37], [5, 81]])
+    k_pages, v_pages, tables, lengths = random_paged_kv(lengths, 16, 16, torch.float32, gen)
+    q = torch.randn(2, 8, 16, generator=gen)
+    out = paged_decode(q, k_pages, v_pages, tables, lengths, 0.25, num_splits=num_splits,
+                       block_n=16, num_warps=4, num_stages=1)
+    expected = dense_attention_float64(q, k_pages, v_pages, tables, lengths, 0.25)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCE[torch.float32])

@@ -3,6 +3,7 @@ manifest, the requeue-on-preemption path of the rendered script, and clear error
 import json
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def test_fake_sbatch_submissions_match_manifest(in_repo, tmp_path, monkeypatch):
         dep = (["--dependency=afterok:" + ":".join(ids[a] for a in job["after"])]
                if job["after"] else [])
         assert call.split() == ["--parsable", *dep, job["script"]]
+        assert job["submit_command"] == ["sbatch", "--parsable", *dep, job["script"]]
     # seed 2's chains wait on seed 2's own zero_out
     after = {j["name"]: j["after"] for j in manifest["jobs"]}
     assert after["tiny-cr3-s2-retrofit"] == ["tiny-s2-zero_out"]
@@ -382,3 +384,135 @@ def test_an_unquoted_time_in_a_file_says_quote_it(tmp_path, capsys):
     assert main(["sweep", str(path)]) == 2
     assert "slurm.time: expected a SLURM time such as \"24:00:00\", got the number 86400: " \
            "quote it" in capsys.readouterr().err
+
+
+def test_zero_outs_that_differ_get_numbered_jobs_each_retrofit_its_own(in_repo, tmp_path):
+    """cr2.yaml and cr4.yaml anneal for other step counts, so their zero-outs differ: two
+    zero_out jobs (the second suffixed -2), each CR's retrofit waiting on and starting from
+    its own."""
+    path = _tiny_variant(tmp_path, {"recipe": "configs/retrofit/cr{cr}.yaml", "target_crs": [2, 4],
+                                    "overrides": ["precision=fp32"], "seeds": [1],
+                                    "gqa_factors": []})
+    _sweep(str(path), "--dry-run", "--out", str(tmp_path / "out"))
+    jobs = {j["name"]: j for j in _manifest(tmp_path / "out")["jobs"]}
+    assert [n for n in jobs if "zero_out" in n] == ["tiny-s1-zero_out", "tiny-s1-zero_out-2"]
+    runs = tmp_path / "out" / "runs"
+    for cr, zero_out in ((2, "tiny-s1-zero_out"), (4, "tiny-s1-zero_out-2")):
+        assert jobs[zero_out]["outputs"]["checkpoint"] == str(runs / zero_out / "checkpoints"
+                                                                / "zero_out")
+        retro = jobs[f"tiny-cr{cr}-s1-retrofit"]
+        assert retro["after"] == [zero_out]
+        assert f"--config configs/retrofit/cr{cr}.yaml" in " ".join(jobs[zero_out]["argv"])
+        assert (f"checkpoint.init_from={jobs[zero_out]['outputs']['checkpoint']}"
+                in retro["argv"])
+
+
+@pytest.mark.parametrize("zero_out_steps", [0, 1])
+def test_a_zero_out_job_exactly_when_the_zero_out_phase_has_steps(in_repo, tmp_path,
+                                                                   zero_out_steps):
+    """One zero-out step still gets its zero_out job (loading the base checkpoint), the
+    retrofit continuing from it; without zero-out steps the retrofit loads the base itself."""
+    path = _tiny_variant(tmp_path, {"overrides": [f"schedule.zero_out_steps={zero_out_steps}",
+                                                  "precision=fp32"],
+                                    "gqa_factors": [], "seeds": [1], "target_crs": [2]})
+    _sweep(str(path), "--dry-run", "--out", str(tmp_path / "out"))
+    jobs = {j["name"]: j for j in _manifest(tmp_path / "out")["jobs"]}
+    base = "checkpoint.load_base=runs/tiny-base/checkpoints/pretrain"
+    retro = jobs["tiny-cr2-s1-retrofit"]
+    checkpoint_keys = [a for a in retro["argv"] if a.startswith("checkpoint.")]
+    if zero_out_steps:
+        assert list(jobs) == ["tiny-s1-zero_out", "tiny-cr2-s1-retrofit", "tiny-cr2-s1-solidify"]
+        zero_out = jobs["tiny-s1-zero_out"]
+        assert base in zero_out["argv"] and retro["after"] == ["tiny-s1-zero_out"]
+        assert checkpoint_keys == [
+            f"checkpoint.init_from={zero_out['outputs']['checkpoint']}"]
+    else:
+        assert list(jobs) == ["tiny-cr2-s1-retrofit", "tiny-cr2-s1-solidify"]
+        assert retro["after"] == [] and checkpoint_keys == [base]
+
+
+def test_tensor_parallel_jobs_split_the_batch_over_data_parallel_ranks_only(in_repo, tmp_path,
+                                                                            capsys):
+    """TP 2 on 4 GPUs is 2 data-parallel ranks: a global batch of 6 (3 x 1 x 2) is planned, one
+    of 5 is refused naming data.global_batch_size and the step it must be a multiple of (2)."""
+    overrides = ["parallel.tensor=2", "data.micro_batch_size=1", "precision=fp32"]
+    slurm = {"nodes": 1, "gpus_per_node": 4, "cpus_per_task": 4, "time": "00:30:00"}
+    path = _tiny_variant(tmp_path, {"overrides": [*overrides, "data.global_batch_size=6"],
+                                    "slurm": slurm, "gqa_factors": []})
+    _sweep(str(path), "--dry-run", "--out", str(tmp_path / "ok"))
+    assert len(_manifest(tmp_path / "ok")["jobs"]) == 2 + 2 * 2 * 2  # zero_outs, CR chains
+    path = _tiny_variant(tmp_path, {"overrides": [*overrides, "data.global_batch_size=5"],
+                                    "slurm": slurm, "gqa_factors": []})
+    assert main(["sweep", str(path), "--out", str(tmp_path / "bad")]) == 2
+    assert ("data.global_batch_size (5) must be a multiple of data.micro_batch_size x "
+            "data-parallel size (2) on 4 GPUs") in capsys.readouterr().err
+    assert not (tmp_path / "bad" / "manifest.json").exists()
+
+
+def test_rendered_script_carries_the_slurm_settings(in_repo, tmp_path):
+    """cpus_per_task, partition / account / qos, the container exports and the setup lines
+    reach the script, the setup lines after the exports and before the dmc command line."""
+    slurm = {"nodes": 1, "gpus_per_node": 1, "cpus_per_task": 7, "time": "00:30:00",
+             "partition": "p1", "account": "a1", "qos": "q1",
+             "container_image": "/images/dmc.sqsh", "container_mounts": "/data:/data",
+             "setup": ["module load cuda/12.4", "export NCCL_DEBUG=WARN"]}
+    path = _tiny_variant(tmp_path, {"slurm": slurm})
+    _sweep(str(path), "--dry-run", "--out", str(tmp_path / "out"))
+    job = next(j for j in _manifest(tmp_path / "out")["jobs"]
+               if j["name"] == "tiny-cr2-s1-retrofit")
+    header = _header(Path(job["script"]))
+    for opt in ("--cpus-per-task=7", "--partition=p1", "--account=a1", "--qos=q1",
+                "--gpus-per-node=1"):
+        assert opt in header, opt
+    lines = Path(job["script"]).read_text().splitlines()
+    command = next(i for i, line in enumerate(lines) if line.startswith("set -- retrofit "))
+    image = lines.index("export DMC_CONTAINER_IMAGE=/images/dmc.sqsh")
+    mounts = lines.index("export DMC_CONTAINER_MOUNTS=/data:/data")
+    setup = lines.index("module load cuda/12.4")
+    assert image < mounts < setup and lines[setup + 1:command + 1] == [
+        "export NCCL_DEBUG=WARN", f"set -- {shlex.join(job['argv'])}"]
+
+
+def test_default_slurm_settings_leave_out_the_optional_lines(in_repo, tmp_path):
+    """Without partition / account / qos or a container, no such line is rendered."""
+    _sweep("configs/sweeps/tiny.yaml", "--dry-run", "--out", str(tmp_path))
+    script = Path(_manifest(tmp_path)["jobs"][0]["script"])
+    assert "--cpus-per-task=4" in _header(script)
+    assert not [o for o in _header(script) if o.startswith(("--partition", "--account", "--qos"))]
+    assert "DMC_CONTAINER" not in script.read_text().split("set -- retrofit")[0]
+
+
+def test_a_manifest_with_job_ids_and_no_record_is_refused(in_repo, tmp_path, capsys):
+    """A folder an older dmc submitted (job ids only in manifest.json, no job_ids.txt) is not
+    rendered again."""
+    out = tmp_path / "sweep"
+    _sweep("configs/sweeps/tiny.yaml", "--dry-run", "--out", str(out))
+    manifest = _manifest(out)
+    manifest["jobs"][0]["job_id"] = "101"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    written = (out / "manifest.json").read_text()
+    assert main(["sweep", "configs/sweeps/tiny.yaml", "--dry-run", "--out", str(out)]) == 2
+    assert f"{out} holds a submitted sweep" in capsys.readouterr().err
+    assert (out / "manifest.json").read_text() == written and not (out / "job_ids.txt").exists()
+
+
+def test_gqa_conversion_converts_the_base_checkpoint(in_repo, tmp_path):
+    """The conversion job's command line: the model's base_checkpoint to groups / factor KV
+    heads, written where the up-training loads it."""
+    _sweep("configs/sweeps/tiny.yaml", "--dry-run", "--out", str(tmp_path))
+    jobs = {j["name"]: j for j in _manifest(tmp_path)["jobs"]}
+    convert = jobs["tiny-gqa2-convert"]
+    assert convert["argv"] == ["baseline", "gqa", "--checkpoint",
+                               "runs/tiny-base/checkpoints/pretrain", "--num-query-groups", "4",
+                               "--output", str(tmp_path / "gqa" / "tiny-gqa2")]
+    assert (f"checkpoint.load_base={tmp_path / 'gqa' / 'tiny-gqa2'}"
+            in jobs["tiny-gqa2-s1-uptrain"]["argv"])
+
+
+def test_overrides_given_to_a_command_without_them_are_a_usage_error(in_repo, tmp_path, capsys):
+    """`dmc sweep FILE foo=1`: argparse's exit 2 naming the argument, nothing rendered."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "configs/sweeps/tiny.yaml", "--out", str(tmp_path / "out"), "foo=1"])
+    assert exit_info.value.code == 2
+    assert "error: unrecognized arguments: foo=1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
