@@ -54,19 +54,22 @@ def megatron_logits(model, ids):
         return model(ids, torch.arange(ids.shape[1])[None].expand_as(ids), None)
 
 
-def tiny_dms(groups, window, c=0.0, seed=0, adapter=False):
+def tiny_dms(groups, window, c=0.0, seed=0, adapter=False, adapter_std=0.01, logit_scale=None):
     """``(model, model_config, dmc_config)``: an eval-mode DMS megatron model (hard decisions;
     the borrowed channel's logit ``q[..., -1] * 100 - c`` mixes keeps and evictions).
-    ``adapter``: adapter decisions (``dms_decision: adapter``), ``decision_proj`` of std 0.01."""
+    ``adapter``: adapter decisions (``dms_decision: adapter``), ``decision_proj`` of std
+    ``adapter_std``; ``logit_scale``: ``dms_logit_scale`` (None: the default, 100)."""
     torch.manual_seed(seed)
     cfg = model_config(groups)
     dms = {"method": "dms", "dms_window": window, "c": c, "tau": 0.1, "hard": False}
     if adapter:
         dms["dms_decision"] = "adapter"
+    if logit_scale is not None:
+        dms["dms_logit_scale"] = logit_scale
     model = build_model_from_config(cfg, dms).eval()
     for layer in dmc_layers(model) if adapter else ():
         with torch.no_grad():
-            layer.decision_proj.weight.normal_(0.0, 0.01)
+            layer.decision_proj.weight.normal_(0.0, adapter_std)
     return model, cfg, dms
 
 
@@ -202,3 +205,21 @@ def check_generate_matches_engine(hf, model, prompts, new):
     for i, result in enumerate(results):
         assert out.sequences[i, width:].tolist() == result.tokens
     return results, out
+
+
+def check_beam_search_matches_uncached(hf, ids, new=20, beams=4):
+    """Beam search (``beams`` beams, ``new`` tokens) of ``ids [1, n]`` through the compressed
+    cache, whose layers beam search reorders every step (``reorder_cache``), gives the tokens
+    of beam search with ``use_cache=False`` (each step one full forward, float64) and its
+    sequence scores to 1e-5. Returns the cached run's sequences ``[beams, n + new]``."""
+    hf = hf.double()
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, num_beams=beams,
+                  num_return_sequences=beams, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        cached = hf.generate(ids, use_cache=True, **kwargs)
+        full = hf.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, full.sequences)
+    torch.testing.assert_close(cached.sequences_scores, full.sequences_scores, atol=1e-5,
+                               rtol=0)
+    return cached.sequences

@@ -11,8 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dmc.convert import mcore_to_hf  # noqa: E402
-from dmc_models import (VOCAB, check_generate_matches_engine, check_hf_logits,  # noqa: E402
-                        export_tiny, logits_without_dmc, megatron_logits, save_tiny, tiny_dmc)
+from dmc_models import (VOCAB, check_beam_search_matches_uncached,  # noqa: E402
+                        check_generate_matches_engine, check_hf_logits, export_tiny,
+                        logits_without_dmc, megatron_logits, save_tiny, tiny_dmc)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 NEW = 16
@@ -27,6 +28,7 @@ def test_exported_dmc_model_matches_megatron_and_engine(tmp_path, groups, window
     assert config["dmc_window"] == window and config["dmc_c"] == -1.0
     assert config["dmc_omega_offset"] == omega_offset
     assert config["dmc_channel"] == "last" and config["dmc_target_cr"] == 2.0
+    assert config["dmc_measured_cr"] == info["measured_cr"]
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dmc.DMCLlamaForCausalLM"
     assert info["measured_cr"] > 1.2  # decisions really merge
 
@@ -78,6 +80,16 @@ def test_exported_delayed_merge_model_matches_megatron_and_engine(tmp_path, grou
     results, _ = check_generate_matches_engine(
         hf, model, [ids[0, :3].tolist(), ids[1, :19].tolist(), ids[0, 5:30].tolist()], NEW)
     assert max(r.compression.overall for r in results) > 1.1
+
+
+def test_beam_search_through_the_delayed_merge_cache_equals_beam_search_without_it(tmp_path):
+    """Beam search reorders every cache tensor (the raw window's decisions and importances
+    included): its sequences and scores are those of beam search with full forwards."""
+    model, cfg, dmc = tiny_dmc(2, None, merge_delay=2)
+    hf, _ = export_tiny(model, cfg, dmc, tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    sequences = check_beam_search_matches_uncached(hf, ids)
+    assert len(set(map(tuple, sequences.tolist()))) == 4  # the beams differ
 
 
 def test_export_carries_the_tokenizers_special_ids(tiny_data, tmp_path):

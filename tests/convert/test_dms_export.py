@@ -15,8 +15,9 @@ transformers = pytest.importorskip("transformers")
 from dmc.convert.hf_io import read_hf_weights  # noqa: E402
 from dmc.convert.mapping import hf_to_mcore_state  # noqa: E402
 from dmc.megatron.config import ModelConfig  # noqa: E402
-from dmc_models import (VOCAB, check_generate_matches_engine, check_hf_logits,  # noqa: E402
-                        export_tiny, full_state, logits_without_dmc, model_config, tiny_dms)
+from dmc_models import (VOCAB, check_beam_search_matches_uncached,  # noqa: E402
+                        check_generate_matches_engine, check_hf_logits, export_tiny, full_state,
+                        logits_without_dmc, model_config, tiny_dms)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_1x1")
 NEW = 16
@@ -48,13 +49,19 @@ def held_reference(hf, ids):
     return torch.stack(held)
 
 
-@pytest.mark.parametrize("groups,window,c,adapter", [
-    (2, 4, 10.0, False), (4, 3, 0.0, False), (2, 4, 0.0, True)],
-    ids=["gqa", "mha", "gqa-adapter"])
-def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window, c, adapter):
-    """``adapter``: DMS adapter decisions, exported as ``dms_decision: adapter`` with
-    ``self_attn.dms_decision_proj.weight``, and back (hf_to_mcore_state maps it)."""
-    model, cfg, dms = tiny_dms(groups, window, c, adapter=adapter)
+@pytest.mark.parametrize("groups,window,c,adapter,scale", [
+    (2, 4, 10.0, None, 100.0), (4, 3, 0.0, None, 100.0), (2, 4, 0.0, 0.01, 100.0),
+    (2, 4, 2.0, 0.02, 100.0), (2, 4, 1.0, None, 10.0)],
+    ids=["gqa", "mha", "gqa-adapter", "gqa-adapter-c2", "gqa-scale10"])
+def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window, c, adapter,
+                                                        scale):
+    """``adapter`` (the ``decision_proj`` std, or None): DMS adapter decisions, exported as
+    ``dms_decision: adapter`` with ``self_attn.dms_decision_proj.weight``, and back
+    (hf_to_mcore_state maps it); ``c`` and ``scale`` (``dms_logit_scale``) as trained. The cache
+    after a prefill alone holds what its last query sees, as after decode steps."""
+    model, cfg, dms = tiny_dms(groups, window, c, adapter=adapter is not None,
+                               adapter_std=adapter, logit_scale=scale)
+    adapter = adapter is not None
     hf, info = export_tiny(model, cfg, dms, tmp_path)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config.get("dms_decision", "query") == ("adapter" if adapter else "query")
@@ -66,8 +73,9 @@ def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window
     assert all(torch.equal(back[k], v) for k, v in want_state.items())
     assert config["architectures"] == ["DMSLlamaForCausalLM"]
     assert config["dms_window"] == window and config["dms_c"] == c
-    assert config["dms_logit_scale"] == 100.0 and config["dms_channel"] == "last"
+    assert config["dms_logit_scale"] == scale and config["dms_channel"] == "last"
     assert config["dms_target_cr"] == 2.0 and "dmc_window" not in config
+    assert config["dms_measured_cr"] == info["measured_cr"]
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dms.DMSLlamaForCausalLM"
     assert info["measured_cr"] > 1.2  # decisions really evict
 
@@ -75,11 +83,13 @@ def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window
     with torch.no_grad():
         assert type(hf(ids[:, :5], use_cache=True).past_key_values).__name__ == "DMSCache"
         want = hf(ids).logits
+        prefilled = hf(ids, use_cache=True).past_key_values
     torch.testing.assert_close(logits_without_dmc(tmp_path / "hf", ids, tmp_path), want)
     cache = check_hf_logits(hf, model, ids, 25, f"DMS ({groups} groups, window {window})")
     for row in range(2):
         want_held = held_reference(hf, ids[row:row + 1])
         assert torch.equal(cache.slot_counts()[:, row], want_held)
+        assert torch.equal(prefilled.slot_counts()[:, row], want_held)
     assert (cache.slot_counts() < 40 - window).any()
 
     prompts = [ids[0, :11].tolist(), ids[1, :19].tolist()]
@@ -87,3 +97,13 @@ def test_exported_dms_model_matches_megatron_and_engine(tmp_path, groups, window
     for i, result in enumerate(results):  # the left-padded batch's cache holds the same
         assert torch.equal(out.past_key_values.slot_counts()[:, i].cpu(),
                            result.compression.slots)
+
+
+def test_beam_search_through_the_dms_cache_equals_beam_search_without_it(tmp_path):
+    """Beam search reorders every cache tensor (the marks of keys still in the window
+    included): its sequences and scores are those of beam search with full forwards."""
+    model, cfg, dms = tiny_dms(2, 3, 0.0)
+    hf, _ = export_tiny(model, cfg, dms, tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    sequences = check_beam_search_matches_uncached(hf, ids)
+    assert len(set(map(tuple, sequences.tolist()))) == 4  # the beams differ

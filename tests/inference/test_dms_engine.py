@@ -149,6 +149,38 @@ def test_greedy_generation_equals_the_eval_mode_forward(parallel_1x1, groups, us
     assert engine.stats.peak_running == 3
 
 
+def test_decode_queries_are_rotated_with_the_borrowed_channel_zeroed(parallel_1x1,
+                                                                     monkeypatch):
+    """write_token's PyTorch path (the CPU default) returns each decode query rotated at its
+    position (float64 RoPE of the query with the borrowed channel zeroed) with the borrowed
+    channel zero again after RoPE (rotate-half moves channel ``dim/2 - 1`` into it)."""
+    from dmc.inference.kv_write_dms import DMSKV
+
+    calls, write_token = [], DMSKV.write_token
+
+    def spy(self, layer, step, query, key, value):
+        out = write_token(self, layer, step, query, key, value)
+        calls.append((query.clone(), step.positions.clone(), out.clone(), self.inv_freq,
+                       self.group))
+        return out
+
+    monkeypatch.setattr(DMSKV, "write_token", spy)
+    model, config = build(2, seed=1), dms(3)
+    Engine(model, config, page_size=4, max_batch=2, chunk_size=8, use_triton=False).generate(
+        sequences((13, 21), seed=1), SamplingParams(max_new_tokens=6))
+    assert max(int(c[1].max()) for c in calls) == 21 + 6 - 2  # the last token fed back
+    for query, positions, got, inv_freq, group in calls:
+        want = query.double().clone()  # [batch, heads, dim]
+        want[:, ::group, -1] = 0
+        angles = positions.double()[:, None, None] * inv_freq.double()  # [batch, 1, dim / 2]
+        first, second = want.chunk(2, dim=-1)
+        want = torch.cat([first * angles.cos() - second * angles.sin(),
+                          second * angles.cos() + first * angles.sin()], dim=-1)
+        assert torch.equal(got[:, ::group, -1], torch.zeros_like(got[:, ::group, -1]))
+        want[:, ::group, -1] = 0
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
+
 def test_out_of_pages_preempts_and_restarts_with_the_same_output(parallel_1x1):
     check_preemption(build(2), dms(2), sequences((10, 12, 9), seed=4), 24)
 
