@@ -168,10 +168,11 @@ def special_token_ids(folder: Path, copied: list[str]) -> dict:
     """``{"bos_token_id", "eos_token_id", "pad_token_id"}`` (those the tokenizer defines) of
     the tokenizer files ``copied`` into ``folder``: the SentencePiece model's ``bos_id()`` /
     ``eos_id()`` / ``pad_id()`` (-1 = none), overridden by the tokens that a copied Hugging
-    Face ``tokenizer_config.json`` (or ``special_tokens_map.json``) names, looked up in
-    ``tokenizer.json`` as ``AutoTokenizer`` does (added tokens first, then the model's
-    vocabulary). Transformers' ``PretrainedConfig`` / ``GenerationConfig`` fields of these names
-    tell ``generate()`` where to start, stop and pad."""
+    Face ``tokenizer_config.json`` / ``special_tokens_map.json`` name (which of the two wins:
+    :func:`_hf_tokenizer_ids`), looked up in ``tokenizer.json`` as ``AutoTokenizer`` does
+    (added tokens first, then the model's vocabulary). Transformers' ``PretrainedConfig`` /
+    ``GenerationConfig`` fields of these names tell ``generate()`` where to start, stop and
+    pad."""
     ids = {}
     if "tokenizer.model" in copied:
         ids.update(_sentencepiece_ids(folder / "tokenizer.model"))
@@ -190,11 +191,17 @@ def _sentencepiece_ids(model: Path) -> dict:
 
 
 def _hf_tokenizer_ids(folder: Path) -> dict:
-    """The ids in ``folder/tokenizer.json`` of the special tokens that ``tokenizer_config.json``
-    (else ``special_tokens_map.json``) names: a string or ``{"content": ...}`` as
-    transformers writes them; a token the vocabulary lacks is left out."""
+    """The ids in ``folder/tokenizer.json`` of the special tokens named as AutoTokenizer
+    (transformers 5.23) reads them: by ``tokenizer_config.json`` alone when it holds
+    ``added_tokens_decoder`` (a null there is no token), else by ``special_tokens_map.json``
+    over ``tokenizer_config.json``; a string or ``{"content": ...}`` as transformers writes
+    them; a token the vocabulary lacks is left out."""
+    config_path = folder / "tokenizer_config.json"
+    config = read_json_object(config_path) if config_path.is_file() else {}
+    names = [config_path.name] if "added_tokens_decoder" in config else [
+        config_path.name, "special_tokens_map.json"]  # the later wins
     tokens = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+    for name in names:
         if (folder / name).is_file():
             spec = read_json_object(folder / name)
             for kind in SPECIAL_TOKENS:

@@ -160,6 +160,37 @@ def test_export_reads_a_hugging_face_tokenizers_special_ids(tmp_path):
     assert generation == {"eos_token_id": [7, 2]}
 
 
+@pytest.mark.parametrize("decoder", [True, False], ids=["added_tokens_decoder", "older-save"])
+@pytest.mark.parametrize("config_pad, mapped", [
+    ("<pad>", {"bos_token": "a", "eos_token": {"content": "b"}, "pad_token": "c"}),
+    (None, {"pad_token": "c"}), ("<pad>", None)])
+def test_special_token_ids_are_those_autotokenizer_reads(tmp_path, decoder, config_pad, mapped):
+    """special_token_ids of a Hugging Face tokenizer folder equal AutoTokenizer's bos / eos /
+    pad ids, where tokenizer_config.json and special_tokens_map.json disagree: the map is read
+    only without added_tokens_decoder, and then wins (a null pad in the config included)."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer
+
+    from dmc.convert.to_hf import special_token_ids
+
+    pieces = ["<unk>", "<s>", "</s>", "<pad>", "a", "b", "c"]
+    Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": "</s>", "pad_token": config_pad, "unk_token": "<unk>"}
+    if decoder:
+        config["added_tokens_decoder"] = {str(i): {"content": p, "special": True}
+                                          for i, p in enumerate(pieces[:4])}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if mapped is not None:
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(mapped))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    want = {f"{kind}_token_id": getattr(hf, f"{kind}_token_id") for kind in ("bos", "eos", "pad")}
+    copied = ["tokenizer.json", "tokenizer_config.json"] + (
+        ["special_tokens_map.json"] if mapped is not None else [])
+    assert special_token_ids(tmp_path, copied) == {k: v for k, v in want.items() if v is not None}
+
+
 def test_what_a_compressed_cache_cannot_give_is_refused(tmp_path):
     """Hidden states and attentions are not returned, and assisted or prompt-lookup decoding
     (which cut a cache back) cannot run: each says so instead of returning None or failing
