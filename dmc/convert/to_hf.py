@@ -196,19 +196,18 @@ def _hf_tokenizer_ids(folder: Path) -> dict:
     ``added_tokens_decoder`` (a null there is no token), else by ``special_tokens_map.json``
     over ``tokenizer_config.json``; a string or ``{"content": ...}`` as transformers writes
     them; a token the vocabulary lacks is left out."""
-    config_path = folder / "tokenizer_config.json"
-    config = read_json_object(config_path) if config_path.is_file() else {}
-    names = [config_path.name] if "added_tokens_decoder" in config else [
-        config_path.name, "special_tokens_map.json"]  # the later wins
+    config, mapped = (folder / name for name in ("tokenizer_config.json",
+                                                 "special_tokens_map.json"))
+    specs = [read_json_object(config) if config.is_file() else {}]
+    if "added_tokens_decoder" not in specs[0] and mapped.is_file():
+        specs.append(read_json_object(mapped))  # the later wins
     tokens = {}
-    for name in names:
-        if (folder / name).is_file():
-            spec = read_json_object(folder / name)
-            for kind in SPECIAL_TOKENS:
-                token = spec.get(f"{kind}_token")
-                token = token.get("content") if isinstance(token, dict) else token
-                if isinstance(token, str):
-                    tokens[kind] = token
+    for spec in specs:
+        for kind in SPECIAL_TOKENS:
+            token = spec.get(f"{kind}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                tokens[kind] = token
     if not tokens:
         return {}
     vocab = _tokenizer_vocab(read_json_object(folder / "tokenizer.json"))
